@@ -1,0 +1,95 @@
+"""Command-line options generated from a typed config dataclass, with named presets.
+
+A pipeline writes its options once, as dataclass fields with `option(default, help)`; every field
+becomes a `--flag`, and `--preset NAME` picks the defaults (e.g. cpu or gpu) that flags then override.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any, Literal, TypeVar
+
+Config = TypeVar("Config")
+
+
+def option(default: Any, help: str) -> Any:
+    """A dataclass field with a default and the help text its command-line flag shows."""
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+def add_config_options(
+    parser: argparse.ArgumentParser,
+    config_class: type[Config],
+    presets: Mapping[str, Config],
+) -> None:
+    """Add `--preset` and one flag per field of `config_class`; defaults come from the first preset.
+
+    Flags default to "not given" so that `config_from_args` can tell a flag the user typed from a
+    preset's value.
+    """
+    preset_names = list(presets)
+    base = presets[preset_names[0]]
+    parser.add_argument(
+        "--preset",
+        choices=preset_names,
+        default=preset_names[0],
+        help=f"named defaults that the flags below override (default: {preset_names[0]})",
+    )
+    hints = typing.get_type_hints(config_class)
+    for field in dataclasses.fields(config_class):  # type: ignore[arg-type]
+        if not field.init:
+            continue
+        flag = "--" + field.name.replace("_", "-")
+        default = getattr(base, field.name)
+        shown = {name: getattr(preset, field.name) for name, preset in presets.items()}
+        if len({repr(value) for value in shown.values()}) > 1:
+            default_text = ", ".join(f"{name}: {value}" for name, value in shown.items())
+        else:
+            default_text = str(default)
+        help_text = f"{field.metadata.get('help', '')} (default: {default_text})".strip()
+        kwargs = _argparse_kwargs(hints[field.name], field.name)
+        parser.add_argument(
+            flag, dest=field.name, default=argparse.SUPPRESS, help=help_text, **kwargs
+        )
+
+
+def config_from_args(
+    namespace: argparse.Namespace, config_class: type[Config], presets: Mapping[str, Config]
+) -> Config:
+    """The chosen preset with every flag the user gave applied on top."""
+    preset = presets[namespace.preset]
+    names = {field.name for field in dataclasses.fields(config_class)}  # type: ignore[arg-type]
+    given = {name: value for name, value in vars(namespace).items() if name in names}
+    return dataclasses.replace(preset, **given)  # type: ignore[type-var]
+
+
+def _argparse_kwargs(hint: Any, name: str) -> dict[str, Any]:
+    """argparse arguments for one annotated field: bools get --x/--no-x, Literals get choices."""
+    optional = False
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        members = [arg for arg in typing.get_args(hint) if arg is not type(None)]
+        optional = len(members) < len(typing.get_args(hint))
+        if len(members) != 1:
+            raise TypeError(f"field {name!r}: only X | None unions become flags, got {hint}")
+        hint = members[0]
+    if hint is bool:
+        return {"action": argparse.BooleanOptionalAction}
+    if typing.get_origin(hint) is Literal:
+        choices = list(typing.get_args(hint))
+        return {"choices": choices, "type": type(choices[0])}
+    if hint in (int, float, str):
+        metavar = hint.__name__.upper() + ("|none" if optional else "")
+        return {"type": _nullable(hint) if optional else hint, "metavar": metavar}
+    raise TypeError(f"field {name!r}: type {hint} has no command-line form")
+
+
+def _nullable(kind: type) -> typing.Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        return None if text.lower() in ("none", "") else kind(text)
+
+    parse.__name__ = kind.__name__
+    return parse

@@ -1,0 +1,133 @@
+"""Ray Train's config objects, built from the typed config a pipeline extends.
+
+A pipeline's config dataclass inherits `RayTrainSettings`, so one object (and one `--help`) holds the
+model, data, loop and cluster options; the builders below turn it into what `TorchTrainer` takes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train.torch import TorchConfig
+
+from raytrain_common.cli import option
+
+PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
+
+
+class ConfigError(ValueError):
+    """An option value that cannot work; the message names it and the fix."""
+
+
+@dataclass(kw_only=True)
+class RayTrainSettings:
+    """Cluster, storage and fault-tolerance options shared by every pipeline."""
+
+    run_name: str = option(
+        "run",
+        "Folder of this run under the storage path; rerunning with the same name continues the run.",
+    )
+    storage_path: str = option(
+        "./runs",
+        "Local folder, NFS mount, s3://bucket/prefix or gs://bucket/prefix shared by every node.",
+    )
+    storage_is_shared: bool = option(
+        False,
+        "Treat a local-looking storage path as shared by every node (a mount type not recognised).",
+    )
+    num_workers: int = option(
+        2, "Training workers (data-parallel ranks); the most of them when min_workers is set."
+    )
+    min_workers: int | None = option(
+        None,
+        "Make the run elastic: it starts with at least this many workers and grows to num_workers.",
+    )
+    use_gpu: bool = option(False, "One GPU per worker (or gpus_per_worker).")
+    cpus_per_worker: float = option(1.0, "CPUs reserved per worker.")
+    gpus_per_worker: float = option(1.0, "GPUs per worker when use_gpu.")
+    placement_strategy: PlacementStrategy = option(
+        "PACK", "Ray placement of workers: PACK fills nodes, SPREAD spreads over them."
+    )
+    accelerator_type: str | None = option(
+        None, "Schedule only on nodes with this GPU type, e.g. A100 or H100."
+    )
+    num_to_keep: int = option(
+        2, "Checkpoints kept: the best by the pipeline's score, plus always the latest."
+    )
+    max_failures: int = option(
+        1,
+        "Times the worker group is restarted from the latest checkpoint after a failure (-1: always).",
+    )
+    backend: Literal["auto", "gloo", "nccl"] = option(
+        "auto", "torch.distributed backend; auto means nccl on GPU, gloo on CPU."
+    )
+    timeout_s: int = option(1800, "torch.distributed collective timeout.")
+
+    def worker_counts(self) -> tuple[int, int]:
+        """(fewest, most) workers the run may have."""
+        return (self.min_workers or self.num_workers, self.num_workers)
+
+    def validate_cluster_settings(self) -> None:
+        """Raise on option values that cannot work, before anything starts."""
+        low, high = self.worker_counts()
+        if high < 1:
+            raise ConfigError(f"num_workers={high}: it must be at least 1")
+        if not 1 <= low <= high:
+            raise ConfigError(
+                f"min_workers={low} must lie between 1 and num_workers={high} (or be unset)"
+            )
+        if self.cpus_per_worker <= 0:
+            raise ConfigError(f"cpus_per_worker={self.cpus_per_worker}: it must be above 0")
+        if self.use_gpu and self.gpus_per_worker <= 0:
+            raise ConfigError(f"gpus_per_worker={self.gpus_per_worker}: it must be above 0")
+        if self.num_to_keep < 1:
+            raise ConfigError(f"num_to_keep={self.num_to_keep}: keep at least 1 checkpoint")
+
+    def needed_resources(self) -> dict[str, float]:
+        """What the smallest allowed worker group takes from the cluster."""
+        low, _ = self.worker_counts()
+        needed = {"CPU": low * self.cpus_per_worker}
+        if self.use_gpu:
+            needed["GPU"] = low * self.gpus_per_worker
+        return needed
+
+
+def build_scaling_config(settings: RayTrainSettings) -> ScalingConfig:
+    low, high = settings.worker_counts()
+    resources: dict[str, float] = {"CPU": settings.cpus_per_worker}
+    if settings.use_gpu:
+        resources["GPU"] = settings.gpus_per_worker
+    return ScalingConfig(
+        num_workers=high if low == high else (low, high),
+        use_gpu=settings.use_gpu,
+        resources_per_worker=resources,
+        placement_strategy=settings.placement_strategy,
+        accelerator_type=settings.accelerator_type,
+    )
+
+
+def build_run_config(
+    settings: RayTrainSettings,
+    *,
+    score_attribute: str | None,
+    score_order: Literal["max", "min"] = "max",
+) -> RunConfig:
+    return RunConfig(
+        name=settings.run_name,
+        storage_path=settings.storage_path,
+        checkpoint_config=CheckpointConfig(
+            num_to_keep=settings.num_to_keep,
+            checkpoint_score_attribute=score_attribute,
+            checkpoint_score_order=score_order,
+        ),
+        failure_config=FailureConfig(max_failures=settings.max_failures),
+    )
+
+
+def build_torch_config(settings: RayTrainSettings) -> TorchConfig:
+    backend = settings.backend
+    if backend == "auto":
+        backend = "nccl" if settings.use_gpu else "gloo"
+    return TorchConfig(backend=backend, timeout_s=settings.timeout_s)

@@ -1,0 +1,92 @@
+"""What a run leaves for people and scripts: a per-epoch CSV, a PNG of the curves, summary.json."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import platform
+import time
+from collections.abc import Mapping, Sequence
+from importlib import metadata
+from typing import Any
+
+from raytrain_common.storage import StoragePath
+
+SUMMARY_FILE = "summary.json"
+
+
+def write_metrics_csv(target: StoragePath, rows: Sequence[Mapping[str, Any]]) -> None:
+    """Rewrite the whole CSV atomically: one row per epoch, columns in first-seen order."""
+    columns: list[str] = []
+    for row in rows:
+        columns.extend(key for key in row if key not in columns)
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=columns, lineterminator="\n")
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({key: _format(value) for key, value in row.items()})
+    target.write_text(buffer.getvalue())
+
+
+def read_metrics_csv(source: StoragePath) -> list[dict[str, float]]:
+    """Rows of a metrics CSV as numbers."""
+    reader = csv.DictReader(io.StringIO(source.read_text()))
+    return [{key: float(value) for key, value in row.items() if value != ""} for row in reader]
+
+
+def plot_curves(
+    target: StoragePath,
+    rows: Sequence[Mapping[str, float]],
+    panels: Sequence[tuple[str, Sequence[str]]],
+    *,
+    x: str = "epoch",
+    title: str = "",
+) -> None:
+    """One PNG with a panel per (y label, metric names); metrics missing from the rows are skipped."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6), squeeze=False)
+    for axis, (label, names) in zip(axes[0], panels, strict=True):
+        for name in names:
+            points = [(row[x], row[name]) for row in rows if name in row and x in row]
+            if points:
+                xs, ys = zip(*points, strict=True)
+                axis.plot(xs, ys, marker="o", label=name)
+        axis.set_xlabel(x)
+        axis.set_ylabel(label)
+        axis.grid(alpha=0.3)
+        axis.legend()
+    if title:
+        figure.suptitle(title)
+    figure.tight_layout()
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=110)
+    plt.close(figure)
+    target.write_bytes(buffer.getvalue())
+
+
+def package_versions(*names: str) -> dict[str, str]:
+    """Versions of Python and the named distributions, for summaries people compare."""
+    versions = {"python": platform.python_version()}
+    for name in ("ray", "torch", "pyarrow", *names):
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = "not installed"
+    return versions
+
+
+def write_summary(target: StoragePath, summary: Mapping[str, Any]) -> None:
+    """Write summary.json atomically, stamped with the time it was written."""
+    content = {"written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **summary}
+    target.write_text(json.dumps(content, indent=2, sort_keys=False, default=str) + "\n")
+
+
+def _format(value: Any) -> Any:
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return value

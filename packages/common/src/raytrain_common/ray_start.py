@@ -1,0 +1,89 @@
+"""Ray start-up: join the cluster a RayJob gives us, or start a local one that cannot deadlock.
+
+On a 2-core box, `ray.init()` offers 2 logical CPUs; two train workers take both, and Ray Data's read
+tasks then wait for a CPU for ever, silently. A local cluster here offers the train workers' CPUs plus
+some for Ray Data. Both kinds of cluster are checked for the resources a run asks for, so a run that
+could never be scheduled fails with a message instead of hanging.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+
+import ray
+
+log = logging.getLogger(__name__)
+
+# Quiet and deterministic defaults for every process of the run (driver, controller, workers).
+RUN_ENV = {
+    # The print patch clashes with libraries that capture stdout and doubles lines.
+    "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
+    "RAY_USAGE_STATS_ENABLED": "0",
+}
+DATA_CPUS = 2.0
+
+
+class ResourceError(RuntimeError):
+    """The cluster cannot give the run what it asks for; the message says what to change."""
+
+
+def init_ray(train_cpus: float, *, data_cpus: float = DATA_CPUS) -> bool:
+    """Connect to `RAY_ADDRESS` if set, else start a local cluster; return True when it is local.
+
+    A local cluster gets max(cores, train_cpus) + data_cpus logical CPUs: the extra ones are
+    scheduling slots for Ray Data, not extra cores, and torch threads in each worker are limited to
+    the worker's CPUs by Ray (OMP_NUM_THREADS), so the box is not oversubscribed by more than that.
+    """
+    os.environ.update({key: value for key, value in RUN_ENV.items() if key not in os.environ})
+    if ray.is_initialized():
+        return not os.environ.get("RAY_ADDRESS")
+    address = os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, logging_level=logging.WARNING)
+        log.info("joined Ray cluster at %s: %s", address, _describe(ray.cluster_resources()))
+        return False
+    cores = os.cpu_count() or 1
+    num_cpus = math.ceil(max(cores, train_cpus) + data_cpus)
+    ray.init(
+        num_cpus=num_cpus,
+        runtime_env={"env_vars": dict(RUN_ENV)},
+        logging_level=logging.WARNING,
+    )
+    log.info("started a local Ray cluster: %s", _describe(ray.cluster_resources()))
+    return True
+
+
+def alive_nodes() -> int:
+    return sum(1 for node in ray.nodes() if node.get("Alive"))
+
+
+def require_resources(needed: dict[str, float], *, wait_s: float = 0.0, hint: str = "") -> None:
+    """Raise if the cluster lacks `needed` (e.g. {"GPU": 4}); wait up to `wait_s` for it to grow.
+
+    Remote clusters may still be adding worker pods when the driver starts, hence the wait; a local
+    cluster never grows, so there the answer is immediate.
+    """
+    deadline = time.monotonic() + wait_s
+    while True:
+        available = ray.cluster_resources()
+        missing = {
+            name: amount
+            for name, amount in needed.items()
+            if available.get(name, 0.0) + 1e-9 < amount
+        }
+        if not missing:
+            return
+        if time.monotonic() >= deadline:
+            wanted = ", ".join(f"{name}={amount:g}" for name, amount in missing.items())
+            raise ResourceError(
+                f"the run needs {wanted} but the Ray cluster has {_describe(available)}. {hint}".strip()
+            )
+        time.sleep(2.0)
+
+
+def _describe(resources: dict[str, float]) -> str:
+    shown = [f"{name}={resources.get(name, 0.0):g}" for name in ("CPU", "GPU")]
+    return ", ".join(shown) + f" on {alive_nodes()} node(s)"

@@ -1,0 +1,5 @@
+import sys
+
+from mnist_resnet.cli import main
+
+sys.exit(main())

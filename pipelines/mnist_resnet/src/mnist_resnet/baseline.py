@@ -1,0 +1,110 @@
+"""The same model, data and hyperparameters in plain single-process PyTorch, for comparison.
+
+No Ray, no DDP: the whole training split is decoded into memory once, then batches of
+`global_batch_size` are normalised on the fly exactly as the Ray pipeline does.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+from mnist_resnet.config import TrainConfig
+from mnist_resnet.data import DatasetInfo, inspect_dataset, normalise, read_split_arrays
+from mnist_resnet.model import build_model
+from mnist_resnet.train import (
+    THROUGHPUT_SKIP_STEPS,
+    autocast,
+    build_optimizer,
+    steps_per_epoch,
+    warmup_cosine,
+)
+from raytrain_common.storage import resolve_storage
+
+log = logging.getLogger("mnist_resnet.baseline")
+
+
+def run_baseline(config: TrainConfig) -> dict[str, Any]:
+    """Train in this process; return per-epoch metrics and steady-state images/s."""
+    config.validate()
+    data_dir = resolve_storage(config.resolved_data_dir())
+    info = inspect_dataset(data_dir)
+    torch.manual_seed(config.seed)
+    device = torch.device("cuda" if config.use_gpu and torch.cuda.is_available() else "cpu")
+    train = read_split_arrays(data_dir, "train", config.limit_train_rows)
+    test = read_split_arrays(data_dir, "test", config.limit_test_rows)
+    train_images = torch.from_numpy(train.images).unsqueeze(1)
+    train_labels = torch.from_numpy(train.labels)
+    steps = steps_per_epoch(len(train_labels), 1, config.global_batch_size, 1)
+
+    model = build_model(info.num_classes).to(device)
+    optimizer = build_optimizer(model, config)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, warmup_cosine(steps * config.epochs, config.warmup_fraction)
+    )
+    history = []
+    for epoch in range(1, config.epochs + 1):
+        model.train()
+        order = torch.randperm(len(train_labels))
+        started = steady_start = time.perf_counter()
+        for step in range(1, steps + 1):
+            index = order[(step - 1) * config.global_batch_size : step * config.global_batch_size]
+            images = normalise(train_images[index], info.mean, info.std).to(device)
+            labels = train_labels[index].to(device)
+            with autocast(device, config.bf16):
+                loss = F.cross_entropy(model(images), labels)
+            loss.backward()
+            if config.grad_clip_norm is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+            if step == THROUGHPUT_SKIP_STEPS:
+                steady_start = time.perf_counter()
+            if step % config.log_every_steps == 0 or step == steps:
+                log.info("epoch %d step %d/%d  loss %.4f", epoch, step, steps, loss.item())
+        elapsed = time.perf_counter() - started
+        steady_steps = steps - THROUGHPUT_SKIP_STEPS
+        rate = (
+            config.global_batch_size * steady_steps / (time.perf_counter() - steady_start)
+            if steady_steps > 0
+            else config.global_batch_size * steps / elapsed
+        )
+        accuracy = evaluate_arrays(model, test.images, test.labels, info, device)
+        history.append(
+            {
+                "epoch": epoch,
+                "test_accuracy": accuracy,
+                "train_images_per_s": rate,
+                "epoch_train_s": elapsed,
+            }
+        )
+        log.info("epoch %d  test accuracy %.4f  %.0f img/s", epoch, accuracy, rate)
+    return {"history": history, "threads": torch.get_num_threads(), "device": str(device)}
+
+
+@torch.no_grad()
+def evaluate_arrays(
+    model: torch.nn.Module,
+    images: Any,
+    labels: Any,
+    info: DatasetInfo,
+    device: torch.device,
+    batch_size: int = 1000,
+) -> float:
+    """Accuracy of `model` on uint8 images (N, H, W) held in memory."""
+    model.eval()
+    correct = 0
+    for start in range(0, len(labels), batch_size):
+        batch = torch.from_numpy(images[start : start + batch_size]).unsqueeze(1)
+        logits = model(normalise(batch, info.mean, info.std).to(device))
+        correct += (
+            (logits.argmax(1).cpu() == torch.from_numpy(labels[start : start + batch_size]))
+            .sum()
+            .item()
+        )
+    return correct / len(labels)

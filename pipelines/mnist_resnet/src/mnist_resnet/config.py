@@ -1,0 +1,99 @@
+"""The one typed config of a training run, with its CPU and GPU presets.
+
+Every field is a command-line flag (`mnist-resnet train --help`); a preset sets the defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import posixpath
+from dataclasses import dataclass
+
+from raytrain_common.cli import option
+from raytrain_common.configs import ConfigError, RayTrainSettings
+
+DEFAULT_DATA_FOLDER = "data/mnist"
+
+
+@dataclass(kw_only=True)
+class TrainConfig(RayTrainSettings):
+    run_name: str = option(
+        "mnist_resnet", "Run folder under the storage path; rerun to continue it."
+    )
+    data_dir: str | None = option(
+        None, f"Prepared dataset (default: <storage-path>/{DEFAULT_DATA_FOLDER})."
+    )
+    epochs: int = option(3, "Total epochs of the run (a rerun continues up to this many).")
+    global_batch_size: int = option(256, "Images per optimiser step over all workers.")
+    grad_accum_steps: int = option(1, "Micro-batches per optimiser step: memory per step ÷ this.")
+    lr: float = option(0.1, "Peak learning rate of SGD with Nesterov momentum.")
+    momentum: float = option(0.9, "SGD momentum.")
+    weight_decay: float = option(5e-4, "L2 weight decay.")
+    warmup_fraction: float = option(0.1, "Share of all steps spent warming the learning rate up.")
+    grad_clip_norm: float | None = option(
+        None, "Clip the gradient norm to this (none: no clipping)."
+    )
+    bf16: bool = option(False, "bfloat16 autocast for the forward pass.")
+    shuffle_buffer_rows: int = option(8192, "Rows in each worker's local shuffle buffer.")
+    limit_train_rows: int | None = option(
+        None, "Train on the first N rows only (smoke runs, tests)."
+    )
+    limit_test_rows: int | None = option(None, "Evaluate on the first N test rows only.")
+    log_every_steps: int = option(50, "Progress line every N optimiser steps (rank 0).")
+    seed: int = option(0, "Seed of weights init and shuffling.")
+
+    def resolved_data_dir(self) -> str:
+        return self.data_dir or posixpath.join(self.storage_path, DEFAULT_DATA_FOLDER)
+
+    def validate(self) -> None:
+        """Raise on values that cannot work, naming the value and the fix, before anything starts."""
+        self.validate_cluster_settings()
+        low, high = self.worker_counts()
+        for workers in range(low, high + 1):
+            per_worker_batch_size(self.global_batch_size, workers, self.grad_accum_steps)
+        positive = {"epochs": self.epochs, "lr": self.lr, "log_every_steps": self.log_every_steps}
+        for name, value in positive.items():
+            if value <= 0:
+                raise ConfigError(f"{name}={value}: it must be above 0")
+        if not 0 <= self.warmup_fraction < 1:
+            raise ConfigError(f"warmup_fraction={self.warmup_fraction}: it must be in [0, 1)")
+        for name in ("limit_train_rows", "limit_test_rows"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"{name}={value}: give a positive row count or none")
+
+
+def per_worker_batch_size(global_batch_size: int, workers: int, grad_accum_steps: int = 1) -> int:
+    """Micro-batch size of one worker; the global batch must split evenly so every rank steps alike."""
+    if grad_accum_steps < 1:
+        raise ConfigError(f"grad_accum_steps={grad_accum_steps}: it must be at least 1")
+    parts = workers * grad_accum_steps
+    if global_batch_size < 1 or global_batch_size % parts:
+        raise ConfigError(
+            f"global_batch_size={global_batch_size} does not divide evenly over {workers} worker(s) "
+            f"× {grad_accum_steps} accumulation step(s): choose a multiple of {parts}, "
+            f"e.g. {max(parts, global_batch_size // parts * parts)}"
+        )
+    return global_batch_size // parts
+
+
+def cpu_preset() -> TrainConfig:
+    """Two CPU workers on a laptop or CI box: full MNIST to ≥ 99 % test accuracy in ~10 minutes."""
+    return TrainConfig()
+
+
+def gpu_preset() -> TrainConfig:
+    """All GPUs of the cluster (set --num-workers), bf16, a larger batch and learning rate."""
+    return dataclasses.replace(
+        TrainConfig(),
+        use_gpu=True,
+        bf16=True,
+        num_workers=1,
+        cpus_per_worker=4.0,
+        global_batch_size=512,
+        lr=0.2,
+        epochs=5,
+    )
+
+
+PRESETS = {"cpu": cpu_preset(), "gpu": gpu_preset()}

@@ -1,0 +1,18 @@
+"""The model, and nothing about how it is parallelised (train.py wraps it in DDP)."""
+
+from __future__ import annotations
+
+from torch import nn
+from torchvision.models import resnet18
+
+
+def build_model(num_classes: int) -> nn.Module:
+    """ResNet18 with a 1-channel stem for 28×28 grey images, randomly initialised.
+
+    The stem keeps ResNet's 7×7 stride-2 convolution and max-pool: 28×28 shrinks to 7×7 before the
+    residual stages, which keeps a CPU epoch of 60k images near three minutes and still reaches
+    ≥ 99 % on MNIST.
+    """
+    model = resnet18(num_classes=num_classes)
+    model.conv1 = nn.Conv2d(1, 64, kernel_size=7, stride=2, padding=3, bias=False)
+    return model

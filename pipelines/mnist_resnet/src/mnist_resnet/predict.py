@@ -1,0 +1,86 @@
+"""Load a run's best checkpoint, measure test accuracy, and draw test digits with their predictions."""
+
+from __future__ import annotations
+
+import io
+import json
+from typing import Any
+
+import numpy as np
+import pyarrow.fs as pafs
+import torch
+
+from mnist_resnet.baseline import evaluate_arrays
+from mnist_resnet.data import DatasetInfo, normalise, read_split_arrays
+from mnist_resnet.model import build_model
+from raytrain_common.checkpoint import STATE_FILE, load_model_weights
+from raytrain_common.metrics import SUMMARY_FILE
+from raytrain_common.storage import StoragePath, resolve_storage
+
+
+def load_best_model(run_dir: StoragePath) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """The model of the run's best checkpoint (by test accuracy), on the CPU, in eval mode."""
+    summary_file = run_dir.join(SUMMARY_FILE)
+    if not summary_file.exists():
+        raise FileNotFoundError(
+            f"no {SUMMARY_FILE} in {run_dir}: train first (`mnist-resnet train --run-name "
+            f"{run_dir.uri.rsplit('/', 1)[-1]}`), or pass the right --storage-path / --run-name"
+        )
+    summary = json.loads(summary_file.read_text())
+    checkpoint = resolve_storage(summary["best_checkpoint"] or summary["latest_checkpoint"])
+    # torch.load reads from a local file or a buffer; object stores give a buffer.
+    buffer = io.BytesIO(checkpoint.join(STATE_FILE).read_bytes())
+    state = torch.load(buffer, map_location="cpu", weights_only=True)
+    model = build_model(state["dataset"]["num_classes"])
+    load_model_weights(model, state["model"])
+    return model.eval(), state
+
+
+def draw_predictions(
+    target: StoragePath,
+    images: np.ndarray,
+    labels: np.ndarray,
+    predicted: np.ndarray,
+    columns: int = 8,
+) -> None:
+    """A grid of digits titled 'predicted (true)'; mistakes in red."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = (len(images) + columns - 1) // columns
+    figure, axes = plt.subplots(rows, columns, figsize=(columns * 1.3, rows * 1.5), squeeze=False)
+    for axis in axes.flat:
+        axis.axis("off")
+    for axis, image, label, guess in zip(axes.flat, images, labels, predicted, strict=False):
+        axis.imshow(image, cmap="gray")
+        axis.set_title(f"{guess} ({label})", fontsize=9, color="black" if guess == label else "red")
+    figure.suptitle("predicted (true)")
+    figure.tight_layout()
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=100)
+    plt.close(figure)
+    target.write_bytes(buffer.getvalue())
+
+
+def predict(storage_path: str, run_name: str, count: int, output: str | None) -> dict[str, Any]:
+    run_dir = resolve_storage(storage_path).join(run_name)
+    model, state = load_best_model(run_dir)
+    info = DatasetInfo(**state["dataset"])
+    data_dir = resolve_storage(state["config"]["data_dir"])
+    test = read_split_arrays(data_dir, "test")
+    accuracy = evaluate_arrays(model, test.images, test.labels, info, torch.device("cpu"))
+    sample = slice(0, min(count, len(test.labels)))
+    with torch.no_grad():
+        batch = normalise(torch.from_numpy(test.images[sample]).unsqueeze(1), info.mean, info.std)
+        predicted = model(batch).argmax(1).numpy()
+    picture = resolve_storage(output) if output else run_dir.join("predictions.png")
+    draw_predictions(picture, test.images[sample], test.labels[sample], predicted)
+    return {
+        "test_accuracy": accuracy,
+        "test_rows": len(test.labels),
+        "epochs_done": state["epochs_done"],
+        "picture": picture.uri,
+        "local": isinstance(picture.filesystem, pafs.LocalFileSystem),
+    }
