@@ -23,7 +23,7 @@ class TrainConfig(RayTrainSettings):
     data_dir: str | None = option(
         None, f"Prepared dataset (default: <storage-path>/{DEFAULT_DATA_FOLDER})."
     )
-    epochs: int = option(3, "Total epochs of the run (a rerun continues up to this many).")
+    epochs: int = option(2, "Total epochs of the run (a rerun continues up to this many).")
     global_batch_size: int = option(256, "Images per optimiser step over all workers.")
     grad_accum_steps: int = option(1, "Micro-batches per optimiser step: memory per step ÷ this.")
     lr: float = option(0.1, "Peak learning rate of SGD with Nesterov momentum.")

