@@ -184,15 +184,24 @@ def train_one_epoch(
     totals = torch.stack([loss_sum, correct.float(), torch.tensor(float(seen), device=device)])
     if dist.is_initialized():
         dist.all_reduce(totals)
-    steady_steps = steps - THROUGHPUT_SKIP_STEPS
-    steady_time = time.perf_counter() - steady_start
-    images_per_step = config.global_batch_size
+    train_loss = (totals[0] / totals[2]).item()
+    if not math.isfinite(train_loss):  # every rank sees the same reduced value and stops alike
+        raise FloatingPointError(
+            f"rank {rank}: mean training loss of epoch {epoch} is {train_loss}; lower --lr, "
+            "or set --grad-clip-norm"
+        )
+    if steps > THROUGHPUT_SKIP_STEPS:
+        images_per_s = (
+            config.global_batch_size
+            * (steps - THROUGHPUT_SKIP_STEPS)
+            / (time.perf_counter() - steady_start)
+        )
+    else:
+        images_per_s = config.global_batch_size * steps / elapsed
     return {
-        "train_loss": (totals[0] / totals[2]).item(),
+        "train_loss": train_loss,
         "train_accuracy": (totals[1] / totals[2]).item(),
-        "train_images_per_s": images_per_step
-        * (steady_steps if steady_steps > 0 else steps)
-        / (steady_time if steady_steps > 0 else elapsed),
+        "train_images_per_s": images_per_s,
         "epoch_train_s": elapsed,
     }
 
