@@ -7,7 +7,7 @@ import io
 import json
 import platform
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from importlib import metadata
 from typing import Any
 
@@ -42,8 +42,12 @@ def plot_curves(
     *,
     x: str = "epoch",
     title: str = "",
+    log_y: Collection[str] = (),
 ) -> None:
-    """One PNG with a panel per (y label, metric names); metrics missing from the rows are skipped."""
+    """One PNG with a panel per (y label, metric names); metrics missing from the rows are skipped.
+
+    Panels whose label is in `log_y` get a log scale: losses span decades within one run.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -58,6 +62,8 @@ def plot_curves(
                 axis.plot(xs, ys, marker="o", label=name)
         axis.set_xlabel(x)
         axis.set_ylabel(label)
+        if label in log_y:
+            axis.set_yscale("log")
         axis.grid(alpha=0.3)
         axis.legend()
     if title:

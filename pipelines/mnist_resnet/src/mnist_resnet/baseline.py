@@ -10,6 +10,7 @@ import logging
 import time
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F  # noqa: N812
 
@@ -88,23 +89,28 @@ def run_baseline(config: TrainConfig) -> dict[str, Any]:
 
 
 @torch.no_grad()
-def evaluate_arrays(
+def predict_labels(
     model: torch.nn.Module,
-    images: Any,
-    labels: Any,
+    images: np.ndarray,
     info: DatasetInfo,
     device: torch.device,
     batch_size: int = 1000,
+) -> np.ndarray:
+    """Predicted class of each uint8 image (N, H, W) held in memory."""
+    model.eval()
+    predicted = []
+    for start in range(0, len(images), batch_size):
+        batch = torch.from_numpy(images[start : start + batch_size]).unsqueeze(1)
+        predicted.append(model(normalise(batch, info.mean, info.std).to(device)).argmax(1).cpu())
+    return torch.cat(predicted).numpy()
+
+
+def evaluate_arrays(
+    model: torch.nn.Module,
+    images: np.ndarray,
+    labels: np.ndarray,
+    info: DatasetInfo,
+    device: torch.device,
 ) -> float:
     """Accuracy of `model` on uint8 images (N, H, W) held in memory."""
-    model.eval()
-    correct = 0
-    for start in range(0, len(labels), batch_size):
-        batch = torch.from_numpy(images[start : start + batch_size]).unsqueeze(1)
-        logits = model(normalise(batch, info.mean, info.std).to(device))
-        correct += (
-            (logits.argmax(1).cpu() == torch.from_numpy(labels[start : start + batch_size]))
-            .sum()
-            .item()
-        )
-    return correct / len(labels)
+    return float((predict_labels(model, images, info, device) == labels).mean())

@@ -7,11 +7,10 @@ import json
 from typing import Any
 
 import numpy as np
-import pyarrow.fs as pafs
 import torch
 
-from mnist_resnet.baseline import evaluate_arrays
-from mnist_resnet.data import DatasetInfo, normalise, read_split_arrays
+from mnist_resnet.baseline import predict_labels
+from mnist_resnet.data import DatasetInfo, read_split_arrays
 from mnist_resnet.model import build_model
 from raytrain_common.checkpoint import STATE_FILE, load_model_weights
 from raytrain_common.metrics import SUMMARY_FILE
@@ -56,7 +55,7 @@ def draw_predictions(
     for axis, image, label, guess in zip(axes.flat, images, labels, predicted, strict=False):
         axis.imshow(image, cmap="gray")
         axis.set_title(f"{guess} ({label})", fontsize=9, color="black" if guess == label else "red")
-    figure.suptitle("predicted (true)")
+    figure.suptitle("predicted (true); mistakes in red")
     figure.tight_layout()
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png", dpi=100)
@@ -70,17 +69,17 @@ def predict(storage_path: str, run_name: str, count: int, output: str | None) ->
     info = DatasetInfo(**state["dataset"])
     data_dir = resolve_storage(state["config"]["data_dir"])
     test = read_split_arrays(data_dir, "test")
-    accuracy = evaluate_arrays(model, test.images, test.labels, info, torch.device("cpu"))
-    sample = slice(0, min(count, len(test.labels)))
-    with torch.no_grad():
-        batch = normalise(torch.from_numpy(test.images[sample]).unsqueeze(1), info.mean, info.std)
-        predicted = model(batch).argmax(1).numpy()
+    predicted = predict_labels(model, test.images, info, torch.device("cpu"))
+    accuracy = float((predicted == test.labels).mean())
+    # The first digits of the test set, as the tutorial shows them, then some of the mistakes.
+    head = min(count - count // 4, len(test.labels))
+    mistakes = np.flatnonzero(predicted != test.labels)
+    shown = np.concatenate([np.arange(head), mistakes[mistakes >= head][: count - head]])
     picture = resolve_storage(output) if output else run_dir.join("predictions.png")
-    draw_predictions(picture, test.images[sample], test.labels[sample], predicted)
+    draw_predictions(picture, test.images[shown], test.labels[shown], predicted[shown])
     return {
         "test_accuracy": accuracy,
         "test_rows": len(test.labels),
         "epochs_done": state["epochs_done"],
         "picture": picture.uri,
-        "local": isinstance(picture.filesystem, pafs.LocalFileSystem),
     }

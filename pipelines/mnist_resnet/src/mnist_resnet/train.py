@@ -121,14 +121,20 @@ def train_one_epoch(
     epoch: int,
     steps: int,
     device: torch.device,
+    step_log: list[dict[str, float]],
 ) -> dict[str, float]:
-    """Train one epoch of exactly `steps` optimiser steps; return loss, accuracy and images/s."""
+    """Train one epoch of exactly `steps` optimiser steps; return loss, accuracy and images/s.
+
+    Rank 0 appends the mean loss of every `log_every_steps` interval to `step_log` (for the curves).
+    """
     model.train()
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     accum = config.grad_accum_steps
     loss_sum = torch.zeros((), device=device)
     correct = torch.zeros((), device=device, dtype=torch.long)
+    interval_loss = torch.zeros((), device=device)
+    interval_batches = 0
     seen = 0
     step = 0
     started = steady_start = time.perf_counter()
@@ -146,6 +152,8 @@ def train_one_epoch(
                 loss = F.cross_entropy(logits, labels)
             (loss / accum).backward()
         loss_sum += loss.detach() * len(labels)
+        interval_loss += loss.detach()
+        interval_batches += 1
         correct += (logits.argmax(dim=1) == labels).sum()
         seen += len(labels)
         if not is_last_micro:
@@ -159,12 +167,15 @@ def train_one_epoch(
         if step == THROUGHPUT_SKIP_STEPS:
             steady_start = time.perf_counter()
         if rank == 0 and (step % config.log_every_steps == 0 or step == steps):
-            loss_value = loss.item()
+            loss_value = interval_loss.item() / interval_batches
+            interval_loss.zero_()
+            interval_batches = 0
             if not math.isfinite(loss_value):
                 raise FloatingPointError(
                     f"rank {rank}: loss is {loss_value} at epoch {epoch} step {step}; lower --lr, "
                     "or set --grad-clip-norm"
                 )
+            step_log.append({"epoch": epoch - 1 + step / steps, "train_loss_interval": loss_value})
             rate = len(labels) * accum * world * step / (time.perf_counter() - started)
             log.info(
                 "epoch %d step %d/%d  loss %.4f  lr %.4g  %.0f img/s",
@@ -262,11 +273,12 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         optimizer, warmup_cosine(steps * config.epochs, config.warmup_fraction)
     )
     history: list[dict[str, float]] = []
+    step_log: list[dict[str, float]] = []
     epochs_done = 0
     if state is not None:
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
-        history, epochs_done = state["history"], state["epochs_done"]
+        history, step_log, epochs_done = state["history"], state["step_log"], state["epochs_done"]
         if rank == 0:
             log.info("resuming after epoch %d of %d", epochs_done, config.epochs)
 
@@ -285,7 +297,15 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         )
         row: dict[str, float] = {"epoch": epoch}
         row |= train_one_epoch(
-            model, batches, optimizer, scheduler, config, epoch=epoch, steps=steps, device=device
+            model,
+            batches,
+            optimizer,
+            scheduler,
+            config,
+            epoch=epoch,
+            steps=steps,
+            device=device,
+            step_log=step_log,
         )
         eval_started = time.perf_counter()
         test_batches = device_batches(
@@ -315,6 +335,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                 "scheduler": scheduler.state_dict(),
                 "epochs_done": epoch,
                 "history": history,
+                "step_log": step_log,
                 "config": dataclasses.asdict(config),
                 "dataset": dataclasses.asdict(info),
             },
@@ -399,13 +420,19 @@ def write_run_outputs(
     if result.checkpoint is None:
         raise RuntimeError(f"run {config.run_name} finished without a checkpoint under {run_dir}")
     with result.checkpoint.as_directory() as folder:
-        history = load_state(folder)["history"]
+        state = load_state(folder)
+    history = state["history"]
     write_metrics_csv(run_dir.join(METRICS_FILE), history)
+    # Interval losses (x: fractional epoch) and per-epoch metrics share the plot's epoch axis.
     plot_curves(
         run_dir.join(CURVES_FILE),
-        history,
-        [("loss", ["train_loss", "test_loss"]), ("accuracy", ["train_accuracy", "test_accuracy"])],
+        sorted(state["step_log"] + history, key=lambda row: row["epoch"]),
+        [
+            ("loss", ["train_loss_interval", "test_loss"]),
+            ("accuracy", ["train_accuracy", "test_accuracy"]),
+        ],
         title=f"{config.run_name}: ResNet18 on {info.source}",
+        log_y=["loss"],
     )
     best_row = max(history, key=lambda row: row[SCORE])
     summary = {
