@@ -34,7 +34,7 @@ class TrainConfig(RayTrainSettings):
         None, "Clip the gradient norm to this (none: no clipping)."
     )
     bf16: bool = option(False, "bfloat16 autocast for the forward pass.")
-    shuffle_buffer_rows: int = option(8192, "Rows in each worker's local shuffle buffer.")
+    shuffle_buffer_rows: int = option(8192, "Rows in each worker's local shuffle buffer (0: none).")
     limit_train_rows: int | None = option(
         None, "Train on the first N rows only (smoke runs, tests)."
     )

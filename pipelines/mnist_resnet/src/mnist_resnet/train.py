@@ -292,7 +292,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             batch_size=micro_batch,
             collate_fn=collate,
             drop_last=True,
-            shuffle_buffer_rows=config.shuffle_buffer_rows,
+            shuffle_buffer_rows=config.shuffle_buffer_rows or None,
             seed=config.seed * 10_000 + epoch * 100 + rank,
         )
         row: dict[str, float] = {"epoch": epoch}
