@@ -110,6 +110,11 @@ def test_another_idx_dataset_trains_with_no_code_change(ray_cluster: None, tmp_p
             r"needs .*GPU=2 but the Ray cluster has .*GPU=0.*Drop --use-gpu",
         ),
         ({"epochs": 0}, ConfigError, r"epochs=0: it must be above 0"),
+        (
+            {"limit_train_rows": 100},
+            ConfigError,
+            r"100 training rows over 2 workers make no full batch of 64",
+        ),
     ],
 )
 def test_bad_settings_fail_before_training(

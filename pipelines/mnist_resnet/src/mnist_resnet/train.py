@@ -34,7 +34,12 @@ from raytrain_common.checkpoint import (
     report_checkpoint,
     unwrap,
 )
-from raytrain_common.configs import build_run_config, build_scaling_config, build_torch_config
+from raytrain_common.configs import (
+    ConfigError,
+    build_run_config,
+    build_scaling_config,
+    build_torch_config,
+)
 from raytrain_common.data import device_batches, read_parquet
 from raytrain_common.metrics import (
     SUMMARY_FILE,
@@ -357,6 +362,14 @@ def run(config: TrainConfig) -> dict[str, Any]:
     check_writable(storage)
     data_dir = resolve_storage(config.resolved_data_dir())
     info = inspect_dataset(data_dir)
+    train_rows = min(info.train_rows, config.limit_train_rows or info.train_rows)
+    workers = config.num_workers
+    micro_batch = per_worker_batch_size(config.global_batch_size, workers, config.grad_accum_steps)
+    if steps_per_epoch(train_rows, workers, micro_batch, config.grad_accum_steps) < 1:
+        raise ConfigError(
+            f"{train_rows} training rows over {workers} workers make no full batch of {micro_batch}: "
+            "use more rows or a smaller --global-batch-size"
+        )
     config = dataclasses.replace(config, storage_path=storage.uri, data_dir=data_dir.uri)
 
     is_local = init_ray(train_cpus=config.num_workers * config.cpus_per_worker)
@@ -372,10 +385,8 @@ def run(config: TrainConfig) -> dict[str, Any]:
 
     train_data = read_parquet(data_dir.join("train"))
     test_data = read_parquet(data_dir.join("test"))
-    train_rows = info.train_rows
     if config.limit_train_rows is not None:
         train_data = train_data.limit(config.limit_train_rows)
-        train_rows = min(train_rows, config.limit_train_rows)
     if config.limit_test_rows is not None:
         test_data = test_data.limit(config.limit_test_rows)
     # MNIST is ~50 MB: read it once into Ray's object store instead of re-reading Parquet every
