@@ -74,9 +74,8 @@ def test_common_never_names_a_pipeline() -> None:
 
 
 def test_checkpoints_are_never_unpickled_freely() -> None:
+    call = "torch" + ".load("  # spelled apart so this file does not match itself
     for source in ROOT.glob("[!.]*/**/*.py"):
-        if source == Path(__file__):
-            continue
         for line in source.read_text().splitlines():
-            if "torch.load(" in line:
+            if call in line:
                 assert "weights_only=True" in line, f"{source}: {line.strip()}"
