@@ -75,6 +75,12 @@ def test_rerun_with_the_same_name_continues_the_run(
     assert summary["epochs_done"] == 2
     assert len([p for p in (tmp_path / "resume").glob("checkpoint_*") if p.is_dir()]) == 2
 
+    again = run(
+        small_config(tmp_path, mnist_dir, run_name="resume", epochs=2)
+    )  # nothing left to do
+    assert read_metrics_csv(resolve_storage(tmp_path / "resume" / "metrics.csv")) == rows
+    assert again["best_checkpoint"] == summary["best_checkpoint"]
+
 
 def test_another_idx_dataset_trains_with_no_code_change(ray_cluster: None, tmp_path: Path) -> None:
     """A standard IDX folder of another 28×28 dataset: here inverted digits with 5 classes."""

@@ -284,7 +284,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         history, step_log, epochs_done = state["history"], state["step_log"], state["epochs_done"]
-        if rank == 0:
+        if rank == 0 and epochs_done >= config.epochs:
+            log.info("the run already has its %d epochs: nothing to train", epochs_done)
+        elif rank == 0:
             log.info("resuming after epoch %d of %d", epochs_done, config.epochs)
 
     run_dir = resolve_storage(config.storage_path).join(config.run_name)
