@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import shutil
 import socket
 import time
 
@@ -55,7 +54,9 @@ def plain_ddp_worker(rank: int, world: int, port: int, config: TrainConfig, resu
     torch.manual_seed(config.seed)
     model = torch.nn.parallel.DistributedDataParallel(build_model(info.num_classes))
     optimizer = build_optimizer(model, config)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(steps, 0.1))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, warmup_cosine(steps, config.warmup_fraction)
+    )
     order = torch.randperm(len(labels))
     for step in range(1, steps + 1):
         if step == THROUGHPUT_SKIP_STEPS + 1:
@@ -109,9 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     run_dir = resolve_storage(args.storage_path).join(RUN_NAME)
     if run_dir.is_dir():  # a benchmark measures a fresh run, never a resumed one
-        shutil.rmtree(run_dir.path) if run_dir.is_local else run_dir.filesystem.delete_dir(
-            run_dir.path
-        )
+        run_dir.filesystem.delete_dir(run_dir.path)
 
     baseline = run_baseline(config)["history"][0]
     plain_ddp = run_plain_ddp(config)
