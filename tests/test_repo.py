@@ -33,11 +33,15 @@ def test_noxfile_has_the_sessions_the_readme_names() -> None:
         [sys.executable, "-m", "nox", "-l", "-f", str(ROOT / "noxfile.py")],
         capture_output=True, text=True, check=True, cwd=ROOT,
     )  # fmt: skip
-    for session in ("mnist", "mnist_gpu", "bench_mnist", "tests", "lint"):
+    sessions = ("mnist", "mnist_gpu", "bench_mnist", "hf_finetune", "hf_finetune_gpu")
+    for session in (*sessions, "bench_tokenize", "tests", "lint"):
         assert re.search(rf"^[*-] {session}\b", listing.stdout, re.M), listing.stdout
 
 
-def test_gpu_session_fails_at_once_without_a_gpu(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("session", "cpu_session"), [("mnist_gpu", "mnist"), ("hf_finetune_gpu", "hf_finetune")]
+)
+def test_gpu_session_fails_at_once_without_a_gpu(session: str, cpu_session: str) -> None:
     if (
         subprocess.run(
             ["sh", "-c", "command -v nvidia-smi"], capture_output=True, check=False
@@ -46,13 +50,13 @@ def test_gpu_session_fails_at_once_without_a_gpu(tmp_path: Path) -> None:
     ):
         pytest.skip("this machine has nvidia-smi")
     done = subprocess.run(
-        [sys.executable, "-m", "nox", "-s", "mnist_gpu", "-f", str(ROOT / "noxfile.py")],
+        [sys.executable, "-m", "nox", "-s", session, "-f", str(ROOT / "noxfile.py")],
         capture_output=True, text=True, timeout=60, check=False, cwd=ROOT,
         env={**os.environ, "PATH": "/usr/bin:/bin"},
     )  # fmt: skip
     assert done.returncode != 0
-    assert "mnist_gpu needs an NVIDIA GPU" in done.stderr + done.stdout
-    assert "nox -s mnist" in done.stderr + done.stdout
+    assert f"{session} needs an NVIDIA GPU" in done.stderr + done.stdout
+    assert f"nox -s {cpu_session}" in done.stderr + done.stdout
 
 
 @pytest.mark.parametrize("package", PACKAGES, ids=lambda p: p.name)
@@ -63,6 +67,15 @@ def test_every_package_is_versioned_documented_and_tested(package: Path) -> None
     assert f"## {project['version']}" in changelog  # the current version has its entry
     assert (package / "README.md").exists()
     assert list((package / "tests").glob("test_*.py"))
+    inits = list((package / "src").glob("*/__init__.py"))
+    assert len(inits) == 1
+    assert (
+        f'__version__ = "{project["version"]}"' in inits[0].read_text()
+    )  # summaries report the real version
+    pins = [d for d in project["dependencies"] if d.startswith("raytrain-common")]
+    common = tomllib.loads((ROOT / "packages/common/pyproject.toml").read_text())["project"]
+    for pin in pins:  # the pipelines pin the common package of this tree
+        assert pin.endswith(f"=={common['version']}"), pin
 
 
 def test_common_never_names_a_pipeline() -> None:

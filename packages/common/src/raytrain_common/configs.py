@@ -94,6 +94,20 @@ class RayTrainSettings:
         return needed
 
 
+def per_worker_batch_size(global_batch_size: int, workers: int, grad_accum_steps: int = 1) -> int:
+    """Micro-batch size of one worker; the global batch must split evenly so every rank steps alike."""
+    if grad_accum_steps < 1:
+        raise ConfigError(f"grad_accum_steps={grad_accum_steps}: it must be at least 1")
+    parts = workers * grad_accum_steps
+    if global_batch_size < 1 or global_batch_size % parts:
+        raise ConfigError(
+            f"global_batch_size={global_batch_size} does not divide evenly over {workers} worker(s) "
+            f"× {grad_accum_steps} accumulation step(s): choose a multiple of {parts}, "
+            f"e.g. {max(parts, global_batch_size // parts * parts)}"
+        )
+    return global_batch_size // parts
+
+
 def build_scaling_config(settings: RayTrainSettings) -> ScalingConfig:
     low, high = settings.worker_counts()
     resources: dict[str, float] = {"CPU": settings.cpus_per_worker}

@@ -61,13 +61,21 @@ class TokenizeBatch:
         self.keep_columns = list(keep_columns)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        texts = batch.column(self.text_column).to_pylist()
-        for index, text in enumerate(texts):
-            if not isinstance(text, str):
-                raise TokenizeError(
-                    f"column {self.text_column!r} holds {type(text).__name__} ({text!r:.40}) at batch row "
-                    f"{index}, not text: choose the text column with --text-column, or clean the data"
-                )
+        column = batch.column(self.text_column)
+        texts = column.to_pylist()
+        # Arrow's type answers for the whole batch; rows are looked at only to name the bad one.
+        if column.null_count or not (
+            pa.types.is_string(column.type) or pa.types.is_large_string(column.type)
+        ):
+            bad = next(((i, t) for i, t in enumerate(texts) if not isinstance(t, str)), None)
+        else:
+            bad = None
+        if bad is not None:  # (a dictionary-encoded text column is text, and passes)
+            index, text = bad
+            raise TokenizeError(
+                f"column {self.text_column!r} holds {type(text).__name__} ({text!r:.40}) at batch row "
+                f"{index}, not text: choose the text column with --text-column, or clean the data"
+            )
         ids = self.tokenizer(texts, truncation=False)["input_ids"]
         lengths = np.array([len(row) for row in ids], dtype=np.int32)
         too_long = np.flatnonzero(lengths > self.max_length)

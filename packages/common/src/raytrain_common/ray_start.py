@@ -15,6 +15,9 @@ import time
 
 import ray
 
+from raytrain_common.configs import RayTrainSettings
+from raytrain_common.storage import StoragePath, check_shared_for_cluster
+
 log = logging.getLogger(__name__)
 
 # Quiet and deterministic defaults for every process of the run (driver, controller, workers).
@@ -54,6 +57,24 @@ def init_ray(train_cpus: float, *, data_cpus: float = DATA_CPUS) -> bool:
     )
     log.info("started a local Ray cluster: %s", _describe(ray.cluster_resources()))
     return True
+
+
+def start_ray_for_run(settings: RayTrainSettings, *paths: StoragePath) -> None:
+    """Join or start the cluster, then refuse what cannot work before any worker starts.
+
+    Node-local `paths` on a multi-node cluster, and a worker group the cluster cannot hold (after
+    waiting 5 minutes for autoscaled nodes on a remote cluster), each fail with what to change.
+    """
+    is_local = init_ray(train_cpus=settings.num_workers * settings.cpus_per_worker)
+    nodes = alive_nodes()
+    for path in paths:
+        check_shared_for_cluster(path, nodes, assume_shared=settings.storage_is_shared)
+    hint = (
+        "Drop --use-gpu / use --preset cpu, or set RAY_ADDRESS to a cluster with GPUs."
+        if settings.use_gpu
+        else "Lower --num-workers or --cpus-per-worker."
+    )
+    require_resources(settings.needed_resources(), wait_s=0 if is_local else 300, hint=hint)
 
 
 def alive_nodes() -> int:

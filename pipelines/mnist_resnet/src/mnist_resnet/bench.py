@@ -22,7 +22,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F  # noqa: N812
 
 from mnist_resnet.baseline import run_baseline
-from mnist_resnet.config import TrainConfig, cpu_preset, per_worker_batch_size
+from mnist_resnet.config import TrainConfig, cpu_preset
 from mnist_resnet.data import inspect_dataset, normalise, read_split_arrays
 from mnist_resnet.model import build_model
 from mnist_resnet.train import (
@@ -32,6 +32,7 @@ from mnist_resnet.train import (
     steps_per_epoch,
     warmup_cosine,
 )
+from raytrain_common.configs import per_worker_batch_size
 from raytrain_common.metrics import write_metrics_csv
 from raytrain_common.storage import resolve_storage
 

@@ -10,7 +10,7 @@ import posixpath
 from dataclasses import dataclass
 
 from raytrain_common.cli import option
-from raytrain_common.configs import ConfigError, RayTrainSettings
+from raytrain_common.configs import ConfigError, RayTrainSettings, per_worker_batch_size
 
 DEFAULT_DATA_FOLDER = "data/mnist"
 
@@ -61,20 +61,6 @@ class TrainConfig(RayTrainSettings):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"{name}={value}: give a positive row count or none")
-
-
-def per_worker_batch_size(global_batch_size: int, workers: int, grad_accum_steps: int = 1) -> int:
-    """Micro-batch size of one worker; the global batch must split evenly so every rank steps alike."""
-    if grad_accum_steps < 1:
-        raise ConfigError(f"grad_accum_steps={grad_accum_steps}: it must be at least 1")
-    parts = workers * grad_accum_steps
-    if global_batch_size < 1 or global_batch_size % parts:
-        raise ConfigError(
-            f"global_batch_size={global_batch_size} does not divide evenly over {workers} worker(s) "
-            f"× {grad_accum_steps} accumulation step(s): choose a multiple of {parts}, "
-            f"e.g. {max(parts, global_batch_size // parts * parts)}"
-        )
-    return global_batch_size // parts
 
 
 def cpu_preset() -> TrainConfig:

@@ -24,7 +24,7 @@ from ray.train.torch import TorchTrainer
 from torch import nn
 
 from mnist_resnet import __version__
-from mnist_resnet.config import TrainConfig, per_worker_batch_size
+from mnist_resnet.config import TrainConfig
 from mnist_resnet.data import DatasetInfo, ImageBatchCollate, inspect_dataset
 from mnist_resnet.model import build_model
 from raytrain_common.checkpoint import (
@@ -39,6 +39,7 @@ from raytrain_common.configs import (
     build_run_config,
     build_scaling_config,
     build_torch_config,
+    per_worker_batch_size,
 )
 from raytrain_common.data import device_batches, read_parquet
 from raytrain_common.metrics import (
@@ -48,10 +49,9 @@ from raytrain_common.metrics import (
     write_metrics_csv,
     write_summary,
 )
-from raytrain_common.ray_start import alive_nodes, init_ray, require_resources
+from raytrain_common.ray_start import start_ray_for_run
 from raytrain_common.storage import (
     StoragePath,
-    check_shared_for_cluster,
     check_writable,
     resolve_storage,
 )
@@ -374,16 +374,7 @@ def run(config: TrainConfig) -> dict[str, Any]:
         )
     config = dataclasses.replace(config, storage_path=storage.uri, data_dir=data_dir.uri)
 
-    is_local = init_ray(train_cpus=config.num_workers * config.cpus_per_worker)
-    nodes = alive_nodes()
-    check_shared_for_cluster(storage, nodes, assume_shared=config.storage_is_shared)
-    check_shared_for_cluster(data_dir, nodes, assume_shared=config.storage_is_shared)
-    gpu_hint = (
-        "Drop --use-gpu / use --preset cpu, or set RAY_ADDRESS to a cluster with GPUs."
-        if config.use_gpu
-        else "Lower --num-workers or --cpus-per-worker."
-    )
-    require_resources(config.needed_resources(), wait_s=0 if is_local else 300, hint=gpu_hint)
+    start_ray_for_run(config, storage, data_dir)
 
     train_data = read_parquet(data_dir.join("train"))
     test_data = read_parquet(data_dir.join("test"))

@@ -1,0 +1,126 @@
+"""Test-split accuracy and macro F1 of a run's best checkpoint, in one process, with a confusion matrix.
+
+Evaluation runs apart from training on purpose: the test split is read once, at the end, by a model
+the validation split chose.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding
+
+from hf_finetune.data import DataError, inspect_dataset, read_split
+from hf_finetune.train import classification_scores, confusion_matrix
+from raytrain_common.metrics import SUMMARY_FILE, write_summary
+from raytrain_common.storage import StoragePath, resolve_storage, write_atomic
+
+CONFUSION_FILE = "confusion_matrix.png"
+
+
+def read_run_summary(storage_path: str, run_name: str) -> tuple[StoragePath, dict[str, Any]]:
+    run_dir = resolve_storage(storage_path).join(run_name)
+    summary_file = run_dir.join(SUMMARY_FILE)
+    if not summary_file.exists():
+        raise DataError(
+            f"no {SUMMARY_FILE} in {run_dir.uri}: train first (`hf-finetune train --run-name "
+            f"{run_name}`), or give --storage-path / --run-name of a finished run"
+        )
+    return run_dir, json.loads(summary_file.read_text())
+
+
+def load_classifier(checkpoint: str) -> tuple[Any, Any]:
+    """Model and tokenizer from a Hugging Face folder (a checkpoint's `checkpoint/` or an export)."""
+    folder = Path(checkpoint)
+    if not (folder / "config.json").exists():
+        raise DataError(f"{checkpoint!r} is not a Hugging Face model folder (no config.json)")
+    model = AutoModelForSequenceClassification.from_pretrained(folder).eval()
+    return model, AutoTokenizer.from_pretrained(folder)
+
+
+@torch.inference_mode()
+def predict_ids(
+    model: Any, tokenizer: Any, input_ids: list[list[int]], batch_size: int = 256
+) -> np.ndarray:
+    """Class probabilities for pre-tokenised rows, batched by length to pad little."""
+    collate = DataCollatorWithPadding(tokenizer)
+    order = np.argsort([len(ids) for ids in input_ids])
+    probabilities = np.zeros((len(input_ids), model.config.num_labels), dtype=np.float32)
+    for start in range(0, len(order), batch_size):
+        rows = order[start : start + batch_size]
+        batch = collate([{"input_ids": input_ids[i]} for i in rows])
+        probabilities[rows] = torch.softmax(model(**batch).logits.float(), -1).numpy()
+    return probabilities
+
+
+def evaluate(
+    storage_path: str, run_name: str, checkpoint: str | None = None, split: str = "test"
+) -> dict[str, Any]:
+    """Score the best checkpoint on `split`; add the figures to summary.json and draw the matrix."""
+    run_dir, summary = read_run_summary(storage_path, run_name)
+    checkpoint = checkpoint or summary["best_checkpoint"]
+    data_dir = resolve_storage(summary["config"]["data_dir"])
+    info = inspect_dataset(data_dir)
+    model, tokenizer = load_classifier(checkpoint)
+    if [model.config.id2label[i] for i in range(model.config.num_labels)] != info.labels:
+        raise DataError(
+            f"{checkpoint} predicts {list(model.config.id2label.values())}, the data at "
+            f"{data_dir.uri} has labels {info.labels}: evaluate on the data the run trained on"
+        )
+    table = read_split(data_dir, split)
+    labels = table.column("label").to_numpy()
+    predictions = predict_ids(model, tokenizer, table.column("input_ids").to_pylist()).argmax(-1)
+    matrix = confusion_matrix(labels, predictions, info.num_labels)
+    result = {
+        "split": split,
+        "rows": len(labels),
+        "checkpoint": checkpoint,
+        **classification_scores(labels, predictions, info.num_labels),
+        "majority_share": float(np.bincount(labels, minlength=info.num_labels).max() / len(labels)),
+        "confusion_matrix": matrix.tolist(),
+        "confusion_png": run_dir.join(CONFUSION_FILE).uri,
+    }
+    draw_confusion(run_dir.join(CONFUSION_FILE), matrix, info.labels, result, run_name)
+    write_summary(run_dir.join(SUMMARY_FILE), {**summary, split: result})
+    return result
+
+
+def draw_confusion(
+    target: StoragePath,
+    matrix: np.ndarray,
+    labels: list[str],
+    result: dict[str, Any],
+    run_name: str,
+) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    size = 2.5 + 0.6 * len(labels)
+    figure, axes = plt.subplots(figsize=(size + 1, size))
+    shares = matrix / np.maximum(matrix.sum(1, keepdims=True), 1)
+    image = axes.imshow(shares, cmap="Blues", vmin=0, vmax=1)
+    for (row, column), count in np.ndenumerate(matrix):
+        colour = "white" if shares[row, column] > 0.5 else "black"
+        axes.text(column, row, f"{count}", ha="center", va="center", color=colour)
+    axes.set_xticks(range(len(labels)), labels, rotation=45, ha="right")
+    axes.set_yticks(range(len(labels)), labels)
+    axes.set_xlabel("predicted")
+    axes.set_ylabel("true")
+    axes.set_title(
+        f"{run_name} on {result['split']}: accuracy {result['accuracy']:.3f}, "
+        f"macro F1 {result['f1']:.3f}",
+        fontsize=9,
+    )
+    figure.colorbar(image, ax=axes, label="share of the true class")
+    figure.tight_layout()
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=110)
+    plt.close(figure)
+    write_atomic(target, lambda stream: stream.write(buffer.getvalue()))

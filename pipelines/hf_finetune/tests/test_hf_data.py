@@ -1,0 +1,197 @@
+"""Reading, checking, splitting and pre-tokenising labelled text: VADER, users' files, bad input."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from hf_finetune.cli import main
+from hf_finetune.data import (
+    DataError,
+    PrepareOptions,
+    inspect_dataset,
+    label_ids,
+    label_names,
+    prepare,
+    read_split,
+    read_vader,
+    split_indices,
+)
+from hf_finetune.model import ModelError, resolve_model
+from raytrain_common.storage import StoragePath, resolve_storage
+
+
+def test_vader_is_the_published_corpus(vader_sdist: Path) -> None:
+    table = read_vader(vader_sdist)
+    assert table.num_rows == 23_703
+    assert Counter(table["label"].to_pylist()) == {"positive": 12_471, "negative": 11_232}
+    assert Counter(table["source"].to_pylist()) == {
+        "tweets": 4_200,
+        "movie_reviews": 10_605,
+        "amazon_reviews": 3_708,
+        "nyt_editorials": 5_190,
+    }
+
+
+def test_split_is_stratified_disjoint_complete_and_seeded() -> None:
+    strata = np.array(["a"] * 900 + ["b"] * 100)
+    split = split_indices(len(strata), strata, (0.1, 0.2), seed=3)
+    joined = np.concatenate(list(split.values()))
+    assert sorted(joined.tolist()) == list(range(1000))  # every row once
+    assert Counter(strata[split["validation"]]) == {"a": 90, "b": 10}
+    assert Counter(strata[split["test"]]) == {"a": 180, "b": 20}
+    again = split_indices(len(strata), strata, (0.1, 0.2), seed=3)
+    assert all(np.array_equal(split[k], again[k]) for k in split)
+
+
+def test_label_names_and_ids() -> None:
+    numbers = pa.array([10, 2, 2, 10, 7])
+    assert label_names(numbers, "stars") == ["2", "7", "10"]  # numeric order, not text order
+    assert label_ids(numbers, ["2", "7", "10"]).tolist() == [2, 0, 0, 2, 1]
+    words = pa.array(["pos", "neg", "neutral"])
+    assert label_names(words, "y") == ["neg", "neutral", "pos"]
+    with pytest.raises(DataError, match=r"label column 'y' has one class \('pos'\) in 2 rows"):
+        label_names(pa.array(["pos", "pos"]), "y")
+    with pytest.raises(DataError, match=r"holds floats .*map the scores to classes first"):
+        label_names(pa.array([0.5, -1.2]), "score")
+
+
+@pytest.mark.ray
+def test_vader_tokens_round_trip_and_stats(vader_dir: StoragePath, minilm: str) -> None:
+    from transformers import AutoTokenizer
+
+    info = inspect_dataset(vader_dir)
+    assert info.labels == ["negative", "positive"]
+    assert sum(info.rows.values()) == 23_703
+    assert info.rows["test"] == info.rows["validation"] == 2_370
+    tokenizer = AutoTokenizer.from_pretrained(minilm)
+    test = read_split(vader_dir, "test")
+    assert test["row"].to_pylist() == list(range(test.num_rows))  # one order on every worker
+    for row in test.slice(0, 50).to_pylist():
+        decoded = tokenizer.decode(row["input_ids"], skip_special_tokens=True)
+        assert decoded.replace(" ", "") == tokenizer.decode(
+            tokenizer(row["text"])["input_ids"], skip_special_tokens=True
+        ).replace(" ", "")
+        assert row["input_ids"][0] == tokenizer.cls_token_id
+        assert row["input_ids"][-1] == tokenizer.sep_token_id
+    stats = info.token_stats["train"]
+    assert stats["rows"] == info.rows["train"]
+    assert 10 < stats["length_p50"] < stats["length_p99"] <= stats["length_max"]
+
+
+def write_reviews(path: Path, rows: int = 90) -> Path:
+    """A user's CSV: three classes, its own column names."""
+    texts = {
+        "bad": "the food was cold and the waiter rude",
+        "okay": "an average meal at an average price",
+        "great": "wonderful dinner, we will come back",
+    }
+    lines = ["review_id,comment,rating"]
+    for index in range(rows):
+        rating = list(texts)[index % 3]
+        lines.append(f'{index},"{texts[rating]} (visit {index})",{rating}')
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.mark.ray
+def test_a_users_csv_with_three_classes_and_truncation(
+    ray_cluster: None, tmp_path: Path, minilm: str
+) -> None:
+    from transformers import AutoTokenizer
+
+    csv = write_reviews(tmp_path / "reviews.csv")
+    options = PrepareOptions(
+        dataset=str(csv), text_column="comment", label_column="rating", max_length=8
+    )
+    data_dir = resolve_storage(tmp_path / "data")
+    info = prepare(options, data_dir, minilm, tmp_path / "download")
+    assert info.labels == ["bad", "great", "okay"]
+    assert info.rows == {"train": 72, "validation": 9, "test": 9}
+    assert info.stratified_by == "rating"
+    tokenizer = AutoTokenizer.from_pretrained(minilm)
+    for split in ("train", "validation", "test"):
+        table = read_split(data_dir, split)
+        assert Counter(table["label"].to_pylist()) == {i: info.rows[split] // 3 for i in range(3)}
+        for row in table.to_pylist():
+            assert len(row["input_ids"]) == 8  # every review is longer than 8 tokens: cut
+            assert row["input_ids"][-1] == tokenizer.sep_token_id  # with [SEP] kept at the end
+            first_word = row["text"].split()[0]
+            assert (
+                info.labels[row["label"]]
+                == {"the": "bad", "an": "okay", "wonderful,": "great"}[first_word]
+            )
+    assert info.token_stats["train"]["truncated_share"] == 1.0
+    # Preparing again with the same settings is a no-op; other settings need --force.
+    assert prepare(options, data_dir, minilm, tmp_path / "download") == info
+    with pytest.raises(DataError, match="pass --force to rewrite it"):
+        prepare(
+            PrepareOptions(dataset=str(csv), text_column="comment", label_column="rating"),
+            data_dir,
+            minilm,
+            tmp_path / "download",
+        )
+
+
+@pytest.mark.parametrize(
+    ("content", "columns", "message"),
+    [
+        (
+            "comment,rating\nhi,good\n",
+            ("text", "rating"),
+            r"has no column 'text' \(it has \['comment', 'rating'\]\): set --text-column",
+        ),
+        ("", ("comment", "rating"), r"reviews.csv is empty: give a file with a header and rows"),
+        (
+            "comment,rating\nhi,good\nho,good\n",
+            ("comment", "rating"),
+            r"label column 'rating' has one class \('good'\) in 2 rows",
+        ),
+        (
+            "comment,rating\n12,good\n13,bad\n",
+            ("comment", "rating"),
+            r"column 'comment' .* holds int64 values \(e.g. 12\), not text: set --text-column",
+        ),
+        (
+            "comment,rating\nhi,good\n,bad\n",
+            ("comment", "rating"),
+            r"column 'comment' .* is empty at row 1",
+        ),
+    ],
+    ids=["missing column", "empty file", "one class", "text not text", "empty text"],
+)
+def test_bad_data_is_refused_with_its_reason(
+    tmp_path: Path, minilm: str, content: str, columns: tuple[str, str], message: str
+) -> None:
+    csv = tmp_path / "reviews.csv"
+    csv.write_text(content)
+    options = PrepareOptions(dataset=str(csv), text_column=columns[0], label_column=columns[1])
+    with pytest.raises(DataError, match=message):
+        prepare(options, resolve_storage(tmp_path / "data"), minilm, tmp_path / "download")
+    assert not (tmp_path / "data" / "dataset.json").exists()
+
+
+def test_unknown_model_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(
+        ModelError, match=r"unknown model 'no-such-org/no-such-model': give a local"
+    ):
+        resolve_model("no-such-org/no-such-model")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelError, match=r"is a folder without config\.json"):
+        resolve_model(str(tmp_path / "empty"))
+
+
+def test_cli_reports_bad_input_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status = main(
+        ["prepare", "--dataset", str(tmp_path / "none.csv"), "--storage-path", str(tmp_path)]
+    )
+    assert status == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hf-finetune prepare: error: no data files at")
+    assert err.count("\n") == 1

@@ -1,0 +1,138 @@
+"""Real 2-worker Ray Train runs of the HF Trainer on VADER slices: learning, resume, reload, predict."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from ray.util.state import list_actors
+
+from hf_finetune.cli import main
+from hf_finetune.config import TrainConfig, cpu_preset
+from hf_finetune.evaluate import evaluate
+from hf_finetune.predict import predict_lines
+from hf_finetune.train import run
+from raytrain_common.configs import ConfigError
+from raytrain_common.metrics import read_metrics_csv
+from raytrain_common.storage import StoragePath, resolve_storage
+
+pytestmark = pytest.mark.ray
+
+
+def small_config(storage: Path, data_dir: StoragePath, **changes: Any) -> TrainConfig:
+    """The CPU preset on a slice of VADER that trains in about a minute on 2 cores."""
+    base = dataclasses.replace(
+        cpu_preset(),
+        storage_path=str(storage),
+        data_dir=data_dir.uri,
+        epochs=2,
+        limit_train_rows=1024,
+        limit_eval_rows=384,
+        log_every_steps=8,
+    )
+    return dataclasses.replace(base, **changes)
+
+
+def kill_a_worker_after_the_first_checkpoint(run_dir: Path, seen: dict[str, Any]) -> None:
+    """SIGKILL one worker once epoch 1's checkpoint is in storage, as a lost node would."""
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        states = list(run_dir.glob("checkpoint_*/checkpoint/trainer_state.json"))
+        if states:
+            time.sleep(3)  # past the controller's 2 s poll, so the report is registered
+            seen["epoch1"] = json.loads(states[0].read_text())["log_history"]
+            workers = list_actors(
+                filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")]
+            )
+            os.kill(workers[0].pid, signal.SIGKILL)
+            seen["pid"] = workers[0].pid
+            return
+        time.sleep(0.2)
+
+
+def test_two_workers_learn_survive_a_lost_worker_and_the_checkpoint_predicts(
+    ray_cluster: None, vader_dir: StoragePath, tmp_path: Path
+) -> None:
+    run_dir = tmp_path / "vader"
+    seen: dict[str, Any] = {}
+    killer = threading.Thread(
+        target=kill_a_worker_after_the_first_checkpoint, args=(run_dir, seen), daemon=True
+    )
+    killer.start()
+    summary = run(small_config(tmp_path, vader_dir, run_name="vader", max_failures=1))
+    killer.join(timeout=10)
+
+    # Resumed, not restarted: epoch 1's evaluation comes from before the kill, and the step count
+    # is what an uninterrupted run makes (1024 rows / 32 per step × 2 epochs).
+    assert "pid" in seen, "the worker was never killed"
+    rows = read_metrics_csv(resolve_storage(run_dir / "metrics.csv"))
+    assert [row["epoch"] for row in rows] == [1, 2]
+    epoch1_eval = next(r for r in seen["epoch1"] if "eval_loss" in r)
+    assert rows[0]["eval_loss"] == pytest.approx(epoch1_eval["eval_loss"], rel=1e-5)
+    assert summary["global_step"] == 64
+
+    # Learns: far above always answering the majority class, on held-out validation rows.
+    best = summary["best"]
+    assert best["eval_accuracy"] >= 0.72
+    assert best["eval_accuracy"] >= summary["majority_share_validation"] + 0.15
+    assert rows[1]["eval_loss"] < rows[0]["eval_loss"] + 0.05
+
+    # The best checkpoint is a plain Hugging Face folder that reloads and predicts.
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(summary["best_checkpoint"])
+    assert model.config.id2label == {0: "negative", 1: "positive"}
+    sentences = [
+        "What a wonderful, moving film; I loved every minute.",
+        "This is the worst, most boring product I have ever bought.",
+    ]
+    predicted = list(predict_lines(sentences, str(tmp_path), "vader"))
+    assert [label for label, _, _ in predicted] == ["positive", "negative"]
+    assert all(0.5 < probability <= 1 for _, probability, _ in predicted)
+
+    result = evaluate(str(tmp_path), "vader")
+    assert result["rows"] == 2_370
+    assert result["accuracy"] >= 0.72
+    assert (run_dir / "confusion_matrix.png").stat().st_size > 1000
+    written = json.loads((run_dir / "summary.json").read_text())
+    assert written["test"]["accuracy"] == result["accuracy"]
+
+
+def test_a_users_csv_trains_with_flags_alone(
+    ray_cluster: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Three classes and the user's own column names: prepare, train, evaluate, predict by CLI."""
+    from test_hf_data import write_reviews
+
+    csv = write_reviews(tmp_path / "reviews.csv", rows=240)
+    storage = ["--storage-path", str(tmp_path)]
+    assert main(["prepare", "--dataset", str(csv), "--text-column", "comment", "--label-column", "rating", *storage]) == 0  # fmt: skip
+    assert main(["train", "--epochs", "1", "--global-batch-size", "16", "--lr", "2e-4", "--run-name", "reviews", *storage]) == 0  # fmt: skip
+    assert main(["evaluate", "--run-name", "reviews", *storage]) == 0
+    (tmp_path / "new.txt").write_text(
+        "wonderful dinner, we will come back soon\n\nthe food was cold\n"
+    )
+    capsys.readouterr()
+    assert main(["predict", "--run-name", "reviews", *storage, str(tmp_path / "new.txt")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split("\t")[0] for line in lines] == ["great", "bad"]
+    summary = json.loads((tmp_path / "reviews" / "summary.json").read_text())
+    assert summary["labels"] == ["bad", "great", "okay"]
+    assert summary["test"]["accuracy"] == 1.0  # three templates: an easy, exact task
+
+
+def test_bad_settings_fail_before_training(
+    ray_cluster: None, vader_dir: StoragePath, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(ConfigError, match=r"global_batch_size=30 does not divide evenly over 4"):
+        run(small_config(tmp_path, vader_dir, num_workers=4, global_batch_size=30))
+    status = main(["train", "--data-dir", vader_dir.uri, "--model", str(tmp_path), "--storage-path", str(tmp_path)])  # fmt: skip
+    assert status == 2
+    assert "is a folder without config.json" in capsys.readouterr().err
