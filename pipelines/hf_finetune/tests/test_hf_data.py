@@ -123,7 +123,7 @@ def test_a_users_csv_with_three_classes_and_truncation(
             first_word = row["text"].split()[0]
             assert (
                 info.labels[row["label"]]
-                == {"the": "bad", "an": "okay", "wonderful,": "great"}[first_word]
+                == {"the": "bad", "an": "okay", "wonderful": "great"}[first_word]
             )
     assert info.token_stats["train"]["truncated_share"] == 1.0
     # Preparing again with the same settings is a no-op; other settings need --force.
@@ -157,12 +157,24 @@ def test_a_users_csv_with_three_classes_and_truncation(
             r"column 'comment' .* holds int64 values \(e.g. 12\), not text: set --text-column",
         ),
         (
-            "comment,rating\nhi,good\n,bad\n",
+            "comment,rating\nhi,good\n  ,bad\nho,bad\n",
             ("comment", "rating"),
-            r"column 'comment' .* is empty at row 1",
+            r"column 'comment' .* is empty at row 1 \(1 empty rows in all\)",
+        ),
+        (
+            "comment,rating\nhi,good\nho,bad\n",
+            ("comment", "rating"),
+            r"the validation split of .* has no rows \(2 rows in all\)",
         ),
     ],
-    ids=["missing column", "empty file", "one class", "text not text", "empty text"],
+    ids=[
+        "missing column",
+        "empty file",
+        "one class",
+        "text not text",
+        "blank text",
+        "too few rows",
+    ],
 )
 def test_bad_data_is_refused_with_its_reason(
     tmp_path: Path, minilm: str, content: str, columns: tuple[str, str], message: str

@@ -151,7 +151,9 @@ def _read_one(file: StoragePath) -> pa.Table:
         if suffix in (".jsonl", ".json"):
             return pa.json.read_json(io.BytesIO(data))
         delimiter = "\t" if suffix == ".tsv" else ","
-        return pa.csv.read_csv(io.BytesIO(data), parse_options=pa.csv.ParseOptions(delimiter))
+        return pa.csv.read_csv(
+            io.BytesIO(data), parse_options=pa.csv.ParseOptions(delimiter=delimiter)
+        )
     except (pa.ArrowInvalid, OSError) as error:
         raise DataError(f"cannot read {file.uri} as {suffix[1:]}: {error}") from error
 
@@ -195,12 +197,14 @@ def select_columns(
             "set --text-column to the column with the sentences"
         )
     labels = table.column(label_column).combine_chunks()
-    for name, column in ((text_column, text), (label_column, labels)):
-        if column.null_count:
-            row = int(pc.index(pc.is_null(column), True).as_py())
+    blank_text = pc.or_kleene(pc.is_null(text), pc.equal(pc.utf8_trim_whitespace(text), ""))
+    for name, blank in ((text_column, blank_text), (label_column, pc.is_null(labels))):
+        count = pc.sum(pc.fill_null(blank, True)).as_py() or 0
+        if count:
+            row = int(pc.index(pc.fill_null(blank, True), True).as_py())
             raise DataError(
-                f"column {name!r} of {where} is empty at row {row} ({column.null_count} empty "
-                "rows in all): fill or drop those rows"
+                f"column {name!r} of {where} is empty at row {row} ({count} empty rows in all): "
+                "fill or drop those rows"
             )
     return text.cast(pa.string()), labels
 
@@ -423,6 +427,12 @@ def prepare(
     stratify = options.stratify_column or ("source" if is_vader else options.label_column)
     normalised, names = normalise(raw, options, stratify, source)
     splits = assign_splits(normalised, options)
+    for split, table in splits.items():
+        if table.num_rows == 0:
+            raise DataError(
+                f"the {split} split of {source} has no rows ({sum(t.num_rows for t in splits.values())} "
+                "rows in all): give more data, or a larger --validation-fraction / --test-fraction"
+            )
 
     init_ray(train_cpus=1)  # only now: every check above runs without a cluster
     token_stats = {}

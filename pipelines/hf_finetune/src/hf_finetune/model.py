@@ -55,3 +55,13 @@ def build_model(model: str, labels: Sequence[str]) -> PreTrainedModel:
         # A checkpoint with another head (e.g. a run on other labels) gets a new one of the right size.
         ignore_mismatched_sizes=True,
     )
+
+
+def display_name(model: str) -> str:
+    """A short name for titles: the hub id, or a local folder's name (with its parent if generic)."""
+    local = Path(model)
+    if not local.is_absolute() and not model.startswith("."):
+        return model
+    return (
+        f"{local.parent.name}/{local.name}" if local.name in ("model", "checkpoint") else local.name
+    )

@@ -43,7 +43,7 @@ from hf_finetune.data import (
     read_split,
     tokenizer_fingerprint,
 )
-from hf_finetune.model import build_model, resolve_model
+from hf_finetune.model import build_model, display_name, resolve_model
 from raytrain_common.configs import (
     ConfigError,
     build_run_config,
@@ -344,7 +344,7 @@ def run(config: TrainConfig) -> dict[str, Any]:
     )
     log.info(
         "fine-tuning %s on %d rows, %d worker(s), %d epoch(s); run folder %s",
-        Path(model).name, train_rows, config.num_workers, config.epochs, storage.join(config.run_name),
+        display_name(model), train_rows, config.num_workers, config.epochs, storage.join(config.run_name),
     )  # fmt: skip
     result = trainer.fit()
     return write_run_outputs(storage.join(config.run_name), result, config, info, started)
@@ -404,7 +404,7 @@ def write_run_outputs(
         run_dir.join(CURVES_FILE),
         sorted(step_log + history, key=lambda row: row["epoch"]),
         [("loss", ["train_loss_interval", "eval_loss"]), ("score", ["eval_accuracy", "eval_f1"])],
-        title=f"{config.run_name}: {Path(config.model or '').name} on {info.source}",
+        title=f"{config.run_name}: {display_name(config.model or '')} on {info.source}",
         log_y=["loss"],
     )
     best_row = max(history, key=lambda row: row[SCORE])
