@@ -9,6 +9,7 @@ marks a complete folder.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
@@ -39,23 +40,42 @@ class TokenStats:
     length_max: int
 
 
+def load_fast_tokenizer_json(tokenizer_path: str) -> str:
+    """The Rust tokenizer behind a Hugging Face fast tokenizer, serialised (special tokens included).
+
+    Actors rebuild it with the small `tokenizers` library instead of importing transformers: that
+    import costs each actor seconds, which is most of the work for a few hundred thousand rows.
+    """
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    if not tokenizer.is_fast:
+        raise TokenizeError(f"{tokenizer_path!r} has no fast (Rust) tokenizer; give one that does")
+    return tokenizer.backend_tokenizer.to_str()
+
+
 class TokenizeBatch:
-    """A Ray Data callable class: loads the fast tokenizer once per actor, tokenises Arrow batches."""
+    """A Ray Data callable class: builds the fast tokenizer once per actor, tokenises Arrow batches."""
 
     def __init__(
         self,
-        tokenizer_path: str,
+        tokenizer_json: str,
         text_column: str,
         max_length: int,
         keep_columns: Sequence[str] = (),
     ) -> None:
-        from transformers import AutoTokenizer
+        from tokenizers import Tokenizer
 
-        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-        if not self.tokenizer.is_fast:
-            raise TokenizeError(
-                f"{tokenizer_path!r} has no fast (Rust) tokenizer; give one that does"
-            )
+        # One Rust thread per actor: the actors are the parallelism; more threads would oversubscribe
+        # the cores. (Read by the library at each call, so it holds in a reused worker process too.)
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        self.tokenizer = Tokenizer.from_str(tokenizer_json)
+        self.tokenizer.no_truncation()
+        self.tokenizer.no_padding()
+        self.truncating = Tokenizer.from_str(tokenizer_json)
+        self.truncating.no_padding()
+        # Truncation that accounts for the special tokens the post-processor adds.
+        self.truncating.enable_truncation(max_length)
         self.text_column = text_column
         self.max_length = max_length
         self.keep_columns = list(keep_columns)
@@ -76,15 +96,13 @@ class TokenizeBatch:
                 f"column {self.text_column!r} holds {type(text).__name__} ({text!r:.40}) at batch row "
                 f"{index}, not text: choose the text column with --text-column, or clean the data"
             )
-        ids = self.tokenizer(texts, truncation=False)["input_ids"]
+        ids = [encoding.ids for encoding in self.tokenizer.encode_batch_fast(texts)]
         lengths = np.array([len(row) for row in ids], dtype=np.int32)
         too_long = np.flatnonzero(lengths > self.max_length)
         if len(too_long):  # re-encode the few long rows with truncation, so special tokens stay
-            cut = self.tokenizer(
-                [texts[i] for i in too_long], truncation=True, max_length=self.max_length
-            )["input_ids"]
-            for i, row in zip(too_long, cut, strict=True):
-                ids[i] = row
+            cut = self.truncating.encode_batch_fast([texts[i] for i in too_long])
+            for i, encoding in zip(too_long, cut, strict=True):
+                ids[i] = encoding.ids
         columns = {
             "input_ids": pa.array(ids, type=pa.list_(pa.int32())),
             "length": pa.array(lengths),
@@ -118,9 +136,10 @@ def pretokenize(
         marker.filesystem.delete_file(marker.path)
     if output.exists():
         output.filesystem.delete_dir_contents(output.path)
+    tokenizer_json = load_fast_tokenizer_json(tokenizer_path)
     tokenized = dataset.map_batches(
         TokenizeBatch,
-        fn_constructor_args=(tokenizer_path, text_column, max_length, list(keep_columns)),
+        fn_constructor_args=(tokenizer_json, text_column, max_length, list(keep_columns)),
         batch_format="pyarrow",
         batch_size=batch_size,
         # Fractional CPUs: the actors must not take every slot from the read and write tasks.
