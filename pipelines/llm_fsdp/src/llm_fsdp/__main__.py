@@ -1,0 +1,5 @@
+import sys
+
+from llm_fsdp.cli import main
+
+sys.exit(main())

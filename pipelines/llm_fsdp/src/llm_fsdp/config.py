@@ -1,0 +1,112 @@
+"""The one typed config of a training run, with its CPU and GPU presets.
+
+Every field is a command-line flag (`llm-fsdp train --help`); a preset sets the defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import posixpath
+from dataclasses import dataclass
+
+from raytrain_common.cli import option
+from raytrain_common.configs import ConfigError, RayTrainSettings, per_worker_batch_size
+
+DEFAULT_DATA_FOLDER = "data/llm"
+
+
+@dataclass(kw_only=True)
+class TrainConfig(RayTrainSettings):
+    run_name: str = option("llm_fsdp", "Run folder under the storage path; rerun to continue it.")
+    data_dir: str | None = option(
+        None, f"Prepared, packed dataset (default: <storage-path>/{DEFAULT_DATA_FOLDER})."
+    )
+    model: str = option(
+        "tiny",
+        "A size preset built from config (tiny, small), smollm2 (the offline SmolLM2-135M that "
+        "`prepare --tokenizer smollm2` converted), or a local Hugging Face folder or hub id. "
+        "Its tokenizer must be the one the data was prepared with.",
+    )
+    max_steps: int = option(400, "Optimiser steps of the whole run (a rerun continues up to this).")
+    stop_at_step: int | None = option(
+        None,
+        "Stop after this step with a checkpoint; the schedule still runs to max_steps, and a rerun "
+        "continues (time-boxed or preemptible jobs).",
+    )
+    global_batch_size: int = option(16, "Sequences per optimiser step over all workers.")
+    grad_accum_steps: int = option(1, "Micro-batches per optimiser step: memory per step ÷ this.")
+    lr: float = option(2e-3, "Peak learning rate of AdamW.")
+    min_lr_ratio: float = option(0.1, "The cosine decays to lr × this.")
+    warmup_steps: int = option(30, "Steps warming the learning rate up linearly.")
+    weight_decay: float = option(0.1, "AdamW weight decay (not on norms and biases).")
+    grad_clip_norm: float = option(1.0, "Clip the gradient norm to this.")
+    bf16: bool = option(False, "bf16 parameters in compute with fp32 gradient reduction (GPU).")
+    activation_checkpointing: bool = option(
+        False, "Recompute each block's activations in the backward pass: less memory, ~30% slower."
+    )
+    eval_every_steps: int = option(50, "Validation loss and perplexity every N steps (and at 0).")
+    eval_batches: int = option(8, "Validation micro-batches per evaluation on each worker.")
+    checkpoint_every_steps: int = option(
+        100, "A sharded checkpoint every N steps (and at the end)."
+    )
+    log_every_steps: int = option(10, "Progress line every N steps (rank 0).")
+    seed: int = option(0, "Seed of weights init and of the data order.")
+
+    def resolved_data_dir(self) -> str:
+        return self.data_dir or posixpath.join(self.storage_path, DEFAULT_DATA_FOLDER)
+
+    def validate(self) -> None:
+        """Raise on values that cannot work, naming the value and the fix, before anything starts."""
+        self.validate_cluster_settings()
+        low, high = self.worker_counts()
+        for workers in range(low, high + 1):
+            per_worker_batch_size(self.global_batch_size, workers, self.grad_accum_steps)
+        positive = {
+            "max_steps": self.max_steps,
+            "lr": self.lr,
+            "eval_every_steps": self.eval_every_steps,
+            "eval_batches": self.eval_batches,
+            "checkpoint_every_steps": self.checkpoint_every_steps,
+            "log_every_steps": self.log_every_steps,
+            "grad_clip_norm": self.grad_clip_norm,
+        }
+        for name, value in positive.items():
+            if value <= 0:
+                raise ConfigError(f"{name}={value}: it must be above 0")
+        if not 0 <= self.warmup_steps < self.max_steps:
+            raise ConfigError(
+                f"warmup_steps={self.warmup_steps}: it must be at least 0 and below max_steps={self.max_steps}"
+            )
+        if self.stop_at_step is not None and not 0 < self.stop_at_step <= self.max_steps:
+            raise ConfigError(
+                f"stop_at_step={self.stop_at_step}: it must lie in 1..max_steps={self.max_steps}"
+            )
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"min_lr_ratio={self.min_lr_ratio}: it must be in [0, 1]")
+
+
+def cpu_preset() -> TrainConfig:
+    """Two CPU workers: the tiny preset from scratch on Shakespeare in ~10 minutes."""
+    return TrainConfig()
+
+
+def gpu_preset() -> TrainConfig:
+    """SmolLM2-135M continued pretraining on every GPU (set --num-workers), bf16."""
+    return dataclasses.replace(
+        TrainConfig(),
+        model="smollm2",
+        use_gpu=True,
+        bf16=True,
+        num_workers=1,
+        cpus_per_worker=4.0,
+        global_batch_size=64,
+        lr=3e-4,
+        warmup_steps=50,
+        max_steps=1000,
+        eval_every_steps=200,
+        eval_batches=16,
+        checkpoint_every_steps=200,
+    )
+
+
+PRESETS = {"cpu": cpu_preset(), "gpu": gpu_preset()}

@@ -1,0 +1,86 @@
+"""A sharded (DCP) checkpoint → one Hugging Face safetensors folder; sampling text from it.
+
+Consolidation runs in one process without a process group: DCP reads every rank's shards into the
+full tensors of a plain model, whatever the number of workers that wrote them.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from llm_fsdp.data import DataError
+from llm_fsdp.model import ModelSpec, build_model
+from llm_fsdp.train import STATE_FILE
+from raytrain_common.metrics import SUMMARY_FILE
+from raytrain_common.storage import resolve_storage
+
+
+def run_summary(storage_path: str, run_name: str) -> dict[str, Any]:
+    summary_file = resolve_storage(storage_path).join(run_name, SUMMARY_FILE)
+    if not summary_file.exists():
+        raise DataError(
+            f"no {SUMMARY_FILE} for run {run_name!r} under {storage_path}: train first, or give "
+            "--storage-path / --run-name of a finished run, or --checkpoint"
+        )
+    return json.loads(summary_file.read_text())
+
+
+def export(checkpoint: str, output: str, loop_config: dict[str, Any] | None = None) -> Path:
+    """Consolidate `checkpoint` into `output` (model.safetensors, config, tokenizer), atomically."""
+    from transformers import AutoTokenizer
+
+    folder = Path(checkpoint)
+    if not (folder / STATE_FILE).exists() or not (folder / ".metadata").exists():
+        raise DataError(
+            f"{checkpoint} is not a complete llm_fsdp checkpoint (no {STATE_FILE} / .metadata)"
+        )
+    config = loop_config or json.loads((folder / STATE_FILE).read_text())["loop_config"]
+    info, spec = config["dataset"], ModelSpec(**config["model"])
+    model = build_model(
+        spec, vocab_size=info["vocab_size"], seq_len=info["seq_len"], eos_id=info["eos_id"]
+    )
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=str(folder))
+    model.load_state_dict(state["model"])
+    target = Path(output)
+    staging = target.with_name(target.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(str(staging))
+    AutoTokenizer.from_pretrained(info["tokenizer"]).save_pretrained(str(staging))
+    if target.exists():
+        shutil.rmtree(target)
+    staging.rename(target)
+    return target
+
+
+@torch.inference_mode()
+def generate(
+    folder: str,
+    prompt: str,
+    max_new_tokens: int = 200,
+    temperature: float = 0.8,
+    top_k: int = 50,
+    seed: int = 0,
+) -> str:
+    """Sample a continuation of `prompt` from an exported Hugging Face folder."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    torch.manual_seed(seed)
+    inputs = tokenizer(prompt or tokenizer.eos_token, return_tensors="pt")
+    output = model.generate(
+        **inputs,
+        max_new_tokens=max_new_tokens,
+        do_sample=True,
+        temperature=temperature,
+        top_k=top_k,
+        pad_token_id=tokenizer.eos_token_id,
+    )
+    return tokenizer.decode(output[0], skip_special_tokens=True)
