@@ -210,6 +210,14 @@ def llm_fsdp_gpu(session: nox.Session) -> None:
 
 
 @nox.session(venv_backend="none")
+def bench_llm(session: nox.Session) -> None:
+    """Training tokens/s: 2-worker FSDP2 ÷ one plain process, same model and cores (MFU on GPU)."""
+    python = stack_python(session)
+    run_in_stack(session, python, "-m", "llm_fsdp", "prepare")
+    run_in_stack(session, python, "-m", "llm_fsdp.bench", *session.posargs)
+
+
+@nox.session(venv_backend="none")
 def tests(session: nox.Session) -> None:
     """Every package's tests and the cross-cutting ones, on real Ray clusters (~5 minutes)."""
     python = stack_python(session)

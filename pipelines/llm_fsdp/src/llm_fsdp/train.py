@@ -331,6 +331,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                     f"  MFU {row['mfu']:.1%}" if "mfu" in row else "",
                 )
             window_started, window_tokens, window_losses = time.perf_counter(), 0, []
+        paused = time.perf_counter()  # evaluation and checkpoints are left out of tokens/s
         if step % config.eval_every_steps == 0 or step == last_step:
             latest_val = evaluate(model, val_blocks, micro, config, device)
             row = {**(row or {"step": step}), **latest_val}
@@ -352,6 +353,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                 "loop_config": loop_config,
             }
             save_checkpoint(model, optimizer, saved, {"step": step, **latest_val})
+        window_started += time.perf_counter() - paused
 
 
 # ---------------------------------------------------------------------------------------------
