@@ -283,6 +283,8 @@ def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         "RAY_TMPDIR": str(temp),
     }
     env.pop("RAY_ADDRESS", None)
+    # The job driver finds the pipelines' commands on PATH, as in the image.
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     ray = str(Path(sys.executable).parent / "ray")
     subprocess.run(
         [ray, "start", "--head", f"--port={port}", f"--dashboard-port={dashboard}", "--dashboard-host=127.0.0.1",

@@ -18,7 +18,7 @@ PACKAGES = [ROOT / "packages" / "common", *PIPELINES]
 
 def readme_test_command() -> str:
     readme = (ROOT / "README.md").read_text()
-    section = readme.split("### 2. Run the tests", 1)[1]
+    section = re.split(r"### \d+\. Run the tests", readme, maxsplit=1)[1]
     return re.search(r"```bash\n(.+?)\n```", section, re.S).group(1).strip()
 
 
