@@ -1,13 +1,14 @@
 """The RayJob manifests: valid for KubeRay's CRD and Kubernetes, safe, and their entrypoints really run.
 
-Schema checks use KubeRay's published RayJob CRD (`../shared/kuberay/ray.io_rayjobs.yaml`, or the file
-named by `KUBERAY_CRD`) and the Kubernetes OpenAPI schemas (kubernetes-validate). Each entrypoint,
+Schema checks use KubeRay's published RayJob CRD (`../shared/kuberay/ray.io_rayjobs.yaml`, the file
+named by `KUBERAY_CRD`, or the same file in tests/data) and the Kubernetes OpenAPI schemas (kubernetes-validate). Each entrypoint,
 changed only to the CPU smoke size, is submitted through Ray's Job Submission API to a real local head.
 """
 
 from __future__ import annotations
 
 import copy
+import gzip
 import os
 import re
 import shutil
@@ -50,14 +51,18 @@ SMOKE = {
 
 
 def crd_schema() -> dict[str, Any]:
-    path = Path(
-        os.environ.get("KUBERAY_CRD", ROOT.parent / "shared" / "kuberay" / "ray.io_rayjobs.yaml")
-    )
-    if not path.exists():
-        pytest.fail(
-            f"KubeRay's RayJob CRD is not at {path}: set KUBERAY_CRD to ray.io_rayjobs.yaml"
-        )
-    crd = yaml.safe_load(path.read_text())
+    """KubeRay's RayJob CRD: KUBERAY_CRD, the shared copy beside the repo, or the one in tests/data."""
+    candidates = [
+        ROOT.parent / "shared" / "kuberay" / "ray.io_rayjobs.yaml",
+        ROOT / "tests" / "data" / "kuberay" / "ray.io_rayjobs.yaml.gz",
+    ]
+    if "KUBERAY_CRD" in os.environ:
+        candidates = [Path(os.environ["KUBERAY_CRD"])]
+    path = next((p for p in candidates if p.exists()), None)
+    if path is None:
+        pytest.fail(f"KubeRay's RayJob CRD is at none of {candidates}: set KUBERAY_CRD")
+    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+    crd = yaml.safe_load(text)
     version = next(v for v in crd["spec"]["versions"] if v["name"] == "v1")
     return version["schema"]["openAPIV3Schema"]
 
