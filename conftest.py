@@ -1,4 +1,5 @@
-"""Fixtures every test folder shares: one real local Ray cluster per test session."""
+"""Fixtures every test folder shares: one real local Ray cluster per test session; `gpu` tests
+skipped where there is no CUDA GPU."""
 
 from __future__ import annotations
 
@@ -10,6 +11,18 @@ import pytest
 os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`gpu` tests run where CUDA is and are skipped, with the reason, everywhere else."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

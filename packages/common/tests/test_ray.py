@@ -27,10 +27,13 @@ def test_local_cluster_leaves_cpus_for_ray_data(ray_cluster: None) -> None:
 
 
 def test_missing_gpus_fail_at_once_with_the_fix(ray_cluster: None) -> None:
+    # More GPUs than the cluster has, whether this machine has none or some.
+    wanted = int(ray.cluster_resources().get("GPU", 0)) + 2
     with pytest.raises(
-        ResourceError, match=r"needs GPU=2 but the Ray cluster has CPU=\d+, GPU=0 .*Drop --use-gpu"
+        ResourceError,
+        match=rf"needs GPU={wanted} but the Ray cluster has CPU=\d+, GPU=\d+ .*Drop --use-gpu",
     ):
-        require_resources({"CPU": 2, "GPU": 2}, hint="Drop --use-gpu.")
+        require_resources({"CPU": 2, "GPU": wanted}, hint="Drop --use-gpu.")
     require_resources({"CPU": 1})
 
 

@@ -111,9 +111,10 @@ def test_another_idx_dataset_trains_with_no_code_change(ray_cluster: None, tmp_p
         ),
         ({"global_batch_size": 128, "grad_accum_steps": 3}, ConfigError, r"choose a multiple of 6"),
         (
-            {"use_gpu": True},
+            # 2 workers × 64 GPUs: more than any machine these tests run on, with GPUs or not.
+            {"use_gpu": True, "gpus_per_worker": 64.0},
             ResourceError,
-            r"needs .*GPU=2 but the Ray cluster has .*GPU=0.*Drop --use-gpu",
+            r"needs .*GPU=128 but the Ray cluster has .*GPU=\d+.*Drop --use-gpu",
         ),
         ({"epochs": 0}, ConfigError, r"epochs=0: it must be above 0"),
         (

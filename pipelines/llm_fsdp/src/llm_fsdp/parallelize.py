@@ -1,4 +1,5 @@
-"""All the parallelism in one place: activation checkpointing, then FSDP2 per block, then the root.
+"""All the parallelism and compilation in one place: activation checkpointing, torch.compile per block,
+then FSDP2 per block and at the root (the order torchtitan uses).
 
 The model file knows nothing of this; swapping FSDP for another strategy changes only this file.
 `ray.train.torch.prepare_model(parallel_strategy="fsdp")` refuses CPUs, so FSDP2 is applied directly.
@@ -11,6 +12,8 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from llm_fsdp.loss import NextTokenLoss
+
 
 def decoder_blocks(model: torch.nn.Module) -> torch.nn.ModuleList:
     """The repeated transformer blocks of a Hugging Face causal LM (Llama, Mistral, Qwen, ...)."""
@@ -20,19 +23,33 @@ def decoder_blocks(model: torch.nn.Module) -> torch.nn.ModuleList:
     return blocks
 
 
+def compile_model(model: NextTokenLoss) -> None:
+    """torch.compile each decoder block in place and the loss's per-chunk softmax.
+
+    In place, so state-dict keys stay unchanged; every block has the same code and shapes, so one
+    compiled graph serves all of them; FSDP's hooks, added afterwards, stay outside the graphs.
+    """
+    for block in decoder_blocks(model.lm):
+        block.compile()
+    model.chunk_loss = torch.compile(model.chunk_loss)
+
+
 def parallelize(
-    model: torch.nn.Module,
+    model: NextTokenLoss,
     *,
     device_type: str,
     world_size: int,
     bf16: bool,
     activation_checkpointing: bool,
-) -> torch.nn.Module:
+    compile: bool,
+) -> NextTokenLoss:
     """Shard `model` in place over all ranks; return it (now with DTensor parameters)."""
-    blocks = decoder_blocks(model)
+    blocks = decoder_blocks(model.lm)
     if activation_checkpointing:
         for index, block in enumerate(blocks):
             blocks[index] = checkpoint_wrapper(block)
+    if compile:
+        compile_model(model)
     mesh = init_device_mesh(device_type, (world_size,))
     # bf16 compute with fp32 gradient reduction on GPUs; plain fp32 on CPUs (gloo has no bf16 speed).
     policy = (
@@ -42,8 +59,8 @@ def parallelize(
     )
     for index, block in enumerate(blocks):
         # The last block's parameters are needed again at once by the backward pass: keep them.
-        fully_shard(
-            block, mesh=mesh, mp_policy=policy, reshard_after_forward=index < len(blocks) - 1
-        )
+        # On one rank a reshard saves no memory and costs a copy: never.
+        reshard = world_size > 1 and index < len(blocks) - 1
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     return model

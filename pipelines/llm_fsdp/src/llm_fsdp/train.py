@@ -22,7 +22,6 @@ import ray.train.torch
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.nn.functional as functional
 from ray.train import Checkpoint
 from ray.train.torch import TorchTrainer
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -30,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from llm_fsdp import __version__
 from llm_fsdp.config import TrainConfig
 from llm_fsdp.data import DataError, DatasetInfo, inspect_dataset, read_blocks
+from llm_fsdp.loss import NextTokenLoss
 from llm_fsdp.model import ModelSpec, build_model, max_positions, parameter_count, resolve_model
 from llm_fsdp.parallelize import parallelize
 from raytrain_common.configs import (
@@ -39,6 +39,7 @@ from raytrain_common.configs import (
     build_torch_config,
     per_worker_batch_size,
 )
+from raytrain_common.hardware import peak_bf16_flops, peak_memory_gb
 from raytrain_common.metrics import (
     SUMMARY_FILE,
     package_versions,
@@ -55,8 +56,6 @@ SCORE = "val_loss"
 STATE_FILE = "train_state.json"  # step, data position, history: beside the DCP shards
 METRICS_FILE = "metrics.csv"
 CURVES_FILE = "curves.png"
-# Dense bf16 peak FLOP/s by device name fragment, for MFU (NVIDIA data sheets, SXM parts).
-PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12, "A10": 125e12}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -78,13 +77,6 @@ def learning_rate(step: int, config: TrainConfig) -> float:
 def flops_per_token(parameters: int, layers: int, hidden: int, seq_len: int) -> float:
     """Training FLOPs per token: 6N for the matmuls of weights, plus 12·L·H·T for attention."""
     return 6 * parameters + 12 * layers * hidden * seq_len
-
-
-def peak_flops(device: torch.device) -> float | None:
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -121,22 +113,39 @@ def micro_batches(indices: np.ndarray, rank: int, world: int, accum: int) -> lis
 # ---------------------------------------------------------------------------------------------
 
 
-def token_loss_sum(model: torch.nn.Module, blocks: torch.Tensor) -> torch.Tensor:
-    """Summed next-token cross-entropy over a batch of blocks (inputs: all but the last token)."""
-    logits = model(input_ids=blocks[:, :-1]).logits
-    return functional.cross_entropy(
-        logits.flatten(0, 1).float(), blocks[:, 1:].flatten(), reduction="sum"
-    )
+def stage_blocks(blocks: np.ndarray, device: torch.device) -> torch.Tensor:
+    """The token blocks where batches are cut from fastest: on the GPU when they take under 1/16 of
+    its free memory (Shakespeare in SmolLM2's tokens: 15 MB), else in pinned host memory."""
+    tensor = torch.from_numpy(blocks)
+    if device.type != "cuda":
+        return tensor
+    free, _ = torch.cuda.mem_get_info(device)
+    return tensor.to(device) if tensor.nbytes < free // 16 else tensor.pin_memory()
+
+
+def take_blocks(staged: torch.Tensor, indices: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Rows `indices` of the staged blocks on `device`, without making the host wait for the GPU."""
+    index = torch.from_numpy(indices)
+    if staged.device.type == "cuda":
+        return staged.index_select(0, index.pin_memory().to(device, non_blocking=True))
+    rows = staged.index_select(0, index)
+    if device.type == "cuda":
+        return rows.pin_memory().to(device, non_blocking=True)
+    return rows
 
 
 def train_step(
-    model: torch.nn.Module,
+    model: NextTokenLoss,
     optimizer: torch.optim.Optimizer,
     batches: list[torch.Tensor],
     config: TrainConfig,
     step: int,
-) -> tuple[float, float]:
-    """One optimiser step over this rank's micro-batches; returns (global mean loss, grad norm)."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimiser step over this rank's micro-batches.
+
+    Returns this rank's summed token loss and the global gradient norm as device tensors: reading
+    them would make the host wait for the GPU every step, so the loop reads them when it logs.
+    """
     lr = learning_rate(step, config)
     for group in optimizer.param_groups:
         group["lr"] = lr
@@ -145,7 +154,7 @@ def train_step(
     for index, blocks in enumerate(batches):
         # Gradients are reduced across ranks once, after the last micro-batch.
         model.set_requires_gradient_sync(index == len(batches) - 1)
-        loss_sum = token_loss_sum(model, blocks)
+        loss_sum = model(blocks)
         # Normalised by token count: every micro-batch holds the same number of tokens (packed
         # blocks, no padding), and FSDP averages over ranks, so this is the global per-token mean.
         (loss_sum / (tokens_per_micro * len(batches))).backward()
@@ -153,26 +162,47 @@ def train_step(
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    dist.all_reduce(local_sum)
-    mean = local_sum.item() / (tokens_per_micro * len(batches) * dist.get_world_size())
+    total_norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    return local_sum, total_norm
+
+
+def mean_window_loss(local_sums: torch.Tensor, tokens_per_rank: int, step: int) -> float:
+    """The global per-token training loss of a window of steps (one collective, one host sync)."""
+    total = local_sums.clone()
+    dist.all_reduce(total)
+    mean = total.item() / (tokens_per_rank * dist.get_world_size())
     if not math.isfinite(mean):
         raise FloatingPointError(
-            f"rank {dist.get_rank()}: training loss is {mean} at step {step + 1}: lower --lr, "
-            "or raise --warmup-steps"
+            f"rank {dist.get_rank()}: training loss is {mean} in the steps up to {step}: lower "
+            "--lr, or raise --warmup-steps"
         )
-    total_norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-    return mean, float(total_norm)
+    return mean
 
 
 @torch.no_grad()
 def evaluate(
-    model: torch.nn.Module,
+    model: NextTokenLoss,
     blocks: np.ndarray,
     micro: int,
     config: TrainConfig,
     device: torch.device,
 ) -> dict[str, float]:
-    """Mean validation loss over the same first blocks every time (each rank its share), all-reduced."""
+    """Mean validation loss over the same first blocks every time (each rank its share), all-reduced.
+
+    Eager even when the blocks are compiled: its batches' shapes vary, and compiling for them
+    would recompile the training graphs with dynamic shapes.
+    """
+    with torch.compiler.set_stance("force_eager"):
+        return _evaluate(model, blocks, micro, config, device)
+
+
+def _evaluate(
+    model: NextTokenLoss,
+    blocks: np.ndarray,
+    micro: int,
+    config: TrainConfig,
+    device: torch.device,
+) -> dict[str, float]:
     model.eval()
     rank, world = dist.get_rank(), dist.get_world_size()
     wanted = min(len(blocks), config.eval_batches * micro * world)
@@ -182,10 +212,10 @@ def evaluate(
     for chunk in np.array_split(mine, max(1, math.ceil(wanted / world / micro))):
         if len(chunk):
             batch = torch.from_numpy(blocks[chunk]).to(device)
-            totals[0] += token_loss_sum(model, batch)
+            totals[0] += model(batch)
             totals[1] += batch.shape[0] * (batch.shape[1] - 1)
         else:
-            token_loss_sum(model, torch.from_numpy(blocks[:1]).to(device))
+            model(torch.from_numpy(blocks[:1]).to(device))
     dist.all_reduce(totals)
     model.train()
     loss = (totals[0] / totals[1]).item()
@@ -198,12 +228,13 @@ def evaluate(
 
 
 def save_checkpoint(
-    model: torch.nn.Module,
+    model: NextTokenLoss,
     optimizer: torch.optim.Optimizer,
     state: dict[str, Any],
     metrics: dict[str, float],
 ) -> None:
-    model_state, optimizer_state = get_state_dict(model, optimizer)
+    # The LM's state alone, so the keys are a plain Hugging Face model's (export loads them).
+    model_state, optimizer_state = get_state_dict(model.lm, optimizer)
     with tempfile.TemporaryDirectory(prefix="llm-fsdp-ckpt-") as folder:
         dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=folder)
         if dist.get_rank() == 0:
@@ -212,14 +243,14 @@ def save_checkpoint(
 
 
 def load_checkpoint(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: str
+    model: NextTokenLoss, optimizer: torch.optim.Optimizer, folder: str
 ) -> dict[str, Any]:
     """Load shards into the current sharding (DCP reshards for another worker count)."""
-    model_state, optimizer_state = get_state_dict(model, optimizer)
+    model_state, optimizer_state = get_state_dict(model.lm, optimizer)
     loaded = {"model": model_state, "optimizer": optimizer_state}
     dcp.load(loaded, checkpoint_id=folder)
     set_state_dict(
-        model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optimizer"]
+        model.lm, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optimizer"]
     )
     return json.loads((Path(folder) / STATE_FILE).read_text())
 
@@ -230,14 +261,15 @@ def load_checkpoint(
 
 
 def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW; no weight decay on norms and biases (1-D parameters)."""
+    """AdamW, fused into one kernel on GPUs; no weight decay on norms and biases (1-D parameters)."""
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     groups = [
         {"params": decay, "weight_decay": config.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95), eps=1e-8)
+    fused = next(model.parameters()).device.type == "cuda"
+    return torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused)
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
@@ -249,20 +281,22 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     micro = per_worker_batch_size(config.global_batch_size, world, config.grad_accum_steps)
 
     torch.manual_seed(config.seed)  # the same initial weights on every rank before sharding
-    model = build_model(spec, vocab_size=info.vocab_size, seq_len=info.seq_len, eos_id=info.eos_id)
-    parameters = parameter_count(model)
-    model.to(device)
+    lm = build_model(spec, vocab_size=info.vocab_size, seq_len=info.seq_len, eos_id=info.eos_id)
+    parameters = parameter_count(lm)
+    model = NextTokenLoss(lm, chunk_tokens=config.loss_chunk_tokens).to(device)
     parallelize(
         model,
         device_type=device.type,
         world_size=world,
         bf16=config.bf16,
         activation_checkpointing=config.activation_checkpointing,
+        compile=config.compile,
     )
     optimizer = build_optimizer(model, config)
 
     data_dir = resolve_storage(config.resolved_data_dir())
-    train_blocks, val_blocks = read_blocks(data_dir, "train"), read_blocks(data_dir, "validation")
+    train_blocks = stage_blocks(read_blocks(data_dir, "train"), device)
+    val_blocks = read_blocks(data_dir, "validation")
     state: dict[str, Any] = {"step": 0, "history": []}
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is not None:
@@ -277,9 +311,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             )
     history: list[dict[str, float]] = state["history"]
     step = state["step"]
-    peak = peak_flops(device)
+    peak = peak_bf16_flops(device)
     per_token = flops_per_token(
-        parameters, model.config.num_hidden_layers, model.config.hidden_size, info.seq_len
+        parameters, lm.config.num_hidden_layers, lm.config.hidden_size, info.seq_len
     )
     latest_val: dict[str, float] = next((r for r in reversed(history) if "val_loss" in r), {})
     if step == 0:
@@ -287,50 +321,58 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         history.append({"step": 0, **latest_val})
         if rank == 0:
             log.info(
-                "step 0  val loss %.4f  perplexity %.1f",
+                "step 0  val loss %.4f  perplexity %.1f  (compute in %s)",
                 latest_val["val_loss"],
                 latest_val["val_perplexity"],
+                model.compute_dtype,
             )
 
-    window_started, window_tokens, window_losses = time.perf_counter(), 0, []
+    tokens_per_rank_step = micro * config.grad_accum_steps * info.seq_len
+    window_started, window_steps = time.perf_counter(), 0
+    window_loss = torch.zeros((), device=device)
     last_step = min(config.max_steps, config.stop_at_step or config.max_steps)
     while step < last_step:
         indices = global_batch_indices(
             step, config.global_batch_size, len(train_blocks), config.seed
         )
         batches = [
-            torch.from_numpy(train_blocks[part]).to(device)
+            take_blocks(train_blocks, part, device)
             for part in micro_batches(indices, rank, world, config.grad_accum_steps)
         ]
-        loss, grad_norm = train_step(model, optimizer, batches, config, step)
+        loss_sum, grad_norm = train_step(model, optimizer, batches, config, step)
         step += 1
-        window_tokens += config.global_batch_size * info.seq_len
-        window_losses.append(loss)
+        window_steps += 1
+        window_loss += loss_sum
         row: dict[str, float] | None = None
         if step % config.log_every_steps == 0 or step == last_step:
+            # The only host syncs of the loop: the reduced loss and the norm, once per window.
+            train_loss = mean_window_loss(window_loss, tokens_per_rank_step * window_steps, step)
             elapsed = time.perf_counter() - window_started
-            tokens_per_s = window_tokens / elapsed
+            tokens_per_s = window_steps * config.global_batch_size * info.seq_len / elapsed
             row = {
                 "step": step,
-                "train_loss": float(np.mean(window_losses)),
+                "train_loss": train_loss,
                 "lr": learning_rate(step - 1, config),
-                "grad_norm": grad_norm,
+                "grad_norm": float(grad_norm),
                 "tokens_per_s": tokens_per_s,
             }
             if peak is not None:
                 row["mfu"] = tokens_per_s * per_token / (peak * world)
-                row["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
+            if device.type == "cuda":
+                row["peak_memory_gb"] = peak_memory_gb(device)
             if rank == 0:
                 log.info(
-                    "step %d/%d  loss %.4f  lr %.2e  %.0f tokens/s%s",
+                    "step %d/%d  loss %.4f  lr %.2e  %.0f tokens/s%s%s",
                     step,
                     config.max_steps,
                     row["train_loss"],
                     row["lr"],
                     tokens_per_s,
                     f"  MFU {row['mfu']:.1%}" if "mfu" in row else "",
+                    f"  peak {row['peak_memory_gb']:.1f} GiB" if "peak_memory_gb" in row else "",
                 )
-            window_started, window_tokens, window_losses = time.perf_counter(), 0, []
+            window_started, window_steps = time.perf_counter(), 0
+            window_loss.zero_()
         paused = time.perf_counter()  # evaluation and checkpoints are left out of tokens/s
         if step % config.eval_every_steps == 0 or step == last_step:
             latest_val = evaluate(model, val_blocks, micro, config, device)
@@ -349,6 +391,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                 "step": step,
                 "sequences_seen": step * config.global_batch_size,
                 "world_size": world,
+                "compute_dtype": str(model.compute_dtype).removeprefix("torch."),
                 "history": history,
                 "loop_config": loop_config,
             }
@@ -385,6 +428,8 @@ def run(config: TrainConfig) -> dict[str, Any]:
             f"{info.blocks('train')} training blocks make no global batch of {config.global_batch_size}: "
             "give a larger corpus, a shorter --seq-len or a smaller --global-batch-size"
         )
+    config = config.with_steps_for(info.blocks("train"))
+    config.validate()
     config = dataclasses.replace(config, storage_path=storage.uri, data_dir=data_dir.uri)
     start_ray_for_run(config, storage, data_dir)
 
@@ -435,6 +480,9 @@ def write_run_outputs(
     )
     evals = [row for row in history if "val_loss" in row]
     best = result.get_best_checkpoint(SCORE, "min") if result.best_checkpoints else None
+    windows = [row for row in history if "tokens_per_s" in row]
+    # The first window holds the compilation and warm-up: the steady figures leave it out.
+    steady = windows[1:] or windows
     summary = {
         "pipeline": "llm_fsdp",
         "pipeline_version": __version__,
@@ -444,10 +492,14 @@ def write_run_outputs(
         "steps_done": state["step"],
         "first_eval": evals[0],
         "final_eval": evals[-1],
+        "best_eval": min(evals, key=lambda row: row["val_loss"]),
         "val_loss_drop": 1 - evals[-1]["val_loss"] / evals[0]["val_loss"],
-        "tokens_per_s": float(
-            np.median([r["tokens_per_s"] for r in history if "tokens_per_s" in r] or [0])
+        "tokens_per_s": float(np.median([r["tokens_per_s"] for r in steady] or [0])),
+        "mfu": _median_of(steady, "mfu"),
+        "peak_memory_gb": max(
+            (r["peak_memory_gb"] for r in windows if "peak_memory_gb" in r), default=None
         ),
+        "compute_dtype": state.get("compute_dtype"),
         "best_checkpoint": _uri(run_dir, best.path) if best else None,
         "latest_checkpoint": _uri(run_dir, result.checkpoint.path),
         "metrics_csv": run_dir.join(METRICS_FILE).uri,
@@ -459,6 +511,11 @@ def write_run_outputs(
     }
     write_summary(run_dir.join(SUMMARY_FILE), summary)
     return summary
+
+
+def _median_of(rows: list[dict[str, float]], key: str) -> float | None:
+    values = [row[key] for row in rows if key in row]
+    return float(np.median(values)) if values else None
 
 
 def _uri(run_dir: StoragePath, path: str) -> str:

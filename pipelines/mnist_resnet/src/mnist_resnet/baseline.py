@@ -24,6 +24,7 @@ from mnist_resnet.train import (
     steps_per_epoch,
     warmup_cosine,
 )
+from raytrain_common.hardware import peak_memory_gb
 from raytrain_common.storage import resolve_storage
 
 log = logging.getLogger("mnist_resnet.baseline")
@@ -48,6 +49,8 @@ def run_baseline(config: TrainConfig) -> dict[str, Any]:
         optimizer, warmup_cosine(steps * config.epochs, config.warmup_fraction)
     )
     history = []
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     for epoch in range(1, config.epochs + 1):
         model.train()
         order = torch.randperm(len(train_labels))
@@ -76,14 +79,15 @@ def run_baseline(config: TrainConfig) -> dict[str, Any]:
             else config.global_batch_size * steps / elapsed
         )
         accuracy = evaluate_arrays(model, test.images, test.labels, info, device)
-        history.append(
-            {
-                "epoch": epoch,
-                "test_accuracy": accuracy,
-                "train_images_per_s": rate,
-                "epoch_train_s": elapsed,
-            }
-        )
+        row = {
+            "epoch": epoch,
+            "test_accuracy": accuracy,
+            "train_images_per_s": rate,
+            "epoch_train_s": elapsed,
+        }
+        if device.type == "cuda":
+            row["peak_memory_gb"] = peak_memory_gb(device)
+        history.append(row)
         log.info("epoch %d  test accuracy %.4f  %.0f img/s", epoch, accuracy, rate)
     return {"history": history, "threads": torch.get_num_threads(), "device": str(device)}
 

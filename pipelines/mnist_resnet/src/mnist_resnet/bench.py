@@ -1,11 +1,13 @@
-"""Benchmark: steady-state training images/s of the 2-worker Ray Train pipeline ÷ the plain baseline.
+"""Benchmark: steady-state training images/s of the Ray Train pipeline ÷ the plain baseline.
 
-All run here, one after the other, on the same cores and the same rows, so the ratio is what Ray
-Train, Ray Data and DDP cost (or gain) over a single PyTorch process. A third run, plain DDP in
-processes started by torch.multiprocessing on data held in memory, splits that cost into what DDP's
-gradient all-reduce takes and what Ray adds. Start-up is reported apart.
+All run here, one after the other, on the same device and the same rows, so the ratio is what Ray
+Train, Ray Data and DDP cost (or gain) over a single PyTorch process. On a CPU box: the `cpu` preset
+with 2 workers, plus a third run, plain DDP in processes started by torch.multiprocessing on data
+held in memory, that splits the cost into what DDP's gradient all-reduce takes and what Ray adds. On
+a GPU machine: the `gpu` preset (bf16, batch 512), one worker per GPU, all 60k rows, with MFU and
+peak memory beside each figure. Start-up is reported apart.
 
-    python -m mnist_resnet.bench [--rows 15360] [--storage-path ./runs]
+    python -m mnist_resnet.bench [--preset cpu|gpu] [--rows N] [--epochs N] [--storage-path ./runs]
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F  # noqa: N812
 
 from mnist_resnet.baseline import run_baseline
-from mnist_resnet.config import TrainConfig, cpu_preset
+from mnist_resnet.config import PRESETS, TrainConfig
 from mnist_resnet.data import inspect_dataset, normalise, read_split_arrays
 from mnist_resnet.model import build_model
 from mnist_resnet.train import (
@@ -33,6 +35,7 @@ from mnist_resnet.train import (
     warmup_cosine,
 )
 from raytrain_common.configs import per_worker_batch_size
+from raytrain_common.hardware import mfu
 from raytrain_common.metrics import write_metrics_csv
 from raytrain_common.storage import resolve_storage
 
@@ -91,20 +94,53 @@ def run_plain_ddp(config: TrainConfig) -> float:
         return float(results["images_per_s"])
 
 
+def training_flops_per_image(num_classes: int, height: int, width: int) -> float:
+    """Forward + backward FLOPs of one image through the model, as torch's FLOP counter sees them."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = build_model(num_classes)
+    counter = FlopCounterMode(display=False)
+    with counter:
+        F.cross_entropy(model(torch.randn(2, 1, height, width)), torch.tensor([0, 1])).backward()
+    return counter.get_total_flops() / 2
+
+
 def main(argv: list[str] | None = None) -> int:
+    on_gpu = torch.cuda.is_available()
     parser = argparse.ArgumentParser(prog="python -m mnist_resnet.bench", description=__doc__)
-    parser.add_argument("--rows", type=int, default=15_360, help="training rows (default: 15360)")
+    preset_default = "gpu" if on_gpu else "cpu"
+    parser.add_argument(
+        "--preset",
+        choices=list(PRESETS),
+        default=preset_default,
+        help=f"(default here: {preset_default})",
+    )
+    parser.add_argument(
+        "--rows",
+        type=int,
+        default=None if on_gpu else 15_360,
+        help="training rows (default: 15360 on CPU, all 60k on GPU)",
+    )
+    parser.add_argument(
+        "--epochs",
+        type=int,
+        default=2 if on_gpu else 1,
+        help="the last one is measured (default: 1 on CPU, 2 on GPU)",
+    )
     parser.add_argument("--storage-path", default="./runs", help="(default: ./runs)")
-    parser.add_argument("--num-workers", type=int, default=2, help="Ray workers (default: 2)")
+    parser.add_argument(
+        "--num-workers", type=int, default=None, help="Ray workers (default: 2 on CPU, 1 per GPU)"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
+    preset = PRESETS[args.preset]
     config = dataclasses.replace(
-        cpu_preset(),
+        preset,
         storage_path=args.storage_path,
         run_name=RUN_NAME,
-        num_workers=args.num_workers,
-        epochs=1,
+        num_workers=args.num_workers or (torch.cuda.device_count() if preset.use_gpu else 2),
+        epochs=args.epochs,
         limit_train_rows=args.rows,
         limit_test_rows=1000,
         log_every_steps=20,
@@ -112,9 +148,13 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = resolve_storage(args.storage_path).join(RUN_NAME)
     if run_dir.is_dir():  # a benchmark measures a fresh run, never a resumed one
         run_dir.filesystem.delete_dir(run_dir.path)
+    info = inspect_dataset(resolve_storage(config.resolved_data_dir()))
+    per_image = training_flops_per_image(info.num_classes, info.height, info.width)
+    device = torch.device("cuda" if config.use_gpu else "cpu")
 
-    baseline = run_baseline(config)["history"][0]
-    plain_ddp = run_plain_ddp(config)
+    baseline = run_baseline(config)["history"][-1]
+    # Plain DDP runs gloo processes on the CPU cores: a comparison for CPU boxes only.
+    plain_ddp = None if config.use_gpu else run_plain_ddp(config)
     started = time.perf_counter()
     summary = run(config)
     ray_wall = time.perf_counter() - started
@@ -123,43 +163,55 @@ def main(argv: list[str] | None = None) -> int:
     rows = [
         {
             "pipeline": "baseline (1 process)",
-            "threads": torch.get_num_threads(),
             "images_per_s": baseline["train_images_per_s"],
             "epoch_train_s": baseline["epoch_train_s"],
             "startup_s": 0.0,
+            "peak_memory_gb": baseline.get("peak_memory_gb"),
         },
         {
-            "pipeline": f"plain DDP ({args.num_workers} procs)",
-            "threads": 1,
-            "images_per_s": plain_ddp,
-            "epoch_train_s": float("nan"),
-            "startup_s": float("nan"),
-        },
-        {
-            "pipeline": f"ray train ({args.num_workers} workers)",
-            "threads": 1,
+            "pipeline": f"ray train ({config.num_workers} workers)",
             "images_per_s": ray_epoch["train_images_per_s"],
             "epoch_train_s": ray_epoch["epoch_train_s"],
             # Everything the Ray run spent outside its training and evaluation loops.
-            "startup_s": ray_wall - ray_epoch["epoch_train_s"] - ray_epoch["epoch_eval_s"],
+            "startup_s": ray_wall - summary["train_time_s"],
+            "peak_memory_gb": ray_epoch.get("peak_memory_gb"),
         },
     ]
+    if plain_ddp is not None:
+        rows.insert(
+            1, {"pipeline": f"plain DDP ({config.num_workers} procs)", "images_per_s": plain_ddp}
+        )
+    for row in rows:
+        row["mfu"] = mfu(row["images_per_s"] * per_image, device, config.num_workers)
     csv_file = resolve_storage(args.storage_path).join("bench", "bench_mnist.csv")
     write_metrics_csv(csv_file, [*rows, {"pipeline": "ratio", "images_per_s": ratio}])
-    print(f"\n{'pipeline':<24}{'threads/proc':>13}{'images/s':>10}{'epoch s':>9}{'start-up s':>12}")
+    where = (
+        torch.cuda.get_device_name(0) if config.use_gpu else f"{torch.get_num_threads()} threads"
+    )
+    print(
+        f"\n{args.preset} preset, batch {config.global_batch_size}, {where}, {per_image / 1e9:.2f} GFLOP per image"
+    )
+    print(
+        f"{'pipeline':<24}{'images/s':>10}{'epoch s':>9}{'start-up s':>12}{'MFU':>8}{'peak GiB':>10}"
+    )
     for row in rows:
         print(
-            f"{row['pipeline']:<24}{row['threads']:>13}{row['images_per_s']:>10.1f}"
-            f"{row['epoch_train_s']:>9.1f}{row['startup_s']:>12.1f}"
+            f"{row['pipeline']:<24}{row['images_per_s']:>10.1f}{_cell(row.get('epoch_train_s'), '.1f'):>9}"
+            f"{_cell(row.get('startup_s'), '.1f'):>12}{_cell(row['mfu'], '.1%'):>8}{_cell(row.get('peak_memory_gb'), '.2f'):>10}"
         )
     print(f"\nratio (ray train ÷ baseline, steady-state images/s): {ratio:.3f}   target ≥ 0.97")
-    print(
-        f"of which DDP's all-reduce on these cores: plain DDP ÷ baseline = "
-        f"{plain_ddp / baseline['train_images_per_s']:.3f}; Ray Train + Ray Data ÷ plain DDP = "
-        f"{ray_epoch['train_images_per_s'] / plain_ddp:.3f}"
-    )
-    print(f"rows: {args.rows}, global batch {config.global_batch_size}; written to {csv_file}")
+    if plain_ddp is not None:
+        print(
+            f"of which DDP's all-reduce on these cores: plain DDP ÷ baseline = "
+            f"{plain_ddp / baseline['train_images_per_s']:.3f}; Ray Train + Ray Data ÷ plain DDP = "
+            f"{ray_epoch['train_images_per_s'] / plain_ddp:.3f}"
+        )
+    print(f"rows: {args.rows or 'all'}, epoch {args.epochs} measured; written to {csv_file.uri}")
     return 0
+
+
+def _cell(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
 
 
 if __name__ == "__main__":

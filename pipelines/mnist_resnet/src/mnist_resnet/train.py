@@ -42,6 +42,7 @@ from raytrain_common.configs import (
     per_worker_batch_size,
 )
 from raytrain_common.data import device_batches, read_parquet
+from raytrain_common.hardware import peak_memory_gb
 from raytrain_common.metrics import (
     SUMMARY_FILE,
     package_versions,
@@ -127,8 +128,9 @@ def train_one_epoch(
     steps: int,
     device: torch.device,
     step_log: list[dict[str, float]],
-) -> dict[str, float]:
-    """Train one epoch of exactly `steps` optimiser steps; return loss, accuracy and images/s.
+) -> tuple[dict[str, float], str]:
+    """Train one epoch of exactly `steps` optimiser steps; return loss, accuracy and images/s, and
+    the dtype the forward pass computed in (bfloat16 when autocast is in effect).
 
     Rank 0 appends the mean loss of every `log_every_steps` interval to `step_log` (for the curves).
     """
@@ -143,6 +145,7 @@ def train_one_epoch(
     seen = 0
     step = 0
     started = steady_start = time.perf_counter()
+    compute_dtype = torch.float32
     for micro_step, batch in enumerate(batches):
         if step >= steps:
             continue  # drain the iterator so every rank ends its epoch together
@@ -156,6 +159,7 @@ def train_one_epoch(
                 logits = model(images)
                 loss = F.cross_entropy(logits, labels)
             (loss / accum).backward()
+        compute_dtype = logits.dtype  # bf16 when autocast is really in effect
         loss_sum += loss.detach() * len(labels)
         interval_loss += loss.detach()
         interval_batches += 1
@@ -214,12 +218,15 @@ def train_one_epoch(
         )
     else:
         images_per_s = config.global_batch_size * steps / elapsed
-    return {
+    row = {
         "train_loss": train_loss,
         "train_accuracy": (totals[1] / totals[2]).item(),
         "train_images_per_s": images_per_s,
         "epoch_train_s": elapsed,
     }
+    if device.type == "cuda":
+        row["peak_memory_gb"] = peak_memory_gb(device)
+    return row, str(compute_dtype).removeprefix("torch.")
 
 
 @torch.no_grad()
@@ -303,7 +310,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             seed=config.seed * 10_000 + epoch * 100 + rank,
         )
         row: dict[str, float] = {"epoch": epoch}
-        row |= train_one_epoch(
+        trained, compute_dtype = train_one_epoch(
             model,
             batches,
             optimizer,
@@ -314,6 +321,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             device=device,
             step_log=step_log,
         )
+        row |= trained
         eval_started = time.perf_counter()
         test_batches = device_batches(
             test_shard, batch_size=512, collate_fn=collate, drop_last=False
@@ -341,6 +349,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                 "optimizer": optimizer.state_dict(),
                 "scheduler": scheduler.state_dict(),
                 "epochs_done": epoch,
+                "compute_dtype": compute_dtype,
                 "history": history,
                 "step_log": step_log,
                 "config": dataclasses.asdict(config),
@@ -452,6 +461,10 @@ def write_run_outputs(
         "metrics_csv": run_dir.join(METRICS_FILE).uri,
         "curves_png": run_dir.join(CURVES_FILE).uri,
         "train_time_s": sum(row["epoch_train_s"] + row["epoch_eval_s"] for row in history),
+        "compute_dtype": state.get("compute_dtype"),
+        "peak_memory_gb": max(
+            (r["peak_memory_gb"] for r in history if "peak_memory_gb" in r), default=None
+        ),
         "wall_time_s": time.perf_counter() - started,
         "config": dataclasses.asdict(config),
         "dataset": dataclasses.asdict(info),
