@@ -34,12 +34,26 @@ def test_noxfile_has_the_sessions_the_readme_names() -> None:
         capture_output=True, text=True, check=True, cwd=ROOT,
     )  # fmt: skip
     sessions = ("mnist", "mnist_gpu", "bench_mnist", "hf_finetune", "hf_finetune_gpu", "llm_fsdp")
-    for session in (*sessions, "bench_tokenize", "bench_llm", "tests", "manifests", "lint"):
+    for session in (
+        *sessions,
+        "bench_tokenize",
+        "bench_llm",
+        "tests",
+        "tests_gpu",
+        "manifests",
+        "lint",
+    ):
         assert re.search(rf"^[*-] {session}\b", listing.stdout, re.M), listing.stdout
 
 
 @pytest.mark.parametrize(
-    ("session", "cpu_session"), [("mnist_gpu", "mnist"), ("hf_finetune_gpu", "hf_finetune")]
+    ("session", "cpu_session"),
+    [
+        ("mnist_gpu", "mnist"),
+        ("hf_finetune_gpu", "hf_finetune"),
+        ("llm_fsdp_gpu", "llm_fsdp"),
+        ("tests_gpu", "tests"),
+    ],
 )
 def test_gpu_session_fails_at_once_without_a_gpu(session: str, cpu_session: str) -> None:
     if (

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -111,12 +112,17 @@ def test_the_chunked_loss_needs_a_fraction_of_the_plain_peak_memory() -> None:
     peaks = {}
     for kind in ("plain", "chunked"):
         done = subprocess.run(
-            [sys.executable, "-c", PEAK_SCRIPT, kind], capture_output=True, text=True, check=True
+            [sys.executable, "-c", PEAK_SCRIPT, kind],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},  # one thread: one malloc arena
         )
         peaks[kind] = int(done.stdout.split()[-1])
     logits_bytes = 4096 * 32768 * 4
     assert peaks["plain"] > logits_bytes, peaks  # the plain path holds at least the fp32 logits
-    assert peaks["chunked"] < logits_bytes / 4, peaks
+    # Never the logits (77 MB alone here, up to ~140 MB when the box is busy: malloc's arenas).
+    assert peaks["chunked"] < logits_bytes / 2, peaks
     assert peaks["chunked"] * 8 < peaks["plain"], peaks
 
 

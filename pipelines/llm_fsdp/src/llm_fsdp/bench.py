@@ -16,19 +16,22 @@ import contextlib
 import dataclasses
 import logging
 import os
+import sys
 import time
 from typing import Any
 
 import numpy as np
 import torch
 
+from llm_fsdp.cli import USER_ERRORS
 from llm_fsdp.config import PRESETS, TrainConfig
-from llm_fsdp.data import inspect_dataset, read_blocks
+from llm_fsdp.data import read_blocks
 from llm_fsdp.loss import NextTokenLoss
 from llm_fsdp.model import build_model, parameter_count, resolve_model
 from llm_fsdp.parallelize import compile_model
 from llm_fsdp.train import (
     build_optimizer,
+    dataset_info,
     flops_per_token,
     global_batch_indices,
     learning_rate,
@@ -50,7 +53,7 @@ def single_process(config: TrainConfig, steps: int, warm_up: int) -> dict[str, A
     CPU core through torch's threads), bf16 by autocast where the preset asks for it."""
     storage = resolve_storage(config.storage_path)
     data_dir = resolve_storage(config.resolved_data_dir())
-    info = inspect_dataset(data_dir)
+    info = dataset_info(config)
     device = torch.device("cuda" if config.use_gpu else "cpu")
     torch.set_num_threads(os.cpu_count() or 1)
     torch.manual_seed(config.seed)
@@ -162,6 +165,14 @@ def main(argv: list[str] | None = None) -> int:
         "--workers", type=int, default=None, help="(default: 1 per GPU, or 2 on CPU)"
     )
     args = parser.parse_args(argv)
+    try:
+        return measure(args)
+    except USER_ERRORS as error:
+        print(f"python -m llm_fsdp.bench: error: {error}", file=sys.stderr)
+        return 2
+
+
+def measure(args: argparse.Namespace) -> int:
     config = bench_config(args)
     run_dir = resolve_storage(config.storage_path).join(RUN_NAME)
     if run_dir.is_dir():  # a benchmark measures a fresh run, never a resumed one

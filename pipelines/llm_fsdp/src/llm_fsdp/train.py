@@ -30,7 +30,14 @@ from llm_fsdp import __version__
 from llm_fsdp.config import TrainConfig
 from llm_fsdp.data import DataError, DatasetInfo, inspect_dataset, read_blocks
 from llm_fsdp.loss import NextTokenLoss
-from llm_fsdp.model import ModelSpec, build_model, max_positions, parameter_count, resolve_model
+from llm_fsdp.model import (
+    SMOLLM2,
+    ModelSpec,
+    build_model,
+    max_positions,
+    parameter_count,
+    resolve_model,
+)
 from llm_fsdp.parallelize import parallelize
 from raytrain_common.configs import (
     ConfigError,
@@ -193,33 +200,23 @@ def evaluate(
     would recompile the training graphs with dynamic shapes.
     """
     with torch.compiler.set_stance("force_eager"):
-        return _evaluate(model, blocks, micro, config, device)
-
-
-def _evaluate(
-    model: NextTokenLoss,
-    blocks: np.ndarray,
-    micro: int,
-    config: TrainConfig,
-    device: torch.device,
-) -> dict[str, float]:
-    model.eval()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    wanted = min(len(blocks), config.eval_batches * micro * world)
-    mine = np.array_split(np.arange(wanted), world)[rank]
-    totals = torch.zeros(2, device=device)
-    # Every rank runs the same number of forward passes: FSDP's all-gathers need all ranks.
-    for chunk in np.array_split(mine, max(1, math.ceil(wanted / world / micro))):
-        if len(chunk):
-            batch = torch.from_numpy(blocks[chunk]).to(device)
-            totals[0] += model(batch)
-            totals[1] += batch.shape[0] * (batch.shape[1] - 1)
-        else:
-            model(torch.from_numpy(blocks[:1]).to(device))
-    dist.all_reduce(totals)
-    model.train()
-    loss = (totals[0] / totals[1]).item()
-    return {"val_loss": loss, "val_perplexity": math.exp(min(loss, 50))}
+        model.eval()
+        rank, world = dist.get_rank(), dist.get_world_size()
+        wanted = min(len(blocks), config.eval_batches * micro * world)
+        mine = np.array_split(np.arange(wanted), world)[rank]
+        totals = torch.zeros(2, device=device)
+        # Every rank runs the same number of forward passes: FSDP's all-gathers need all ranks.
+        for chunk in np.array_split(mine, max(1, math.ceil(wanted / world / micro))):
+            if len(chunk):
+                batch = torch.from_numpy(blocks[chunk]).to(device)
+                totals[0] += model(batch)
+                totals[1] += batch.shape[0] * (batch.shape[1] - 1)
+            else:
+                model(torch.from_numpy(blocks[:1]).to(device))
+        dist.all_reduce(totals)
+        model.train()
+        loss = (totals[0] / totals[1]).item()
+        return {"val_loss": loss, "val_perplexity": math.exp(min(loss, 50))}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -413,6 +410,19 @@ def check_model_fits_data(spec: ModelSpec, info: DatasetInfo) -> None:
         )
 
 
+def dataset_info(config: TrainConfig) -> DatasetInfo:
+    """The prepared dataset the config points at; for SmolLM2, the error names its own prepare."""
+    try:
+        return inspect_dataset(resolve_storage(config.resolved_data_dir()))
+    except DataError as error:
+        if config.model != SMOLLM2:
+            raise
+        raise DataError(
+            f"{error}. SmolLM2 trains on its own tokens: `llm-fsdp prepare --tokenizer smollm2 "
+            "--seq-len 1024` writes them where --model smollm2 looks"
+        ) from error
+
+
 def run(config: TrainConfig) -> dict[str, Any]:
     """Check everything that can be checked, train, then write metrics, curves and summary.json."""
     started = time.perf_counter()
@@ -420,7 +430,7 @@ def run(config: TrainConfig) -> dict[str, Any]:
     storage = resolve_storage(config.storage_path)
     check_writable(storage)
     data_dir = resolve_storage(config.resolved_data_dir())
-    info = inspect_dataset(data_dir)
+    info = dataset_info(config)
     spec = resolve_model(config.model, storage.path if storage.is_local else "")
     check_model_fits_data(spec, info)
     if info.blocks("train") < config.global_batch_size:

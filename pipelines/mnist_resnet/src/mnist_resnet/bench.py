@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import logging
 import socket
+import sys
 import time
 
 import torch
@@ -24,6 +25,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F  # noqa: N812
 
 from mnist_resnet.baseline import run_baseline
+from mnist_resnet.cli import USER_ERRORS
 from mnist_resnet.config import PRESETS, TrainConfig
 from mnist_resnet.data import inspect_dataset, normalise, read_split_arrays
 from mnist_resnet.model import build_model
@@ -133,7 +135,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    try:
+        return measure(args)
+    except USER_ERRORS as error:
+        print(f"python -m mnist_resnet.bench: error: {error}", file=sys.stderr)
+        return 2
 
+
+def measure(args: argparse.Namespace) -> int:
     preset = PRESETS[args.preset]
     config = dataclasses.replace(
         preset,
