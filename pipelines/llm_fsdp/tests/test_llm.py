@@ -155,6 +155,16 @@ def test_epochs_set_the_steps_from_the_corpus_and_a_late_stop_is_the_end() -> No
         dataclasses.replace(cpu_preset(), epochs=0).validate()
 
 
+def test_running_out_of_gpu_memory_names_the_knobs_that_fit() -> None:
+    from llm_fsdp.config import PRESETS
+    from llm_fsdp.train import out_of_memory_advice
+
+    advice = out_of_memory_advice(PRESETS["gpu"], micro=64, seq_len=1024, step=0)
+    assert advice.startswith("rank 0: out of GPU memory at step 1 with micro-batches of 64 × 1024")
+    assert "--grad-accum-steps 2 (the same global batch in micro-batches of 32)" in advice
+    assert "--preset gpu-24gb" in advice and "--activation-checkpointing" in advice
+
+
 def test_gpu_presets_fit_their_memory_by_arithmetic() -> None:
     """What a CPU can check of the GPU presets: one GPU's micro-batch and the loss's logits chunk."""
     from llm_fsdp.config import PRESETS

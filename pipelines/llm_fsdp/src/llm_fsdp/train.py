@@ -173,6 +173,18 @@ def train_step(
     return local_sum, total_norm
 
 
+def out_of_memory_advice(config: TrainConfig, micro: int, seq_len: int, step: int) -> str:
+    """What to change when a step does not fit the GPU: the same global batch in smaller pieces."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    doubled = config.grad_accum_steps * 2
+    return (
+        f"rank {rank}: out of GPU memory at step {step + 1} with micro-batches of {micro} × "
+        f"{seq_len} tokens: pass --grad-accum-steps {doubled} (the same global batch in micro-batches "
+        f"of {micro // 2}), or --preset gpu-24gb on 24 GB GPUs, or --activation-checkpointing; a "
+        f"smaller --loss-chunk-tokens (now {config.loss_chunk_tokens}) helps when the vocabulary is large"
+    )
+
+
 def mean_window_loss(local_sums: torch.Tensor, tokens_per_rank: int, step: int) -> float:
     """The global per-token training loss of a window of steps (one collective, one host sync)."""
     total = local_sums.clone()
@@ -336,7 +348,10 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             take_blocks(train_blocks, part, device)
             for part in micro_batches(indices, rank, world, config.grad_accum_steps)
         ]
-        loss_sum, grad_norm = train_step(model, optimizer, batches, config, step)
+        try:
+            loss_sum, grad_norm = train_step(model, optimizer, batches, config, step)
+        except torch.OutOfMemoryError as error:
+            raise MemoryError(out_of_memory_advice(config, micro, info.seq_len, step)) from error
         step += 1
         window_steps += 1
         window_loss += loss_sum
