@@ -1,5 +1,5 @@
-"""The `gpu` preset where CUDA is (skipped elsewhere): MiniLM on VADER learns in bf16 and an
-epoch's checkpoint resumes into the next.
+"""The `gpu` preset where CUDA is (skipped elsewhere): MiniLM on VADER learns in bf16 (checked by
+the dtype its forward pass computes in) and an epoch's checkpoint resumes into the next.
 
 Offline GPU machines: set RAYTRAIN_VADER_SDIST to a local vaderSentiment-3.3.2.tar.gz (the kit
 carries one); without it and without PyPI the test is skipped, with the reason.
@@ -52,3 +52,4 @@ def test_gpu_preset_learns_in_bf16_and_resumes(
     assert [int(row["epoch"]) for row in rows] == [1, 2]
     assert all(math.isfinite(row["eval_loss"]) for row in rows)
     assert resumed["best"]["eval_accuracy"] >= 0.70  # the majority class is 0.54
+    assert resumed["compute_dtype"] == "bfloat16"  # the Trainer's bf16 autocast really in effect

@@ -77,6 +77,7 @@ def test_two_workers_learn_survive_a_lost_worker_and_the_checkpoint_predicts(
     epoch1_eval = next(r for r in seen["epoch1"] if "eval_loss" in r)
     assert rows[0]["eval_loss"] == pytest.approx(epoch1_eval["eval_loss"], rel=1e-5)
     assert summary["global_step"] == 64
+    assert summary["compute_dtype"] == "float32"  # the CPU preset: no autocast
 
     # Learns: far above always answering the majority class, on held-out validation rows.
     best = summary["best"]

@@ -72,6 +72,7 @@ SCORE = "eval_f1"  # Ray keeps the best checkpoints by this; the Trainer prefixe
 METRICS_FILE = "metrics.csv"
 CURVES_FILE = "curves.png"
 HF_CHECKPOINT = RayTrainReportCallback.CHECKPOINT_NAME  # the HF folder inside a Ray checkpoint
+DTYPE_FILE = "compute_dtype.json"  # beside the Trainer's files in each checkpoint
 
 
 # ---------------------------------------------------------------------------------------------
@@ -195,6 +196,27 @@ class ProgressLog(TrainerCallback):
         self.last = (now, state.global_step)
 
 
+class ComputeDtypeRecord(TrainerCallback):
+    """Writes the dtype the forward pass computes in (bfloat16 under `--bf16` autocast) into each
+    checkpoint, so the run's summary shows whether mixed precision was really in effect."""
+
+    def __init__(self) -> None:
+        self.dtype: str | None = None
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        def record(module: torch.nn.Module, inputs: Any, output: Any) -> None:
+            logits = getattr(output, "logits", None)
+            if logits is not None:
+                self.dtype = str(logits.dtype).removeprefix("torch.")
+
+        model.register_forward_hook(record)
+
+    def on_save(self, args, state, control, **kwargs):
+        if self.dtype is not None and state.is_world_process_zero:
+            folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            (folder / DTYPE_FILE).write_text(json.dumps({"compute_dtype": self.dtype}))
+
+
 class NonFiniteLossGuard(TrainerCallback):
     """Stops the run at the first NaN/inf logged loss, naming the step, instead of training on garbage."""
 
@@ -278,6 +300,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             ),
             compute_metrics=make_compute_metrics(info.num_labels),
             callbacks=[
+                ComputeDtypeRecord(),  # before Ray's callback, which uploads the checkpoint
                 RayTrainReportCallback(),
                 NonFiniteLossGuard(),
                 ProgressLog(config.global_batch_size),
@@ -381,8 +404,15 @@ def epoch_history(
 
 
 def read_trainer_state(checkpoint: Checkpoint) -> dict[str, Any]:
+    """The Trainer's state of a checkpoint, with the compute dtype it recorded (None if absent)."""
     with checkpoint.as_directory() as folder:
-        return json.loads((Path(folder) / HF_CHECKPOINT / "trainer_state.json").read_text())
+        hf_folder = Path(folder) / HF_CHECKPOINT
+        state = json.loads((hf_folder / "trainer_state.json").read_text())
+        dtype_file = hf_folder / DTYPE_FILE
+        state["compute_dtype"] = (
+            json.loads(dtype_file.read_text())["compute_dtype"] if dtype_file.exists() else None
+        )
+        return state
 
 
 def write_run_outputs(
@@ -414,6 +444,7 @@ def write_run_outputs(
         "run_dir": run_dir.uri,
         "epochs_done": len(history),
         "global_step": state["global_step"],
+        "compute_dtype": state["compute_dtype"],
         "labels": info.labels,
         "majority_share_validation": majority_share(
             resolve_storage(config.resolved_data_dir()), "validation"
