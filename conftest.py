@@ -14,9 +14,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """`gpu` tests run where CUDA is and are skipped, with the reason, everywhere else."""
+    """`gpu` tests run where CUDA is and are skipped, with the reason, everywhere else. `faults`
+    tests start their own multi-node clusters, which cannot share this process with the session's
+    single-node one: they run only in a session of their own (`pytest -m faults`)."""
     import torch
 
+    if any("faults" not in item.keywords for item in items):
+        skip_faults = pytest.mark.skip(reason="run fault tests on their own: `nox -s faults`")
+        for item in items:
+            if "faults" in item.keywords:
+                item.add_marker(skip_faults)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")

@@ -218,8 +218,22 @@ def tests(session: nox.Session) -> None:
     """Every package's tests and the cross-cutting ones, on real Ray clusters (~5 minutes)."""
     python = stack_python(session)
     run_in_stack(
-        session, python, "-m", "pytest", "-m", "not manifests", *(session.posargs or ["-q"])
+        session,
+        python,
+        "-m",
+        "pytest",
+        "-m",
+        "not manifests and not faults",
+        *(session.posargs or ["-q"]),
     )
+
+
+@nox.session(venv_backend="none")
+def faults(session: nox.Session) -> None:
+    """Faults on a real 2-node Ray cluster on this box: a node preempted (drain with a deadline,
+    then killed), the driver SIGKILLed and rerun; each pipeline resumes and reaches its quality bar."""
+    python = stack_python(session)
+    run_in_stack(session, python, "-m", "pytest", "-m", "faults", *(session.posargs or ["-q"]))
 
 
 @nox.session(venv_backend="none")

@@ -10,12 +10,17 @@ from torch import nn
 
 from raytrain_common.checkpoint import (
     STATE_FILE,
+    TornCheckpointError,
     load_model_weights,
+    load_remote_state,
     load_state,
     save_state,
     strip_prefixes,
     unwrap,
+    verify_checkpoint,
+    write_manifest,
 )
+from raytrain_common.storage import resolve_storage
 
 
 @pytest.mark.parametrize(
@@ -36,11 +41,47 @@ def test_strip_prefixes(key: str, expected: str) -> None:
 def test_state_round_trip_and_weights_only(tmp_path: Path) -> None:
     state = {"model": nn.Linear(3, 2).state_dict(), "epochs_done": 4, "history": [{"loss": 0.5}]}
     save_state(tmp_path, state)
+    write_manifest(tmp_path)
     loaded = load_state(tmp_path)
     assert loaded["epochs_done"] == 4
     assert loaded["history"] == [{"loss": 0.5}]
     assert torch.equal(loaded["model"]["weight"], state["model"]["weight"])
-    assert sorted(p.name for p in tmp_path.iterdir()) == [STATE_FILE]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "manifest-rank0.json",
+        "manifest-world.json",
+        STATE_FILE,
+    ]
+    assert load_remote_state(resolve_storage(tmp_path))["epochs_done"] == 4
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip a byte", "drop the manifest", "drop a rank"])
+def test_a_torn_checkpoint_is_refused_naming_the_file(tmp_path: Path, damage: str) -> None:
+    save_state(tmp_path, {"model": nn.Linear(64, 64).state_dict()})
+    (tmp_path / "shard-1.bin").write_bytes(b"rank 1's shard")
+    write_manifest(tmp_path, rank=0, world_size=2)
+    write_manifest(tmp_path, rank=1, world_size=2)
+    verify_checkpoint(tmp_path)
+    state_file = tmp_path / STATE_FILE
+    data = state_file.read_bytes()
+    expected = {
+        "truncate": rf"{STATE_FILE} has {len(data) // 2} bytes, its manifest says {len(data)}",
+        "flip a byte": rf"{STATE_FILE} does not match its SHA-256",
+        "drop the manifest": r"has no manifest-world.json: it was cut off",
+        "drop a rank": r"lacks manifest-rank1.json: rank 1's files are incomplete",
+    }[damage]
+    if damage == "truncate":
+        state_file.write_bytes(data[: len(data) // 2])
+    elif damage == "flip a byte":
+        state_file.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    elif damage == "drop the manifest":
+        (tmp_path / "manifest-world.json").unlink()
+    else:
+        (tmp_path / "manifest-rank1.json").unlink()
+    with pytest.raises(TornCheckpointError, match=expected):
+        load_state(tmp_path)
+    if damage in ("truncate", "flip a byte"):
+        with pytest.raises(TornCheckpointError, match=str(tmp_path)):
+            load_remote_state(resolve_storage(tmp_path))
 
 
 class Payload:
@@ -50,6 +91,7 @@ class Payload:
 
 def test_loading_refuses_pickled_code(tmp_path: Path) -> None:
     torch.save({"model": {}, "evil": Payload()}, tmp_path / STATE_FILE)
+    write_manifest(tmp_path)  # a complete checkpoint, so the unpickler itself is what refuses
     with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
         load_state(tmp_path)
 

@@ -231,3 +231,64 @@ def test_a_killed_worker_is_replaced_and_the_run_goes_on_from_its_checkpoint(
     assert [row["epoch"] for row in rows] == [1, 2, 3]
     assert rows[0] == seen_before_kill["rows"][0]  # epoch 1 came from the checkpoint, not retrained
     assert summary["epochs_done"] == 3
+
+
+def test_a_run_stopped_mid_epoch_resumes_with_exactly_the_batches_it_had_not_seen(
+    ray_cluster: None, mnist_dir: StoragePath, tmp_path: Path
+) -> None:
+    """Stopped at step 21 of 32 (epoch 2 of 2, mid-epoch) and rerun: every step's loss matches an
+    uninterrupted run's, so no batch was repeated or skipped and the optimiser, schedule and
+    BatchNorm statistics came back exactly. Tolerance 1e-5 relative: the same arithmetic on the
+    same batches; only the order of floating-point reductions in gloo could differ."""
+    common = {"epochs": 2, "limit_train_rows": 2048, "log_every_steps": 1}
+    whole = run(small_config(tmp_path, mnist_dir, run_name="whole", **common))
+    stopped = run(small_config(tmp_path, mnist_dir, run_name="cut", stop_at_step=21, **common))
+    assert stopped["global_step"] == 21 and stopped["stopped_mid_epoch"]
+    resumed = run(small_config(tmp_path, mnist_dir, run_name="cut", **common))
+
+    def step_losses(run_name: str) -> list[float]:
+        _, state = load_best_model(resolve_storage(tmp_path / run_name), which="latest")
+        return [row["train_loss_interval"] for row in state["step_log"]]
+
+    expected = step_losses("whole")
+    assert len(expected) == 32
+    assert step_losses("cut") == pytest.approx(expected, rel=1e-5)
+    # The epoch's metrics, summed across the stop, are the uninterrupted run's too.
+    for key in ("train_loss", "train_accuracy", "test_loss", "test_accuracy"):
+        assert resumed["final"][key] == pytest.approx(whole["final"][key], rel=1e-5), key
+    assert resumed["restarts"] == [
+        {
+            "resumed_at_step": 21,
+            "last_step_before": 21,
+            "steps_redone": 0,
+            "cause": "rerun",
+            "checkpoint": resumed["restarts"][0]["checkpoint"],
+        }
+    ]
+
+
+def test_a_torn_checkpoint_is_never_loaded(
+    ray_cluster: None, mnist_dir: StoragePath, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The newest checkpoint's state.pt cut to half, as a crash mid-copy leaves it: `predict`
+    refuses it in one line, and a rerun resumes from the previous complete checkpoint (epoch 1),
+    trains epoch 2 again and ends as the uninterrupted run did."""
+    summary = run(small_config(tmp_path, mnist_dir, run_name="torn", epochs=2))
+    latest = Path(summary["latest_checkpoint"])
+    state_file = latest / "state.pt"
+    state_file.write_bytes(state_file.read_bytes()[: state_file.stat().st_size // 2])
+    if summary["best_checkpoint"] == summary["latest_checkpoint"]:
+        code = main(["predict", "--storage-path", str(tmp_path), "--run-name", "torn"])
+        assert code == 2
+        error = capsys.readouterr().err.strip().splitlines()[-1]  # above it: Ray's worker logs
+        assert error.startswith("mnist-resnet predict: error: checkpoint ")
+        assert f"{latest}: state.pt has" in error and "(truncated?)" in error
+
+    again = run(small_config(tmp_path, mnist_dir, run_name="torn", epochs=2))
+    [restart] = again["restarts"]
+    assert restart["resumed_at_step"] == 8  # 1024 rows / batch 128: epoch 1's checkpoint
+    assert restart["checkpoint"] != str(latest)
+    assert again["final"]["test_accuracy"] == pytest.approx(summary["final"]["test_accuracy"])
+    assert again["best_checkpoint"] != str(latest)
+    result = predict(str(tmp_path), "torn", count=8, output=None)
+    assert result["test_accuracy"] >= 0.6  # 1,024 training rows for 2 epochs; chance is 0.10

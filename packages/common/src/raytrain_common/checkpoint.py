@@ -2,10 +2,19 @@
 
 `ray.train.report` is a barrier across the worker group: a rank that skips it leaves the others
 waiting for ever. So the one function here that saves is called by every rank.
+
+Every checkpoint carries manifests (`manifest-rank<N>.json`: each file's size and SHA-256), written
+after the files they describe, one per rank that wrote files. A checkpoint cut off mid-upload, or a
+file truncated later, fails `verify_checkpoint` and is never loaded: a resume falls back to the newest
+complete checkpoint in the run folder, and `load_state` refuses it with one line naming the file.
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
+import json
+import logging
 import os
 import tempfile
 import uuid
@@ -13,12 +22,151 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import pyarrow.fs as pafs
 import ray.train
 import torch
 from torch import nn
 
+from raytrain_common.storage import StoragePath
+
+log = logging.getLogger(__name__)
+
 STATE_FILE = "state.pt"
+MANIFEST_PREFIX = "manifest-rank"
+WORLD_FILE = "manifest-world.json"  # how many rank manifests a complete checkpoint has
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+
+
+class TornCheckpointError(RuntimeError):
+    """A checkpoint whose files do not match its manifests (cut off mid-write, or truncated)."""
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as stream:
+        for chunk in iter(lambda: stream.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_manifest(folder: str | os.PathLike[str], *, rank: int = 0, world_size: int = 1) -> Path:
+    """Describe the files `rank` wrote into `folder` (all but manifests); call it after writing them.
+
+    Rank 0 also records how many ranks write manifests, so a checkpoint missing one rank's files
+    (and manifest) is seen as torn too.
+    """
+    root = Path(folder)
+    files = {
+        str(path.relative_to(root)): {"size": path.stat().st_size, "sha256": _sha256(path)}
+        for path in sorted(root.rglob("*"))
+        if path.is_file() and not path.name.startswith("manifest-")
+    }
+    if rank == 0:
+        _write_json_atomically(root / WORLD_FILE, {"ranks": world_size})
+    return _write_json_atomically(root / f"{MANIFEST_PREFIX}{rank}.json", {"files": files})
+
+
+def _write_json_atomically(target: Path, content: Any) -> Path:
+    temporary = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        temporary.write_text(json.dumps(content, indent=1))
+        os.replace(temporary, target)
+    finally:
+        temporary.unlink(missing_ok=True)
+    return target
+
+
+def verify_checkpoint(folder: str | os.PathLike[str], *, hashes: bool = True) -> None:
+    """Raise TornCheckpointError, naming the checkpoint and the file, unless every rank's manifest is
+    there and every file it lists has its size (and, with `hashes`, its SHA-256)."""
+    root = Path(folder)
+    world_file = root / WORLD_FILE
+    if not world_file.is_file():
+        raise TornCheckpointError(
+            f"checkpoint {str(root)!r} has no {WORLD_FILE}: it was cut off before it was complete "
+            "(or written by a version without manifests)"
+        )
+    ranks = json.loads(world_file.read_text())["ranks"]
+    for rank in range(ranks):
+        manifest = root / f"{MANIFEST_PREFIX}{rank}.json"
+        if not manifest.is_file():
+            raise TornCheckpointError(
+                f"checkpoint {str(root)!r} lacks {manifest.name}: rank {rank}'s files are incomplete"
+            )
+        for name, expected in json.loads(manifest.read_text())["files"].items():
+            path = root / name
+            if not path.is_file():
+                raise TornCheckpointError(f"checkpoint {str(root)!r} lacks {name}")
+            size = path.stat().st_size
+            if size != expected["size"]:
+                raise TornCheckpointError(
+                    f"checkpoint {str(root)!r}: {name} has {size} bytes, its manifest says "
+                    f"{expected['size']} (truncated?)"
+                )
+            if hashes and _sha256(path) != expected["sha256"]:
+                raise TornCheckpointError(
+                    f"checkpoint {str(root)!r}: {name} does not match its SHA-256 (corrupted)"
+                )
+
+
+def resume_checkpoint(run_dir: StoragePath) -> ray.train.Checkpoint | None:
+    """The newest complete checkpoint in the run folder, or None: where a restart or rerun resumes.
+
+    Not only Ray's registered latest (`ray.train.get_checkpoint()`): a driver killed between a
+    checkpoint's upload and its registration by the controller leaves a complete, newer checkpoint
+    that Ray does not list, and resuming from it saves that work. Torn checkpoints (a file cut off,
+    a manifest missing) are skipped, each named in a warning. Folder names sort by time
+    (checkpoint_YYYY-MM-DD_HH-MM-SS.ffffff).
+    """
+    selector = pafs.FileSelector(run_dir.path, allow_not_found=True)
+    candidates = sorted(
+        (
+            info.path
+            for info in run_dir.filesystem.get_file_info(selector)
+            if info.type == pafs.FileType.Directory and info.base_name.startswith("checkpoint_")
+        ),
+        reverse=True,
+    )
+    registered = ray.train.get_checkpoint()
+    for path in candidates:
+        candidate = ray.train.Checkpoint(path, filesystem=run_dir.filesystem)
+        if not is_complete(candidate):
+            continue
+        if registered is None or registered.path.rstrip("/") != path.rstrip("/"):
+            log.warning(
+                "resuming from %s, the newest complete checkpoint (Ray's latest registered: %s)",
+                path,
+                registered.path if registered else None,
+            )
+        return candidate
+    if candidates:
+        log.warning("no complete checkpoint in %s: the run starts from the beginning", run_dir)
+    return None
+
+
+def best_complete_checkpoint(
+    result: ray.train.Result, metric: str, mode: str = "max"
+) -> ray.train.Checkpoint | None:
+    """The best of the run's registered checkpoints by `metric` whose files are complete (a torn
+    one stays in Ray's registry until its keep policy drops it, but is never the answer)."""
+    scored = [
+        (checkpoint, metrics[metric])
+        for checkpoint, metrics in result.best_checkpoints
+        if isinstance(metrics.get(metric), (int, float)) and metrics[metric] == metrics[metric]
+    ]
+    scored.sort(key=lambda pair: pair[1], reverse=mode == "max")
+    return next((checkpoint for checkpoint, _ in scored if is_complete(checkpoint)), None)
+
+
+def is_complete(checkpoint: ray.train.Checkpoint) -> bool:
+    """Whether the checkpoint's files match its manifests; a warning names a torn one."""
+    try:
+        with checkpoint.as_directory() as folder:
+            verify_checkpoint(folder)
+    except TornCheckpointError as error:
+        log.warning("skipping a torn checkpoint: %s", error)
+        return False
+    return True
 
 
 def strip_prefixes(
@@ -61,11 +209,36 @@ def save_state(folder: str | os.PathLike[str], state: Mapping[str, Any]) -> Path
 
 
 def load_state(folder: str | os.PathLike[str]) -> dict[str, Any]:
-    """Load `folder/state.pt` on the CPU with `weights_only=True`, so a checkpoint cannot run code."""
+    """Load `folder/state.pt` on the CPU with `weights_only=True`, so a checkpoint cannot run code,
+    after checking it against its manifest (TornCheckpointError if it is incomplete)."""
     path = Path(folder) / STATE_FILE
     if not path.is_file():
         raise FileNotFoundError(f"no {STATE_FILE} in checkpoint folder {str(folder)!r}")
+    verify_checkpoint(folder)
     return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def load_remote_state(checkpoint: StoragePath) -> dict[str, Any]:
+    """`state.pt` of a checkpoint on any storage (local, S3, GCS), checked against its manifest,
+    loaded with `weights_only=True`; TornCheckpointError names a checkpoint that is incomplete."""
+    manifest = checkpoint.join(f"{MANIFEST_PREFIX}0.json")
+    if not manifest.exists():
+        raise TornCheckpointError(
+            f"checkpoint {checkpoint.uri} has no {manifest.uri.rsplit('/', 1)[-1]}: it was cut off "
+            "before it was complete (or written by a version without manifests)"
+        )
+    expected = json.loads(manifest.read_text())["files"].get(STATE_FILE)
+    data = checkpoint.join(STATE_FILE).read_bytes()
+    if expected is None or len(data) != expected["size"]:
+        raise TornCheckpointError(
+            f"checkpoint {checkpoint.uri}: {STATE_FILE} has {len(data)} bytes, its manifest says "
+            f"{expected and expected['size']} (truncated?)"
+        )
+    if hashlib.sha256(data).hexdigest() != expected["sha256"]:
+        raise TornCheckpointError(
+            f"checkpoint {checkpoint.uri}: {STATE_FILE} does not match its SHA-256 (corrupted)"
+        )
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
 
 
 def load_model_weights(model: nn.Module, state_dict: Mapping[str, Any]) -> None:
@@ -85,13 +258,16 @@ def report_checkpoint(metrics: Mapping[str, Any], state: Mapping[str, Any]) -> N
         return
     with tempfile.TemporaryDirectory(prefix="checkpoint-") as folder:
         save_state(folder, state)
+        write_manifest(folder)
         ray.train.report(dict(metrics), checkpoint=ray.train.Checkpoint.from_directory(folder))
 
 
-def latest_state() -> dict[str, Any] | None:
-    """The state of the run's latest checkpoint (after a failure or a rerun of the same run), if any."""
-    checkpoint = ray.train.get_checkpoint()
+def latest_state(run_dir: StoragePath) -> dict[str, Any] | None:
+    """The state of the run's newest complete checkpoint (after a failure or a rerun), if any."""
+    checkpoint = resume_checkpoint(run_dir)
     if checkpoint is None:
         return None
     with checkpoint.as_directory() as folder:
-        return load_state(folder)
+        state = load_state(folder)
+    state["resumed_from"] = checkpoint.path
+    return state

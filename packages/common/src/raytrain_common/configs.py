@@ -60,6 +60,15 @@ class RayTrainSettings:
         1,
         "Times the worker group is restarted from the latest checkpoint after a failure (-1: always).",
     )
+    max_preemption_failures: int = option(
+        -1,
+        "Restarts after a node of the run is preempted (a spot reclaim announced by a drain), counted "
+        "apart from max_failures (-1: always).",
+    )
+    preemption_grace_s: float = option(
+        0.0,
+        "Seconds the other workers may run past a preemption deadline (e.g. to finish an upload).",
+    )
     backend: Literal["auto", "gloo", "nccl"] = option(
         "auto", "torch.distributed backend; auto means nccl on GPU, gloo on CPU."
     )
@@ -84,6 +93,8 @@ class RayTrainSettings:
             raise ConfigError(f"gpus_per_worker={self.gpus_per_worker}: it must be above 0")
         if self.num_to_keep < 1:
             raise ConfigError(f"num_to_keep={self.num_to_keep}: keep at least 1 checkpoint")
+        if self.preemption_grace_s < 0:
+            raise ConfigError(f"preemption_grace_s={self.preemption_grace_s}: it must be 0 or more")
 
     def needed_resources(self) -> dict[str, float]:
         """What the smallest allowed worker group takes from the cluster."""
@@ -136,7 +147,11 @@ def build_run_config(
             checkpoint_score_attribute=score_attribute,
             checkpoint_score_order=score_order,
         ),
-        failure_config=FailureConfig(max_failures=settings.max_failures),
+        failure_config=FailureConfig(
+            max_failures=settings.max_failures,
+            max_preemption_failures=settings.max_preemption_failures,
+            preemption_grace_s=settings.preemption_grace_s,
+        ),
     )
 
 

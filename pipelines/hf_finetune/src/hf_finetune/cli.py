@@ -11,6 +11,7 @@ from pathlib import Path
 from hf_finetune.config import DEFAULT_DATA_FOLDER, PRESETS, TrainConfig
 from hf_finetune.data import VADER_SOURCE, DataError, PrepareOptions
 from hf_finetune.model import ModelError
+from raytrain_common.checkpoint import TornCheckpointError
 from raytrain_common.cli import add_config_options, config_from_args
 from raytrain_common.configs import ConfigError
 from raytrain_common.metrics import SUMMARY_FILE
@@ -29,6 +30,7 @@ USER_ERRORS = (
     StorageError,
     ResourceError,
     FileNotFoundError,
+    TornCheckpointError,
 )
 
 

@@ -12,6 +12,7 @@ from typing import Any
 from llm_fsdp.config import DEFAULT_DATA_FOLDER, PRESETS, SMOLLM2_DATA_FOLDER, TrainConfig
 from llm_fsdp.data import BPE_PREFIX, GPT2_TOKENIZER, SHAKESPEARE_SOURCE, DataError
 from llm_fsdp.model import SMOLLM2, SMOLLM2_FOLDER, ModelError
+from raytrain_common.checkpoint import TornCheckpointError
 from raytrain_common.cli import add_config_options, config_from_args
 from raytrain_common.configs import ConfigError
 from raytrain_common.metrics import SUMMARY_FILE
@@ -28,6 +29,7 @@ USER_ERRORS = (
     StorageError,
     ResourceError,
     FileNotFoundError,
+    TornCheckpointError,
 )
 
 

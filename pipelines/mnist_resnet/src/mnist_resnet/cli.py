@@ -11,6 +11,7 @@ from pathlib import Path
 
 from mnist_resnet.config import DEFAULT_DATA_FOLDER, PRESETS, TrainConfig
 from mnist_resnet.data import HUB_SOURCE, DataError
+from raytrain_common.checkpoint import TornCheckpointError
 from raytrain_common.cli import add_config_options, config_from_args
 from raytrain_common.configs import ConfigError
 from raytrain_common.metrics import SUMMARY_FILE
@@ -20,7 +21,14 @@ from raytrain_common.storage import StorageError, resolve_storage
 log = logging.getLogger("mnist_resnet")
 
 # Errors of the user's input: one line, exit status 2, no traceback.
-USER_ERRORS = (ConfigError, DataError, StorageError, ResourceError, FileNotFoundError)
+USER_ERRORS = (
+    ConfigError,
+    DataError,
+    StorageError,
+    ResourceError,
+    FileNotFoundError,
+    TornCheckpointError,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -97,6 +105,17 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     summary = run(config_from_args(args, TrainConfig, PRESETS))
     best = summary["best"]
+    if summary["restarts"]:
+        print(
+            f"resumed {len(summary['restarts'])} time(s), "
+            f"{summary['steps_redone']} step(s) redone: see summary.json"
+        )
+    if best is None:
+        print(
+            f"stopped at step {summary['global_step']}, before the first epoch ended; rerun the "
+            f"same command without --stop-at-step to continue: {summary['latest_checkpoint']}"
+        )
+        return 0
     print(
         f"best test accuracy {best['test_accuracy']:.4f} at epoch {int(best['epoch'])} "
         f"of {summary['epochs_done']}; training took {summary['train_time_s']:.0f} s\n"

@@ -40,6 +40,17 @@ class TrainConfig(RayTrainSettings):
     )
     limit_test_rows: int | None = option(None, "Evaluate on the first N test rows only.")
     log_every_steps: int = option(50, "Progress line every N optimiser steps (rank 0).")
+    checkpoint_every_steps: int = option(
+        0, "Also checkpoint every N optimiser steps inside epochs (0: at epoch ends only)."
+    )
+    preemption_check_steps: int = option(
+        10,
+        "Every N steps, ask Ray whether a node of the run is being preempted; if so, checkpoint "
+        "at once (0: never ask).",
+    )
+    stop_at_step: int | None = option(
+        None, "Checkpoint and stop after this optimiser step of the run (a rerun continues)."
+    )
     seed: int = option(0, "Seed of weights init and shuffling.")
 
     def resolved_data_dir(self) -> str:
@@ -52,11 +63,16 @@ class TrainConfig(RayTrainSettings):
         for workers in range(low, high + 1):
             per_worker_batch_size(self.global_batch_size, workers, self.grad_accum_steps)
         positive = {"epochs": self.epochs, "lr": self.lr, "log_every_steps": self.log_every_steps}
+        if self.stop_at_step is not None:
+            positive["stop_at_step"] = self.stop_at_step
         for name, value in positive.items():
             if value <= 0:
                 raise ConfigError(f"{name}={value}: it must be above 0")
         if not 0 <= self.warmup_fraction < 1:
             raise ConfigError(f"warmup_fraction={self.warmup_fraction}: it must be in [0, 1)")
+        for name in ("checkpoint_every_steps", "preemption_check_steps"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}={getattr(self, name)}: give 0 (off) or a step count")
         for name in ("limit_train_rows", "limit_test_rows"):
             value = getattr(self, name)
             if value is not None and value < 1:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 import json
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -12,13 +12,16 @@ import torch
 from mnist_resnet.baseline import predict_labels
 from mnist_resnet.data import DatasetInfo, read_split_arrays
 from mnist_resnet.model import build_model
-from raytrain_common.checkpoint import STATE_FILE, load_model_weights
+from raytrain_common.checkpoint import load_model_weights, load_remote_state
 from raytrain_common.metrics import SUMMARY_FILE
 from raytrain_common.storage import StoragePath, resolve_storage
 
 
-def load_best_model(run_dir: StoragePath) -> tuple[torch.nn.Module, dict[str, Any]]:
-    """The model of the run's best checkpoint (by test accuracy), on the CPU, in eval mode."""
+def load_best_model(
+    run_dir: StoragePath, which: Literal["best", "latest"] = "best"
+) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """The model of the run's best checkpoint (by test accuracy) or its latest, on the CPU, in eval
+    mode; a torn checkpoint (files not matching its manifest) is refused with one line."""
     summary_file = run_dir.join(SUMMARY_FILE)
     if not summary_file.exists():
         raise FileNotFoundError(
@@ -26,10 +29,8 @@ def load_best_model(run_dir: StoragePath) -> tuple[torch.nn.Module, dict[str, An
             f"{run_dir.uri.rsplit('/', 1)[-1]}`), or pass the right --storage-path / --run-name"
         )
     summary = json.loads(summary_file.read_text())
-    checkpoint = resolve_storage(summary["best_checkpoint"] or summary["latest_checkpoint"])
-    # torch.load reads from a local file or a buffer; object stores give a buffer.
-    buffer = io.BytesIO(checkpoint.join(STATE_FILE).read_bytes())
-    state = torch.load(buffer, map_location="cpu", weights_only=True)
+    chosen = summary.get("best_checkpoint") if which == "best" else None
+    state = load_remote_state(resolve_storage(chosen or summary["latest_checkpoint"]))
     model = build_model(state["dataset"]["num_classes"])
     load_model_weights(model, state["model"])
     return model.eval(), state

@@ -8,17 +8,22 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import math
 import time
+import uuid
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
+import ray.data
 import ray.train
 import ray.train.torch
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F  # noqa: N812
+from ray.data import ExecutionOptions
 from ray.train import DataConfig
 from ray.train.torch import TorchTrainer
 from torch import nn
@@ -28,6 +33,7 @@ from mnist_resnet.config import TrainConfig
 from mnist_resnet.data import DatasetInfo, ImageBatchCollate, inspect_dataset
 from mnist_resnet.model import build_model
 from raytrain_common.checkpoint import (
+    best_complete_checkpoint,
     latest_state,
     load_model_weights,
     load_state,
@@ -61,7 +67,11 @@ log = logging.getLogger("mnist_resnet")
 
 METRICS_FILE = "metrics.csv"
 CURVES_FILE = "curves.png"
+PROGRESS_FILE = "progress.json"  # the last step rank 0 reached: what a restart redoes is measured
 SCORE = "test_accuracy"
+# The score of a mid-epoch checkpoint, which is not evaluated: below any real accuracy, so Ray keeps
+# it only as the latest (Ray's checkpoint ranking takes numbers only: NaN reaches it as None).
+NOT_EVALUATED = -1.0
 # The first steps of an epoch include Ray Data's pipeline start; throughput skips them.
 THROUGHPUT_SKIP_STEPS = 5
 
@@ -117,6 +127,27 @@ def autocast(device: torch.device, enabled: bool) -> contextlib.AbstractContextM
 # ---------------------------------------------------------------------------------------------
 
 
+@dataclass
+class EpochPosition:
+    """Where a run is inside an epoch, saved with every checkpoint so a resume continues exactly there.
+
+    The data order is a pure function of (seed, epoch, rank, worker count), see `run`, so the
+    position is just the optimiser steps already taken; the sums (over all ranks) make the epoch's
+    training loss and accuracy the same as an uninterrupted epoch's.
+    """
+
+    step: int = 0
+    loss_sum: float = 0.0
+    correct: float = 0.0
+    seen: float = 0.0
+    train_s: float = 0.0
+
+
+# Called after every optimiser step on every rank, with the step within the epoch and a function
+# that returns the epoch's position so far (a collective: call it on every rank or on none).
+AfterStep = Callable[[int, Callable[[], EpochPosition]], None]
+
+
 def train_one_epoch(
     model: nn.Module,
     batches: Iterable[dict[str, torch.Tensor]],
@@ -128,27 +159,42 @@ def train_one_epoch(
     steps: int,
     device: torch.device,
     step_log: list[dict[str, float]],
+    start: EpochPosition | None = None,
+    after_step: AfterStep | None = None,
 ) -> tuple[dict[str, float], str]:
     """Train one epoch of exactly `steps` optimiser steps; return loss, accuracy and images/s, and
     the dtype the forward pass computed in (bfloat16 when autocast is in effect).
 
-    Rank 0 appends the mean loss of every `log_every_steps` interval to `step_log` (for the curves).
+    From `start` (a resumed epoch) the micro-batches of the steps already taken are read and dropped,
+    so the rest of the epoch sees exactly the batches an uninterrupted run would. Rank 0 appends the
+    mean loss of every `log_every_steps` interval to `step_log` (for the curves).
     """
     model.train()
+    start = start or EpochPosition()
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     accum = config.grad_accum_steps
-    loss_sum = torch.zeros((), device=device)
-    correct = torch.zeros((), device=device, dtype=torch.long)
+    # Sums carried over from before a resume live on rank 0 only, so the all-reduce counts them once.
+    carried = rank == 0
+    loss_sum = torch.tensor(start.loss_sum if carried else 0.0, device=device)
+    correct = torch.tensor(start.correct if carried else 0.0, device=device)
+    seen = torch.tensor(start.seen if carried else 0.0, device=device)
     interval_loss = torch.zeros((), device=device)
     interval_batches = 0
-    seen = 0
-    step = 0
+    step = start.step
     started = steady_start = time.perf_counter()
     compute_dtype = torch.float32
+
+    def position() -> EpochPosition:
+        totals = torch.stack([loss_sum, correct, seen])
+        if dist.is_initialized():
+            dist.all_reduce(totals)
+        elapsed = start.train_s + time.perf_counter() - started
+        return EpochPosition(step, *(float(value) for value in totals.tolist()), elapsed)
+
     for micro_step, batch in enumerate(batches):
-        if step >= steps:
-            continue  # drain the iterator so every rank ends its epoch together
+        if micro_step < start.step * accum or step >= steps:
+            continue  # already trained before the resume / drained so every rank ends together
         images, labels = batch["image"], batch["label"]
         is_last_micro = (micro_step + 1) % accum == 0
         # Between micro-batches, gradients stay local; DDP all-reduces once per optimiser step.
@@ -173,7 +219,7 @@ def train_one_epoch(
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
         step += 1
-        if step == THROUGHPUT_SKIP_STEPS:
+        if step - start.step == THROUGHPUT_SKIP_STEPS:
             steady_start = time.perf_counter()
         if rank == 0 and (step % config.log_every_steps == 0 or step == steps):
             loss_value = interval_loss.item() / interval_batches
@@ -185,7 +231,8 @@ def train_one_epoch(
                     "or set --grad-clip-norm"
                 )
             step_log.append({"epoch": epoch - 1 + step / steps, "train_loss_interval": loss_value})
-            rate = len(labels) * accum * world * step / (time.perf_counter() - started)
+            trained = step - start.step
+            rate = len(labels) * accum * world * trained / (time.perf_counter() - started)
             log.info(
                 "epoch %d step %d/%d  loss %.4f  lr %.4g  %.0f img/s",
                 epoch,
@@ -195,34 +242,34 @@ def train_one_epoch(
                 scheduler.get_last_lr()[0],
                 rate,
             )
-    elapsed = time.perf_counter() - started
+        if after_step is not None:
+            after_step(step, position)
     if step < steps:
         raise RuntimeError(
             f"rank {rank}: epoch {epoch} ended after {step} of {steps} steps: the data shard was "
             "shorter than expected"
         )
-    totals = torch.stack([loss_sum, correct.float(), torch.tensor(float(seen), device=device)])
-    if dist.is_initialized():
-        dist.all_reduce(totals)
-    train_loss = (totals[0] / totals[2]).item()
+    final = position()
+    train_loss = final.loss_sum / final.seen
     if not math.isfinite(train_loss):  # every rank sees the same reduced value and stops alike
         raise FloatingPointError(
             f"rank {rank}: mean training loss of epoch {epoch} is {train_loss}; lower --lr, "
             "or set --grad-clip-norm"
         )
-    if steps > THROUGHPUT_SKIP_STEPS:
+    trained = steps - start.step
+    if trained > THROUGHPUT_SKIP_STEPS:
         images_per_s = (
             config.global_batch_size
-            * (steps - THROUGHPUT_SKIP_STEPS)
+            * (trained - THROUGHPUT_SKIP_STEPS)
             / (time.perf_counter() - steady_start)
         )
     else:
-        images_per_s = config.global_batch_size * steps / elapsed
+        images_per_s = config.global_batch_size * trained / (time.perf_counter() - started)
     row = {
         "train_loss": train_loss,
-        "train_accuracy": (totals[1] / totals[2]).item(),
+        "train_accuracy": final.correct / final.seen,
         "train_images_per_s": images_per_s,
-        "epoch_train_s": elapsed,
+        "epoch_train_s": final.train_s,
     }
     if device.type == "cuda":
         row["peak_memory_gb"] = peak_memory_gb(device)
@@ -256,12 +303,68 @@ def evaluate(
 # ---------------------------------------------------------------------------------------------
 
 
+class StopAtStepReached(Exception):  # noqa: N818 (a signal, not an error)
+    """`--stop-at-step` reached: the checkpoint is written, every rank leaves the loop together."""
+
+
+@dataclass
+class FaultLog:
+    """What the run went through, kept in every checkpoint and written to summary.json."""
+
+    preemptions: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    restarts: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+
+    def notice_is_new(self, info: ray.train.PreemptionInfo) -> bool:
+        nodes = sorted(info.preempted_node_to_ranks)
+        return all(seen["node_ids"] != nodes for seen in self.preemptions)
+
+    def record_preemption(self, info: ray.train.PreemptionInfo, global_step: int) -> None:
+        self.preemptions.append(
+            {
+                "noticed_at_step": global_step,
+                "checkpoint_step": global_step,
+                "node_ids": sorted(info.preempted_node_to_ranks),
+                "ranks": info.preempted_ranks,
+                "deadline_s_after_notice": None
+                if info.deadline_ms is None
+                else round(info.deadline_ms / 1000 - time.time(), 1),
+            }
+        )
+
+
+def read_progress(run_dir: StoragePath) -> dict[str, Any] | None:
+    target = run_dir.join(PROGRESS_FILE)
+    return json.loads(target.read_text()) if target.exists() else None
+
+
+def record_restart(
+    faults: FaultLog, state: dict[str, Any], run_dir: StoragePath, driver_id: str
+) -> None:
+    """Note a resume: from which step, how far the lost attempt had gone, what caused it."""
+    resumed_at = state["global_step"]
+    progress = read_progress(run_dir) or {}
+    last = max(resumed_at, progress.get("global_step", resumed_at))
+    preempted = any(p["checkpoint_step"] == resumed_at for p in faults.preemptions)
+    faults.restarts.append(
+        {
+            "resumed_at_step": resumed_at,
+            "last_step_before": last,
+            "steps_redone": last - resumed_at,
+            "cause": "preemption"
+            if preempted
+            else ("worker failure" if progress.get("driver_id") == driver_id else "rerun"),
+            "checkpoint": state.get("resumed_from"),
+        }
+    )
+
+
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     """Runs on every worker: build, restore if the run has a checkpoint, train, evaluate, report."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     config = TrainConfig(**loop_config["config"])
     info = DatasetInfo(**loop_config["dataset"])
     train_rows: int = loop_config["train_rows"]
+    driver_id: str = loop_config["driver_id"]
     context = ray.train.get_context()
     rank, world = context.get_world_rank(), context.get_world_size()
     device = ray.train.torch.get_device()
@@ -275,8 +378,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             f"{micro_batch}; use more rows or a smaller --global-batch-size"
         )
 
+    run_dir = resolve_storage(config.storage_path).join(config.run_name)
     model = build_model(info.num_classes)
-    state = latest_state()
+    state = latest_state(run_dir)
     if state is not None:
         load_model_weights(model, state["model"])
     model = ray.train.torch.prepare_model(model)  # moves to the device, wraps in DDP if world > 1
@@ -287,20 +391,101 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     history: list[dict[str, float]] = []
     step_log: list[dict[str, float]] = []
     epochs_done = 0
+    position: EpochPosition | None = None
+    faults = FaultLog()
     if state is not None:
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         history, step_log, epochs_done = state["history"], state["step_log"], state["epochs_done"]
-        if rank == 0 and epochs_done >= config.epochs:
+        position = EpochPosition(**state["position"]) if state.get("position") else None
+        faults = FaultLog(**state.get("faults", {}))
+        if state.get("world_size", world) != world and position is not None:
+            raise RuntimeError(
+                f"the checkpoint was written mid-epoch by {state['world_size']} workers and this "
+                f"attempt has {world}: an epoch's data order depends on the worker count"
+            )
+        finished = epochs_done >= config.epochs
+        if not finished:
+            record_restart(faults, state, run_dir, driver_id)
+        if rank == 0 and finished:
             log.info("the run already has its %d epochs: nothing to train", epochs_done)
         elif rank == 0:
-            log.info("resuming after epoch %d of %d", epochs_done, config.epochs)
+            log.info(
+                "resuming at epoch %d step %d of %d (%s)",
+                epochs_done + 1,
+                position.step if position else 0,
+                steps,
+                faults.restarts[-1]["cause"],
+            )
 
-    run_dir = resolve_storage(config.storage_path).join(config.run_name)
+    def checkpoint_state(epochs: int, at: EpochPosition | None, dtype: str | None) -> dict:
+        return {
+            "model": unwrap(model).state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "epochs_done": epochs,
+            "position": dataclasses.asdict(at) if at else None,
+            "global_step": epochs * steps + (at.step if at else 0),
+            "world_size": world,
+            "compute_dtype": dtype,
+            "history": history,
+            "step_log": step_log,
+            "faults": dataclasses.asdict(faults),
+            "config": dataclasses.asdict(config),
+            "dataset": dataclasses.asdict(info),
+        }
+
     collate = ImageBatchCollate(info)
     train_shard = ray.train.get_dataset_shard("train")
     test_shard = ray.train.get_dataset_shard("test")
+    compute_dtype: str | None = state.get("compute_dtype") if state else None
+    stop_at = config.stop_at_step
+    if state is not None and stop_at is not None and state["global_step"] >= stop_at:
+        if rank == 0:
+            log.info("the run is already at step %d (--stop-at-step)", state["global_step"])
+        return
     for epoch in range(epochs_done + 1, config.epochs + 1):
+
+        def after_step(
+            step: int,
+            current: Callable[[], EpochPosition],
+            epoch: int = epoch,
+            dtype: str | None = compute_dtype,
+        ) -> None:
+            """Mid-epoch checkpoints: every N steps, at a preemption notice, at --stop-at-step."""
+            global_step = (epoch - 1) * steps + step
+            reasons = []
+            if config.checkpoint_every_steps and global_step % config.checkpoint_every_steps == 0:
+                reasons.append("every")
+            if config.preemption_check_steps and global_step % config.preemption_check_steps == 0:
+                notice = ray.train.get_preemption_info()  # a barrier: every rank asks alike
+                if notice is not None and faults.notice_is_new(notice):
+                    faults.record_preemption(notice, global_step)
+                    reasons.append("preemption")
+                    if rank == 0:
+                        log.warning(
+                            "preemption announced for rank(s) %s: checkpointing at step %d",
+                            notice.preempted_ranks,
+                            global_step,
+                        )
+            if config.stop_at_step == global_step:
+                reasons.append("stop")
+            if rank == 0 and (global_step % config.log_every_steps == 0 or reasons):
+                write_progress(run_dir, global_step, driver_id)
+            if step == steps or not reasons:
+                return  # the epoch's own checkpoint follows at its end
+            at = current()
+            report_checkpoint(
+                {
+                    "epoch": epoch - 1 + step / steps,
+                    "global_step": global_step,
+                    SCORE: NOT_EVALUATED,
+                },
+                checkpoint_state(epoch - 1, at, dtype),
+            )
+            if "stop" in reasons:
+                raise StopAtStepReached
+
         batches = device_batches(
             train_shard,
             batch_size=micro_batch,
@@ -310,17 +495,25 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             seed=config.seed * 10_000 + epoch * 100 + rank,
         )
         row: dict[str, float] = {"epoch": epoch}
-        trained, compute_dtype = train_one_epoch(
-            model,
-            batches,
-            optimizer,
-            scheduler,
-            config,
-            epoch=epoch,
-            steps=steps,
-            device=device,
-            step_log=step_log,
-        )
+        try:
+            trained, compute_dtype = train_one_epoch(
+                model,
+                batches,
+                optimizer,
+                scheduler,
+                config,
+                epoch=epoch,
+                steps=steps,
+                device=device,
+                step_log=step_log,
+                start=position,
+                after_step=after_step,
+            )
+        except StopAtStepReached:
+            if rank == 0:
+                log.info("stopped at step %d as asked (--stop-at-step)", config.stop_at_step)
+            return
+        position = None
         row |= trained
         eval_started = time.perf_counter()
         test_batches = device_batches(
@@ -343,21 +536,21 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                 row["train_images_per_s"],
             )
         report_checkpoint(
-            row,
-            {
-                "model": unwrap(model).state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(),
-                "epochs_done": epoch,
-                "compute_dtype": compute_dtype,
-                "history": history,
-                "step_log": step_log,
-                "config": dataclasses.asdict(config),
-                "dataset": dataclasses.asdict(info),
-            },
+            {**row, "global_step": epoch * steps}, checkpoint_state(epoch, None, compute_dtype)
         )
         if rank == 0:  # after the report: the CSV never lists an epoch without its checkpoint
             write_metrics_csv(run_dir.join(METRICS_FILE), history)
+        if config.stop_at_step == epoch * steps:
+            if rank == 0:
+                log.info("stopped at step %d as asked (--stop-at-step)", config.stop_at_step)
+            return
+
+
+def write_progress(run_dir: StoragePath, global_step: int, driver_id: str) -> None:
+    """The last step rank 0 reached, so a restart knows how many steps it redoes (atomic write)."""
+    run_dir.join(PROGRESS_FILE).write_text(
+        json.dumps({"global_step": global_step, "driver_id": driver_id})
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -385,6 +578,9 @@ def run(config: TrainConfig) -> dict[str, Any]:
 
     start_ray_for_run(config, storage, data_dir)
 
+    # Deterministic reads: the same rows in the same order on every run (and `limit` takes the
+    # same rows), the basis of the data order a resumed epoch relies on.
+    ray.data.DataContext.get_current().execution_options.preserve_order = True
     train_data = read_parquet(data_dir.join("train"))
     test_data = read_parquet(data_dir.join("test"))
     if config.limit_train_rows is not None:
@@ -394,8 +590,11 @@ def run(config: TrainConfig) -> dict[str, Any]:
     # MNIST is ~50 MB: read it once into Ray's object store instead of re-reading Parquet every
     # epoch (that costs ~10 s per epoch here). For data larger than the cluster's memory, drop this.
     train_data, test_data = train_data.materialize(), test_data.materialize()
-    # Blocks in a new random order each epoch; rows are mixed further by each worker's shuffle buffer.
-    train_data = train_data.randomize_block_order()
+    # The data order is a pure function of the seed, the epoch, the rank and the worker count, so a
+    # run resumed mid-epoch sees exactly the batches it had not seen (none repeated, none skipped):
+    # blocks in one seeded order, split across workers in order (preserve_order makes Ray Data's
+    # streaming split deterministic), rows mixed by each worker's buffer seeded per epoch and rank.
+    train_data = train_data.randomize_block_order(seed=config.seed)
 
     trainer = TorchTrainer(
         train_loop_per_worker,
@@ -403,12 +602,15 @@ def run(config: TrainConfig) -> dict[str, Any]:
             "config": dataclasses.asdict(config),
             "dataset": dataclasses.asdict(info),
             "train_rows": train_rows,
+            "driver_id": uuid.uuid4().hex,  # tells a worker restart from a rerun of the command
         },
         scaling_config=build_scaling_config(config),
         run_config=build_run_config(config, score_attribute=SCORE, score_order="max"),
         torch_config=build_torch_config(config),
         datasets={"train": train_data, "test": test_data},
-        dataset_config=DataConfig(datasets_to_split="all"),
+        dataset_config=DataConfig(
+            datasets_to_split="all", execution_options=ExecutionOptions(preserve_order=True)
+        ),
     )
     log.info(
         "training %s on %d worker(s) for %d epoch(s); run folder %s",
@@ -429,12 +631,25 @@ def write_run_outputs(
     started: float,
 ) -> dict[str, Any]:
     """Curves PNG and summary.json from the checkpointed history (covers resumed runs too)."""
-    best = result.get_best_checkpoint(SCORE, "max") if result.best_checkpoints else None
+    best = best_complete_checkpoint(result, SCORE, "max")
     if result.checkpoint is None:
         raise RuntimeError(f"run {config.run_name} finished without a checkpoint under {run_dir}")
     with result.checkpoint.as_directory() as folder:
         state = load_state(folder)
     history = state["history"]
+    faults = state.get("faults", {"preemptions": [], "restarts": []})
+    progress = {
+        "global_step": state["global_step"],
+        "stopped_mid_epoch": state.get("position") is not None,
+        "preemptions": faults["preemptions"],
+        "restarts": faults["restarts"],
+        "steps_redone": sum(r["steps_redone"] for r in faults["restarts"]),
+    }
+    if not history:  # stopped (--stop-at-step) before the first epoch ended
+        summary = {"pipeline": "mnist_resnet", "run_name": config.run_name, **progress}
+        summary |= {"epochs_done": 0, "best": None, "latest_checkpoint": result.checkpoint.path}
+        write_summary(run_dir.join(SUMMARY_FILE), summary)
+        return summary
     write_metrics_csv(run_dir.join(METRICS_FILE), history)
     # Interval losses (x: fractional epoch) and per-epoch metrics share the plot's epoch axis.
     plot_curves(
@@ -454,6 +669,7 @@ def write_run_outputs(
         "run_name": config.run_name,
         "run_dir": run_dir.uri,
         "epochs_done": len(history),
+        **progress,
         "final": history[-1],
         "best": best_row,
         "best_checkpoint": _uri(run_dir, best.path) if best else None,

@@ -1,0 +1,186 @@
+"""A real multi-node Ray cluster on one machine, for the fault tests every pipeline shares.
+
+Each node is its own raylet with its own resources (`ray.cluster_utils.Cluster`); killing a node kills
+its raylet and every worker on it, as losing a machine does. The run's storage folder is a local
+folder that every node of this cluster really shares (they are one machine), so runs pass
+`--storage-is-shared`. A pipeline's driver runs as a subprocess with `RAY_ADDRESS` set, as in a
+RayJob, so tests can kill it too; this process keeps a connection to the cluster to watch the run
+and to inject faults (drain a node through the GCS, remove it, add one back).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.cluster_utils import Cluster
+
+NodeHandle = Any  # ray._private.node.Node: the processes of one node
+
+
+class MultiNodeCluster:
+    """A head node plus worker nodes; the helpers below are the faults a real cluster inflicts."""
+
+    def __init__(self, *, head_cpus: float, object_store_mb: int = 300) -> None:
+        self.object_store_bytes = object_store_mb * 1024 * 1024
+        self.cluster = Cluster(
+            initialize_head=True,
+            connect=True,
+            head_node_args={"num_cpus": head_cpus, "object_store_memory": self.object_store_bytes},
+        )
+
+    @property
+    def address(self) -> str:
+        return self.cluster.address
+
+    def add_node(self, cpus: float, **resources: float) -> NodeHandle:
+        node = self.cluster.add_node(
+            num_cpus=cpus,
+            resources=resources or None,
+            object_store_memory=self.object_store_bytes,
+        )
+        self.cluster.wait_for_nodes()
+        return node
+
+    def remove_node(self, node_id: str, *, graceful: bool = False) -> None:
+        """Kill every process of the node (its raylet first), without notice unless `graceful`."""
+        node = self.node_handle(node_id)
+        self.cluster.remove_node(node, allow_graceful=graceful)
+
+    def node_handle(self, node_id: str) -> NodeHandle:
+        for node in self.cluster.worker_nodes:
+            if node.node_id == node_id:
+                return node
+        head = self.cluster.head_node
+        where = "the head node" if head is not None and head.node_id == node_id else "unknown"
+        raise LookupError(f"node {node_id} is {where}, not a worker node this harness can remove")
+
+    def is_head(self, node_id: str) -> bool:
+        return self.cluster.head_node is not None and self.cluster.head_node.node_id == node_id
+
+    def drain(self, node_id: str, *, reason: str = "PREEMPTION", deadline_s: int | None) -> None:
+        """Ask the GCS to drain the node, as a cloud's spot-reclaim notice does (`ray drain-node`)."""
+        command = [
+            str(Path(sys.executable).with_name("ray")),
+            "drain-node",
+            "--address",
+            self.address,
+            "--node-id",
+            node_id,
+            "--reason",
+            f"DRAIN_NODE_REASON_{reason}",
+            "--reason-message",
+            "fault test",
+        ]
+        if deadline_s is not None:
+            command += ["--deadline-remaining-seconds", str(deadline_s)]
+        subprocess.run(command, check=True, capture_output=True, text=True, timeout=60)
+
+    def alive_node_ids(self) -> list[str]:
+        return [node["NodeID"] for node in ray.nodes() if node["Alive"]]
+
+    def train_workers(self) -> dict[int, str]:
+        """{world rank: node id} of the live worker group of the newest Ray Train run.
+
+        From Ray Train's own state actor (what its dashboard shows; drivers started by `Driver` turn
+        it on); empty until the group starts.
+        """
+        from ray.train.v2._internal.state.state_actor import get_state_actor
+
+        actor = get_state_actor()
+        if actor is None:
+            return {}
+        attempts = ray.get(actor.get_train_run_attempts.remote())
+        newest = [
+            attempt
+            for run_attempts in attempts.values()
+            for attempt in run_attempts.values()
+            if attempt.status.name == "RUNNING"
+        ]
+        if not newest:
+            return {}
+        attempt = max(newest, key=lambda a: a.start_time_ns)
+        return {worker.world_rank: worker.node_id for worker in attempt.workers}
+
+    def node_of_rank(self, rank: int, timeout_s: float = 120) -> str:
+        """The node id hosting `rank` of the running worker group (waits for the group to start)."""
+        workers = wait_for(lambda: self.train_workers().get(rank), timeout_s, f"rank {rank}")
+        return workers
+
+    def shutdown(self) -> None:
+        ray.shutdown()
+        self.cluster.shutdown()
+
+
+def wait_for(condition: Callable[[], Any], timeout_s: float, what: str, poll_s: float = 0.5) -> Any:
+    """Poll until `condition()` is truthy and return it; TimeoutError naming `what` otherwise."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(poll_s)
+    raise TimeoutError(f"waited {timeout_s:.0f} s for {what}")
+
+
+@contextmanager
+def multinode_cluster(*, head_cpus: float) -> Iterator[MultiNodeCluster]:
+    """A fresh cluster (the caller adds worker nodes), shut down afterwards whatever happens."""
+    if ray.is_initialized():
+        raise RuntimeError(
+            "this process is already connected to a Ray cluster: run fault tests on their own "
+            "(`nox -s faults`, or `pytest -m faults`)"
+        )
+    # The preemption watcher polls drains every 5 s by default; 1 s keeps tests short.
+    os.environ.setdefault("RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S", "1")
+    harness = MultiNodeCluster(head_cpus=head_cpus)
+    try:
+        yield harness
+    finally:
+        harness.shutdown()
+
+
+class Driver:
+    """A pipeline's `train` command as its own process against the cluster (a RayJob's entrypoint)."""
+
+    def __init__(self, command: Sequence[str], address: str, log_file: Path) -> None:
+        self.log_file = log_file
+        env = {
+            **os.environ,
+            "RAY_ADDRESS": address,
+            "PYTHONUNBUFFERED": "1",
+            # Ray Train's run-state actor (its dashboard's source), which `train_workers` reads.
+            "RAY_TRAIN_ENABLE_STATE_TRACKING": "1",
+        }
+        self.stream = log_file.open("ab")
+        self.process = subprocess.Popen(
+            list(command), env=env, stdout=self.stream, stderr=subprocess.STDOUT
+        )
+
+    def kill(self) -> None:
+        """SIGKILL, as a driver pod evicted or OOM-killed goes: no cleanup runs."""
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait(timeout=60)
+        self.stream.close()
+
+    def wait(self, timeout_s: float) -> int:
+        try:
+            code = self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            raise TimeoutError(
+                f"the driver ran past {timeout_s:.0f} s; log:\n{self.log()}"
+            ) from None
+        self.stream.close()
+        return code
+
+    def log(self) -> str:
+        return self.log_file.read_text(errors="replace")[-6000:]

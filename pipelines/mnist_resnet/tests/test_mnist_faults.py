@@ -1,0 +1,125 @@
+"""Faults a cluster inflicts, on a real 2-node Ray cluster on this box (`nox -s faults`).
+
+The driver is `mnist-resnet train` in its own process, as a RayJob's entrypoint is; the faults are
+real: a drain through the GCS with a deadline, the node's raylet killed, the driver SIGKILLed.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from raytrain_common.checkpoint import verify_checkpoint
+from raytrain_common.metrics import read_metrics_csv
+from raytrain_common.multinode import Driver, multinode_cluster, wait_for
+from raytrain_common.storage import StoragePath, resolve_storage
+
+pytestmark = pytest.mark.faults
+
+DEADLINE_S = 8
+
+
+def train_command(storage: Path, data_dir: StoragePath, run_name: str, *extra: str) -> list[str]:
+    """A 2-epoch run of 32 steps per epoch on a MNIST slice, logged (and its progress noted) every
+    step, one worker per node (SPREAD), storage declared shared (one box)."""
+    return [
+        sys.executable, "-m", "mnist_resnet", "train",
+        "--storage-path", str(storage), "--storage-is-shared", "--data-dir", data_dir.uri,
+        "--run-name", run_name, "--epochs", "2", "--limit-train-rows", "4096",
+        "--limit-test-rows", "1000", "--global-batch-size", "128", "--lr", "0.05",
+        "--shuffle-buffer-rows", "1024", "--log-every-steps", "1",
+        "--placement-strategy", "SPREAD", *extra,
+    ]  # fmt: skip
+
+
+def progress_step(run_dir: Path) -> int:
+    try:
+        return json.loads((run_dir / "progress.json").read_text())["global_step"]
+    except (FileNotFoundError, json.JSONDecodeError):
+        return 0
+
+
+def test_a_preempted_node_checkpoints_before_its_deadline_and_the_run_resumes_there(
+    mnist_dir: StoragePath, tmp_path: Path
+) -> None:
+    """Drain (reason PREEMPTION, deadline 8 s) the node that hosts a worker, kill it at the
+    deadline: the loop saw the notice within a step, checkpointed at once, the run restarted on the
+    head node and redid only the steps taken between the notice and the deadline."""
+    run_dir = tmp_path / "preempted"
+    with multinode_cluster(head_cpus=3) as cluster:
+        cluster.add_node(cpus=2)
+        driver = Driver(
+            train_command(tmp_path, mnist_dir, "preempted", "--preemption-check-steps", "1"),
+            cluster.address,
+            tmp_path / "driver.log",
+        )
+        wait_for(lambda: progress_step(run_dir) >= 4, 240, "step 4")
+        workers = cluster.train_workers()
+        victim_rank, victim_node = next(
+            (rank, node) for rank, node in sorted(workers.items()) if not cluster.is_head(node)
+        )
+        cluster.drain(victim_node, deadline_s=DEADLINE_S)
+        step_at_drain = progress_step(run_dir)
+        time.sleep(DEADLINE_S)
+        step_at_deadline = progress_step(run_dir)
+        cluster.remove_node(victim_node)  # the cloud reclaims the machine: raylet and workers die
+        assert driver.wait(timeout_s=600) == 0, driver.log()
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    [preemption] = summary["preemptions"]
+    assert preemption["ranks"] == [victim_rank] and preemption["node_ids"] == [victim_node]
+    # Noticed within the watcher's poll (1 s here) plus a step: a few steps after the drain.
+    assert step_at_drain <= preemption["checkpoint_step"] <= step_at_drain + 6
+    [restart] = summary["restarts"]
+    assert restart["cause"] == "preemption"
+    assert restart["resumed_at_step"] == preemption["checkpoint_step"]
+    # Redone: only what was trained between the just-in-time checkpoint and the deadline.
+    assert restart["steps_redone"] == restart["last_step_before"] - preemption["checkpoint_step"]
+    assert restart["last_step_before"] >= step_at_deadline - 1
+    print(f"preemption at step {preemption['checkpoint_step']}: {restart['steps_redone']} redone")
+    rows = read_metrics_csv(resolve_storage(run_dir / "metrics.csv"))
+    assert [row["epoch"] for row in rows] == [1, 2]
+    assert summary["best"]["test_accuracy"] >= 0.93  # as an uninterrupted run of this size
+
+
+def test_a_killed_driver_is_rerun_and_continues_from_its_last_checkpoint(
+    mnist_dir: StoragePath, tmp_path: Path
+) -> None:
+    """SIGKILL the driver mid-epoch 2 (its controller and workers go with it), rerun the same
+    command: it resumes from the last complete checkpoint (step 40, even when the kill came before
+    the controller registered it), metrics.csv has each epoch once, Ray's registry lists each
+    checkpoint once and every one it lists is complete."""
+    run_dir = tmp_path / "driver"
+    command = train_command(tmp_path, mnist_dir, "driver", "--checkpoint-every-steps", "8")
+    with multinode_cluster(head_cpus=3) as cluster:
+        cluster.add_node(cpus=2)
+        first = Driver(command, cluster.address, tmp_path / "driver.log")
+        wait_for(lambda: progress_step(run_dir) >= 45, 400, "step 45")
+        killed_at = progress_step(run_dir)
+        first.kill()
+        second = Driver(command, cluster.address, tmp_path / "driver.log")
+        assert second.wait(timeout_s=600) == 0, second.log()
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    [restart] = summary["restarts"]
+    assert restart["cause"] == "rerun"
+    assert restart["resumed_at_step"] == 40  # the last checkpoint (every 8 steps) before step 45
+    assert restart["steps_redone"] == restart["last_step_before"] - 40 >= killed_at - 40
+    rows = read_metrics_csv(resolve_storage(run_dir / "metrics.csv"))
+    assert [row["epoch"] for row in rows] == [1, 2]
+    assert summary["best"]["test_accuracy"] >= 0.93
+    # Ray's registry names each checkpoint once, and each one it names is there and complete.
+    registered = _checkpoint_paths(run_dir)
+    assert len(registered) == len(set(registered))
+    for path in registered:
+        verify_checkpoint(path)
+
+
+def _checkpoint_paths(run_dir: Path) -> list[Path]:
+    """The checkpoints Ray's checkpoint manager has registered (its snapshot in the run folder)."""
+    snapshot = json.loads((run_dir / "checkpoint_manager_snapshot.json").read_text())
+    return [run_dir / result["checkpoint_dir_name"] for result in snapshot["checkpoint_results"]]
