@@ -67,6 +67,11 @@ class TrainConfig(RayTrainSettings):
         100, "A sharded checkpoint every N steps (and at the end)."
     )
     log_every_steps: int = option(10, "Progress line every N steps (rank 0).")
+    preemption_check_steps: int = option(
+        5,
+        "Every N steps, ask Ray whether a node of the run is being preempted; if so, checkpoint "
+        "at once (0: never ask).",
+    )
     seed: int = option(0, "Seed of weights init and of the data order.")
 
     def resolved_data_dir(self) -> str:
@@ -111,6 +116,10 @@ class TrainConfig(RayTrainSettings):
             raise ConfigError(
                 f"stop_at_step={self.stop_at_step}: it must be at least 1 (beyond max_steps the "
                 "run simply ends at max_steps)"
+            )
+        if self.preemption_check_steps < 0:
+            raise ConfigError(
+                f"preemption_check_steps={self.preemption_check_steps}: give 0 (off) or a step count"
             )
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError(f"min_lr_ratio={self.min_lr_ratio}: it must be in [0, 1]")

@@ -17,6 +17,7 @@ import torch.distributed.checkpoint as dcp
 from llm_fsdp.data import DataError
 from llm_fsdp.model import ModelSpec, build_model
 from llm_fsdp.train import STATE_FILE
+from raytrain_common.checkpoint import verify_checkpoint
 from raytrain_common.metrics import SUMMARY_FILE
 from raytrain_common.storage import resolve_storage
 
@@ -49,6 +50,7 @@ def export(checkpoint: str, output: str, loop_config: dict[str, Any] | None = No
         raise DataError(
             f"{checkpoint} is not a complete llm_fsdp checkpoint (no {STATE_FILE} / .metadata)"
         )
+    verify_checkpoint(folder)  # every rank's shards as written, none cut off
     config = loop_config or json.loads((folder / STATE_FILE).read_text())["loop_config"]
     info, spec = config["dataset"], ModelSpec(**config["model"])
     model = build_model(

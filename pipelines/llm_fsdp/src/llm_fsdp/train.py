@@ -13,6 +13,7 @@ import logging
 import math
 import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,11 @@ from llm_fsdp.model import (
     resolve_model,
 )
 from llm_fsdp.parallelize import parallelize
+from raytrain_common.checkpoint import (
+    best_complete_checkpoint,
+    resume_checkpoint,
+    write_manifest,
+)
 from raytrain_common.configs import (
     ConfigError,
     build_run_config,
@@ -46,6 +52,7 @@ from raytrain_common.configs import (
     build_torch_config,
     per_worker_batch_size,
 )
+from raytrain_common.faults import FaultLog, write_progress
 from raytrain_common.hardware import peak_bf16_flops, peak_memory_gb
 from raytrain_common.metrics import (
     SUMMARY_FILE,
@@ -248,6 +255,8 @@ def save_checkpoint(
         dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=folder)
         if dist.get_rank() == 0:
             (Path(folder) / STATE_FILE).write_text(json.dumps(state))
+        # Each rank describes its own shards, last: a shard cut off is found before a resume.
+        write_manifest(folder, rank=dist.get_rank(), world_size=dist.get_world_size())
         ray.train.report(metrics, checkpoint=Checkpoint.from_directory(folder))
 
 
@@ -307,10 +316,17 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     train_blocks = stage_blocks(read_blocks(data_dir, "train"), device)
     val_blocks = read_blocks(data_dir, "validation")
     state: dict[str, Any] = {"step": 0, "history": []}
-    checkpoint = ray.train.get_checkpoint()
+    run_dir = resolve_storage(config.storage_path).join(config.run_name)
+    driver_id: str = loop_config["driver_id"]
+    last_step = min(config.max_steps, config.stop_at_step or config.max_steps)
+    checkpoint = resume_checkpoint(run_dir)
+    faults = FaultLog()
     if checkpoint is not None:
         with checkpoint.as_directory() as folder:
             state = load_checkpoint(model, optimizer, folder)
+        faults = FaultLog(**state.get("faults", {}))
+        if state["step"] < last_step:
+            faults.record_restart(state["step"], run_dir, driver_id, checkpoint.path)
         if rank == 0:
             log.info(
                 "resumed at step %d (written by %d worker(s)) on %d worker(s)",
@@ -339,7 +355,6 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     tokens_per_rank_step = micro * config.grad_accum_steps * info.seq_len
     window_started, window_steps = time.perf_counter(), 0
     window_loss = torch.zeros((), device=device)
-    last_step = min(config.max_steps, config.stop_at_step or config.max_steps)
     while step < last_step:
         indices = global_batch_indices(
             step, config.global_batch_size, len(train_blocks), config.seed
@@ -398,13 +413,18 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                 )
         if row is not None:
             history.append(row)
-        if step % config.checkpoint_every_steps == 0 or step == last_step:
+        every = config.preemption_check_steps  # a barrier: every rank asks at the same steps
+        preempted = every > 0 and step % every == 0 and faults.check_preemption(step)
+        if rank == 0 and (step % config.log_every_steps == 0 or preempted):
+            write_progress(run_dir, step, driver_id)
+        if step % config.checkpoint_every_steps == 0 or step == last_step or preempted:
             saved = {
                 "step": step,
                 "sequences_seen": step * config.global_batch_size,
                 "world_size": world,
                 "compute_dtype": str(model.compute_dtype).removeprefix("torch."),
                 "history": history,
+                "faults": dataclasses.asdict(faults),
                 "loop_config": loop_config,
             }
             save_checkpoint(model, optimizer, saved, {"step": step, **latest_val})
@@ -464,6 +484,7 @@ def run(config: TrainConfig) -> dict[str, Any]:
             "config": dataclasses.asdict(config),
             "dataset": dataclasses.asdict(info),
             "model": dataclasses.asdict(spec),
+            "driver_id": uuid.uuid4().hex,  # tells a worker restart from a rerun of the command
         },
         scaling_config=build_scaling_config(config),
         run_config=build_run_config(config, score_attribute=SCORE, score_order="min"),
@@ -504,7 +525,7 @@ def write_run_outputs(
         log_y=["loss"],
     )
     evals = [row for row in history if "val_loss" in row]
-    best = result.get_best_checkpoint(SCORE, "min") if result.best_checkpoints else None
+    best = best_complete_checkpoint(result, SCORE, "min")
     windows = [row for row in history if "tokens_per_s" in row]
     # The first window holds the compilation and warm-up: the steady figures leave it out.
     steady = windows[1:] or windows
@@ -515,6 +536,7 @@ def write_run_outputs(
         "run_dir": run_dir.uri,
         "model": spec.name,
         "steps_done": state["step"],
+        **FaultLog(**state.get("faults", {})).summary(),
         "first_eval": evals[0],
         "final_eval": evals[-1],
         "best_eval": min(evals, key=lambda row: row["val_loss"]),

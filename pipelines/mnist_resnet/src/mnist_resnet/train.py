@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import math
 import time
@@ -48,6 +47,7 @@ from raytrain_common.configs import (
     per_worker_batch_size,
 )
 from raytrain_common.data import device_batches, read_parquet
+from raytrain_common.faults import FaultLog, write_progress
 from raytrain_common.hardware import peak_memory_gb
 from raytrain_common.metrics import (
     SUMMARY_FILE,
@@ -67,7 +67,6 @@ log = logging.getLogger("mnist_resnet")
 
 METRICS_FILE = "metrics.csv"
 CURVES_FILE = "curves.png"
-PROGRESS_FILE = "progress.json"  # the last step rank 0 reached: what a restart redoes is measured
 SCORE = "test_accuracy"
 # The score of a mid-epoch checkpoint, which is not evaluated: below any real accuracy, so Ray keeps
 # it only as the latest (Ray's checkpoint ranking takes numbers only: NaN reaches it as None).
@@ -307,57 +306,6 @@ class StopAtStepReached(Exception):  # noqa: N818 (a signal, not an error)
     """`--stop-at-step` reached: the checkpoint is written, every rank leaves the loop together."""
 
 
-@dataclass
-class FaultLog:
-    """What the run went through, kept in every checkpoint and written to summary.json."""
-
-    preemptions: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    restarts: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-
-    def notice_is_new(self, info: ray.train.PreemptionInfo) -> bool:
-        nodes = sorted(info.preempted_node_to_ranks)
-        return all(seen["node_ids"] != nodes for seen in self.preemptions)
-
-    def record_preemption(self, info: ray.train.PreemptionInfo, global_step: int) -> None:
-        self.preemptions.append(
-            {
-                "noticed_at_step": global_step,
-                "checkpoint_step": global_step,
-                "node_ids": sorted(info.preempted_node_to_ranks),
-                "ranks": info.preempted_ranks,
-                "deadline_s_after_notice": None
-                if info.deadline_ms is None
-                else round(info.deadline_ms / 1000 - time.time(), 1),
-            }
-        )
-
-
-def read_progress(run_dir: StoragePath) -> dict[str, Any] | None:
-    target = run_dir.join(PROGRESS_FILE)
-    return json.loads(target.read_text()) if target.exists() else None
-
-
-def record_restart(
-    faults: FaultLog, state: dict[str, Any], run_dir: StoragePath, driver_id: str
-) -> None:
-    """Note a resume: from which step, how far the lost attempt had gone, what caused it."""
-    resumed_at = state["global_step"]
-    progress = read_progress(run_dir) or {}
-    last = max(resumed_at, progress.get("global_step", resumed_at))
-    preempted = any(p["checkpoint_step"] == resumed_at for p in faults.preemptions)
-    faults.restarts.append(
-        {
-            "resumed_at_step": resumed_at,
-            "last_step_before": last,
-            "steps_redone": last - resumed_at,
-            "cause": "preemption"
-            if preempted
-            else ("worker failure" if progress.get("driver_id") == driver_id else "rerun"),
-            "checkpoint": state.get("resumed_from"),
-        }
-    )
-
-
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     """Runs on every worker: build, restore if the run has a checkpoint, train, evaluate, report."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -406,7 +354,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             )
         finished = epochs_done >= config.epochs
         if not finished:
-            record_restart(faults, state, run_dir, driver_id)
+            faults.record_restart(
+                state["global_step"], run_dir, driver_id, state.get("resumed_from")
+            )
         if rank == 0 and finished:
             log.info("the run already has its %d epochs: nothing to train", epochs_done)
         elif rank == 0:
@@ -457,17 +407,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             reasons = []
             if config.checkpoint_every_steps and global_step % config.checkpoint_every_steps == 0:
                 reasons.append("every")
-            if config.preemption_check_steps and global_step % config.preemption_check_steps == 0:
-                notice = ray.train.get_preemption_info()  # a barrier: every rank asks alike
-                if notice is not None and faults.notice_is_new(notice):
-                    faults.record_preemption(notice, global_step)
-                    reasons.append("preemption")
-                    if rank == 0:
-                        log.warning(
-                            "preemption announced for rank(s) %s: checkpointing at step %d",
-                            notice.preempted_ranks,
-                            global_step,
-                        )
+            every = config.preemption_check_steps
+            if every and global_step % every == 0 and faults.check_preemption(global_step):
+                reasons.append("preemption")
             if config.stop_at_step == global_step:
                 reasons.append("stop")
             if rank == 0 and (global_step % config.log_every_steps == 0 or reasons):
@@ -544,13 +486,6 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             if rank == 0:
                 log.info("stopped at step %d as asked (--stop-at-step)", config.stop_at_step)
             return
-
-
-def write_progress(run_dir: StoragePath, global_step: int, driver_id: str) -> None:
-    """The last step rank 0 reached, so a restart knows how many steps it redoes (atomic write)."""
-    run_dir.join(PROGRESS_FILE).write_text(
-        json.dumps({"global_step": global_step, "driver_id": driver_id})
-    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -637,13 +572,10 @@ def write_run_outputs(
     with result.checkpoint.as_directory() as folder:
         state = load_state(folder)
     history = state["history"]
-    faults = state.get("faults", {"preemptions": [], "restarts": []})
     progress = {
         "global_step": state["global_step"],
         "stopped_mid_epoch": state.get("position") is not None,
-        "preemptions": faults["preemptions"],
-        "restarts": faults["restarts"],
-        "steps_redone": sum(r["steps_redone"] for r in faults["restarts"]),
+        **FaultLog(**state.get("faults", {})).summary(),
     }
     if not history:  # stopped (--stop-at-step) before the first epoch ended
         summary = {"pipeline": "mnist_resnet", "run_name": config.run_name, **progress}

@@ -1,0 +1,107 @@
+"""What a run went through (preemption notices, restarts, the steps each restart redid), recorded in
+every checkpoint and written to summary.json, and the one preemption check a training loop makes.
+
+A restart resumes from the newest complete checkpoint; the steps taken after it are lost and done
+again. To count them, rank 0 writes the last step it reached to `progress.json` in the run folder
+every few steps (one small atomic write), and the resumed attempt compares.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import ray.train
+
+from raytrain_common.storage import StoragePath
+
+log = logging.getLogger(__name__)
+
+PROGRESS_FILE = "progress.json"
+
+
+@dataclass
+class FaultLog:
+    """Preemption notices acted on and restarts survived; saved in each checkpoint."""
+
+    preemptions: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    restarts: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+
+    def check_preemption(self, global_step: int) -> bool:
+        """Ask Ray whether a node of the run is being preempted; True (and recorded) the first time
+        a notice is seen, so the caller checkpoints once per notice.
+
+        A barrier across the worker group: every rank must call it at the same steps.
+        """
+        notice = ray.train.get_preemption_info()
+        if notice is None:
+            return False
+        nodes = sorted(notice.preempted_node_to_ranks)
+        if any(seen["node_ids"] == nodes for seen in self.preemptions):
+            return False
+        deadline_s = None if notice.deadline_ms is None else notice.deadline_ms / 1000 - time.time()
+        self.preemptions.append(
+            {
+                "checkpoint_step": global_step,
+                "node_ids": nodes,
+                "ranks": notice.preempted_ranks,
+                "deadline_s_after_notice": None if deadline_s is None else round(deadline_s, 1),
+            }
+        )
+        if ray.train.get_context().get_world_rank() == 0:
+            log.warning(
+                "preemption announced for rank(s) %s (deadline in %s s): checkpointing at step %d",
+                notice.preempted_ranks,
+                "?" if deadline_s is None else f"{deadline_s:.0f}",
+                global_step,
+            )
+        return True
+
+    def record_restart(
+        self, resumed_at: int, run_dir: StoragePath, driver_id: str, checkpoint: str | None
+    ) -> dict[str, Any]:
+        """Note a resume at `resumed_at`: how far the lost attempt had gone and what caused it."""
+        progress = read_progress(run_dir) or {}
+        last = max(resumed_at, progress.get("global_step", resumed_at))
+        # A notice saved in this checkpoint that no restart followed yet: this restart is its end
+        # (the checkpoint may be the just-in-time one, or a regular one written after it).
+        pending = [p for p in self.preemptions if not p.get("restarted")]
+        if pending:
+            pending[-1]["restarted"] = True
+            cause = "preemption"
+        elif progress.get("driver_id") == driver_id:
+            cause = "worker failure"  # the same driver restarted its worker group
+        else:
+            cause = "rerun"
+        restart = {
+            "resumed_at_step": resumed_at,
+            "last_step_before": last,
+            "steps_redone": last - resumed_at,
+            "cause": cause,
+            "checkpoint": checkpoint,
+        }
+        self.restarts.append(restart)
+        return restart
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "preemptions": self.preemptions,
+            "restarts": self.restarts,
+            "steps_redone": sum(r["steps_redone"] for r in self.restarts),
+        }
+
+
+def read_progress(run_dir: StoragePath) -> dict[str, Any] | None:
+    target = run_dir.join(PROGRESS_FILE)
+    return json.loads(target.read_text()) if target.exists() else None
+
+
+def write_progress(run_dir: StoragePath, global_step: int, driver_id: str) -> None:
+    """The last step rank 0 reached (atomic write), so a restart knows how many steps it redoes."""
+    run_dir.join(PROGRESS_FILE).write_text(
+        json.dumps({"global_step": global_step, "driver_id": driver_id})
+    )
