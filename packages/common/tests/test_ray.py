@@ -15,6 +15,7 @@ from ray.train.torch import TorchTrainer
 from raytrain_common.checkpoint import latest_state, report_checkpoint
 from raytrain_common.configs import RayTrainSettings, build_run_config, build_scaling_config
 from raytrain_common.ray_start import ResourceError, alive_nodes, init_ray, require_resources
+from raytrain_common.storage import resolve_storage
 
 pytestmark = pytest.mark.ray
 
@@ -43,7 +44,7 @@ def fit(storage: Path, steps: int) -> ray.train.Result:
 
         Defined inside the test so Ray ships it by value: workers cannot import test modules.
         """
-        state = latest_state()
+        state = latest_state(resolve_storage(config["run_dir"]))
         start = state["step"] if state else 0
         rank = ray.train.get_context().get_world_rank()
         for step in range(start + 1, config["steps"] + 1):
@@ -57,7 +58,7 @@ def fit(storage: Path, steps: int) -> ray.train.Result:
     )
     trainer = TorchTrainer(
         train_fn,
-        train_loop_config={"steps": steps},
+        train_loop_config={"steps": steps, "run_dir": str(storage / "ranks")},
         scaling_config=build_scaling_config(settings),
         run_config=build_run_config(settings, score_attribute="step", score_order="max"),
     )
@@ -73,7 +74,11 @@ def test_rank_zero_saves_every_rank_reports_and_a_rerun_resumes(
     folders = sorted(p.name for p in (tmp_path / "ranks").glob("checkpoint_*") if p.is_dir())
     assert len(folders) == 2
     for folder in folders:  # one state file per checkpoint: only rank 0 wrote
-        assert sorted(os.listdir(tmp_path / "ranks" / folder)) == ["state.pt"]
+        assert sorted(os.listdir(tmp_path / "ranks" / folder)) == [
+            "manifest-rank0.json",
+            "manifest-world.json",
+            "state.pt",
+        ]
 
     second = fit(tmp_path, steps=3)  # same run name: continues after step 2
     assert second.metrics["step"] == 3

@@ -137,3 +137,30 @@ def test_bad_settings_fail_before_training(
     status = main(["train", "--data-dir", vader_dir.uri, "--model", str(tmp_path), "--storage-path", str(tmp_path)])  # fmt: skip
     assert status == 2
     assert "is a folder without config.json" in capsys.readouterr().err
+
+
+def test_a_run_stopped_mid_epoch_resumes_with_the_steps_it_had_not_taken(
+    ray_cluster: None, vader_dir: StoragePath, tmp_path: Path
+) -> None:
+    """Checkpoints every 12 steps, stopped at step 40 of 64 (mid-epoch 2) and rerun: the Trainer
+    skips the batches already seen, and the resumed epoch is drawn in its own order, so every
+    step's loss matches an uninterrupted run's to 1e-5 relative (measured: identical; a resumed
+    epoch drawn in the wrong order was 5-50 % off)."""
+    common = {"log_every_steps": 1, "checkpoint_every_steps": 12}
+    whole = run(small_config(tmp_path, vader_dir, run_name="whole", **common))
+    stopped = run(small_config(tmp_path, vader_dir, run_name="cut", stop_at_step=40, **common))
+    assert stopped["global_step"] == 40
+    resumed = run(small_config(tmp_path, vader_dir, run_name="cut", **common))
+    assert resumed["global_step"] == whole["global_step"] == 64
+
+    def step_losses(summary: dict[str, Any]) -> dict[int, float]:
+        state = json.loads((Path(summary["latest_checkpoint"]) / "trainer_state.json").read_text())
+        return {row["step"]: row["loss"] for row in state["log_history"] if "loss" in row}
+
+    expected, got = step_losses(whole), step_losses(resumed)
+    assert sorted(got) == list(range(1, 65))
+    for step in range(1, 65):
+        assert got[step] == pytest.approx(expected[step], rel=1e-5), step
+    assert resumed["final"]["eval_f1"] == pytest.approx(whole["final"]["eval_f1"], abs=1e-6)
+    assert [r["cause"] for r in resumed["restarts"]] == ["rerun"]
+    assert resumed["restarts"][0]["resumed_at_step"] == 40

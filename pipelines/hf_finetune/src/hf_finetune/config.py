@@ -45,6 +45,19 @@ class TrainConfig(RayTrainSettings):
     )
     limit_eval_rows: int | None = option(None, "Evaluate on the first N validation rows only.")
     log_every_steps: int = option(50, "Progress line every N optimiser steps (rank 0).")
+    checkpoint_every_steps: int = option(
+        0,
+        "Evaluate and checkpoint every N optimiser steps instead of at each epoch's end (0: per "
+        "epoch); a restart then loses at most N steps.",
+    )
+    preemption_check_steps: int = option(
+        10,
+        "Every N steps, ask Ray whether a node of the run is being preempted; if so, evaluate and "
+        "checkpoint at once (0: never ask).",
+    )
+    stop_at_step: int | None = option(
+        None, "Evaluate, checkpoint and stop after this optimiser step (a rerun continues)."
+    )
     seed: int = option(0, "Seed of the head's init and the data order.")
 
     def resolved_data_dir(self) -> str:
@@ -66,6 +79,11 @@ class TrainConfig(RayTrainSettings):
         for name, value in positive.items():
             if value <= 0:
                 raise ConfigError(f"{name}={value}: it must be above 0")
+        for name in ("checkpoint_every_steps", "preemption_check_steps"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}={getattr(self, name)}: give 0 (off) or a step count")
+        if self.stop_at_step is not None and self.stop_at_step < 1:
+            raise ConfigError(f"stop_at_step={self.stop_at_step}: it must be at least 1")
         if not 0 <= self.warmup_fraction < 1:
             raise ConfigError(f"warmup_fraction={self.warmup_fraction}: it must be in [0, 1)")
         if self.lr_schedule not in ("linear", "cosine", "constant"):

@@ -17,6 +17,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer, Data
 
 from hf_finetune.data import DataError, inspect_dataset, read_split
 from hf_finetune.train import classification_scores, confusion_matrix
+from raytrain_common.checkpoint import verify_checkpoint
 from raytrain_common.metrics import SUMMARY_FILE, write_summary
 from raytrain_common.storage import StoragePath, resolve_storage, write_atomic
 
@@ -39,6 +40,8 @@ def load_classifier(checkpoint: str) -> tuple[Any, Any]:
     folder = Path(checkpoint)
     if not (folder / "config.json").exists():
         raise DataError(f"{checkpoint!r} is not a Hugging Face model folder (no config.json)")
+    if folder.parent.name.startswith("checkpoint_"):  # a run's checkpoint, not an export
+        verify_checkpoint(folder)  # TornCheckpointError: a file cut off or missing
     model = AutoModelForSequenceClassification.from_pretrained(folder).eval()
     return model, AutoTokenizer.from_pretrained(folder)
 

@@ -14,6 +14,7 @@ import logging
 import math
 import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ from transformers import (
     TrainingArguments,
 )
 from transformers.trainer_callback import PrinterCallback
+from transformers.trainer_pt_utils import LengthGroupedSampler
 
 from hf_finetune import __version__
 from hf_finetune.config import TrainConfig
@@ -45,6 +47,11 @@ from hf_finetune.data import (
     tokenizer_fingerprint,
 )
 from hf_finetune.model import build_model, display_name, resolve_model
+from raytrain_common.checkpoint import (
+    best_complete_checkpoint,
+    resume_checkpoint,
+    write_manifest,
+)
 from raytrain_common.configs import (
     ConfigError,
     build_run_config,
@@ -52,6 +59,7 @@ from raytrain_common.configs import (
     build_torch_config,
     per_worker_batch_size,
 )
+from raytrain_common.faults import FaultLog, write_progress
 from raytrain_common.metrics import (
     SUMMARY_FILE,
     package_versions,
@@ -72,7 +80,7 @@ SCORE = "eval_f1"  # Ray keeps the best checkpoints by this; the Trainer prefixe
 METRICS_FILE = "metrics.csv"
 CURVES_FILE = "curves.png"
 HF_CHECKPOINT = RayTrainReportCallback.CHECKPOINT_NAME  # the HF folder inside a Ray checkpoint
-DTYPE_FILE = "compute_dtype.json"  # beside the Trainer's files in each checkpoint
+RECORD_FILE = "run_record.json"  # compute dtype and faults, beside the Trainer's files
 
 
 # ---------------------------------------------------------------------------------------------
@@ -147,22 +155,78 @@ class TokenizedSplit(torch.utils.data.Dataset):
         return {"input_ids": self.input_ids[index], "labels": int(self.labels[index])}
 
 
+class EpochSeededLengthGroupedSampler(LengthGroupedSampler):
+    """Transformers' length-grouped order, drawn from a generator seeded by (seed, epoch).
+
+    The stock sampler draws from the global RNG when an epoch starts, so a run resumed mid-epoch
+    (whose RNG was restored to the checkpoint's step) would draw another order for that epoch and
+    the Trainer's skip of the batches already seen would skip the wrong ones. The Trainer calls
+    `set_epoch` before each epoch, resumed or not.
+    """
+
+    def __init__(self, *args: Any, seed: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.seed = seed
+        self.set_epoch(0)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.generator = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
+
+
 class LengthGroupedTrainer(Trainer):
-    """Hands the known token lengths to the length-grouped sampler instead of measuring every row."""
+    """Hands the known token lengths to the length-grouped sampler instead of measuring every row,
+    and makes the data order and dropout stream independent of when the run evaluates and saves
+    (exact mid-epoch resume)."""
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        # Evaluation's DataLoader draws a seed from the global RNG. The Trainer saves the RNG state
+        # after evaluating, so a checkpoint evaluated where the uninterrupted run did not (a stop,
+        # a preemption) would resume with another dropout stream. Evaluation leaves it untouched.
+        cpu_state = torch.get_rng_state()
+        cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+        try:
+            return super().evaluate(*args, **kwargs)
+        finally:
+            torch.set_rng_state(cpu_state)
+            if cuda_states is not None:
+                torch.cuda.set_rng_state_all(cuda_states)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.epoch_sampler: EpochSeededLengthGroupedSampler | None = None
+        self.add_callback(SamplerEpoch(self))
 
     def _get_train_sampler(self, train_dataset=None):
         dataset = train_dataset if train_dataset is not None else self.train_dataset
         if self.args.train_sampling_strategy == "group_by_length" and isinstance(
             dataset, TokenizedSplit
         ):
-            from transformers.trainer_pt_utils import LengthGroupedSampler
-
-            return LengthGroupedSampler(
+            self.epoch_sampler = EpochSeededLengthGroupedSampler(
                 self.args.train_batch_size * self.args.gradient_accumulation_steps,
                 dataset=dataset,
                 lengths=dataset.lengths,
+                seed=self.args.data_seed if self.args.data_seed is not None else self.args.seed,
             )
+            return self.epoch_sampler
         return super()._get_train_sampler(train_dataset)
+
+
+class SamplerEpoch(TrainerCallback):
+    """Seeds the sampler's order with the epoch at each epoch's start.
+
+    The Trainer's own `set_epoch` does not reach the sampler in a resumed epoch: accelerate's
+    `skip_first_batches` wraps the batch sampler once more, and the forwarding stops one level
+    short, so the resumed epoch would be drawn in epoch 0's order (measured: losses 5-50 % off
+    from the step after the resume).
+    """
+
+    def __init__(self, trainer: LengthGroupedTrainer) -> None:
+        self.trainer = trainer
+
+    def on_epoch_begin(self, args, state, control, **kwargs):
+        if self.trainer.epoch_sampler is not None:
+            # A resumed run starts inside an epoch (state.epoch 1.25: epoch index 1).
+            self.trainer.epoch_sampler.set_epoch(math.floor((state.epoch or 0.0) + 1e-9))
 
 
 class ProgressLog(TrainerCallback):
@@ -196,11 +260,22 @@ class ProgressLog(TrainerCallback):
         self.last = (now, state.global_step)
 
 
-class ComputeDtypeRecord(TrainerCallback):
-    """Writes the dtype the forward pass computes in (bfloat16 under `--bf16` autocast) into each
-    checkpoint, so the run's summary shows whether mixed precision was really in effect."""
+class FaultTolerance(TrainerCallback):
+    """What the Trainer does not do by itself for a run on a cluster:
 
-    def __init__(self) -> None:
+    - every `preemption_check_steps`, asks Ray whether a node of the run is being preempted and, at
+      a new notice, has the Trainer evaluate and save at once (evaluated, so Ray ranks the
+      checkpoint by its real score); `--stop-at-step` saves and stops the same way;
+    - notes the last step reached (progress.json) so a restart can count the steps it redoes;
+    - writes the run's record (the dtype the forward pass computes in, preemptions, restarts) and
+      then a manifest of the checkpoint's files into each checkpoint, before Ray's callback uploads
+      it: a checkpoint cut off later is found and never loaded.
+    """
+
+    def __init__(
+        self, config: TrainConfig, run_dir: StoragePath, driver_id: str, faults: FaultLog
+    ) -> None:
+        self.config, self.run_dir, self.driver_id, self.faults = config, run_dir, driver_id, faults
         self.dtype: str | None = None
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
@@ -211,10 +286,24 @@ class ComputeDtypeRecord(TrainerCallback):
 
         model.register_forward_hook(record)
 
+    def on_step_end(self, args, state, control, **kwargs):
+        step, every = state.global_step, self.config.preemption_check_steps
+        # A barrier: the Trainer ends steps in lockstep on every rank, so all ranks ask alike.
+        preempted = every > 0 and step % every == 0 and self.faults.check_preemption(step)
+        if preempted or step == self.config.stop_at_step:
+            control.should_evaluate = control.should_save = True
+        if step == self.config.stop_at_step:
+            control.should_training_stop = True
+        if state.is_world_process_zero and (step % self.config.log_every_steps == 0 or preempted):
+            write_progress(self.run_dir, step, self.driver_id)
+        return control
+
     def on_save(self, args, state, control, **kwargs):
-        if self.dtype is not None and state.is_world_process_zero:
+        if state.is_world_process_zero:
             folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-            (folder / DTYPE_FILE).write_text(json.dumps({"compute_dtype": self.dtype}))
+            record = {"compute_dtype": self.dtype, "faults": dataclasses.asdict(self.faults)}
+            (folder / RECORD_FILE).write_text(json.dumps(record))
+            write_manifest(folder)
 
 
 class NonFiniteLossGuard(TrainerCallback):
@@ -236,6 +325,9 @@ class NonFiniteLossGuard(TrainerCallback):
 
 
 def training_arguments(config: TrainConfig, output_dir: str, workers: int) -> TrainingArguments:
+    # Evaluate, then save, at every epoch end or every N steps: each checkpoint Ray receives
+    # carries its own eval F1, the score Ray keeps the best checkpoints by.
+    every = config.checkpoint_every_steps
     return TrainingArguments(
         output_dir=output_dir,
         num_train_epochs=config.epochs,
@@ -249,9 +341,10 @@ def training_arguments(config: TrainConfig, output_dir: str, workers: int) -> Tr
         warmup_steps=config.warmup_fraction,  # a float below 1 is a share of all steps
         lr_scheduler_type=config.lr_schedule,
         max_grad_norm=config.grad_clip_norm,
-        # Evaluate, then save, at every epoch end: each checkpoint Ray receives carries its eval F1.
-        eval_strategy="epoch",
-        save_strategy="epoch",
+        eval_strategy="steps" if every else "epoch",
+        save_strategy="steps" if every else "epoch",
+        eval_steps=every or None,
+        save_steps=every or 500,
         logging_strategy="steps",
         logging_steps=config.log_every_steps,
         save_total_limit=1,  # local copies only; Ray keeps the run's checkpoints in storage
@@ -286,7 +379,20 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     transformers.utils.logging.disable_progress_bar()  # bars from every worker garble the log
     transformers.utils.logging.set_verbosity_error()  # e.g. the load report naming the new head
     tokenizer = AutoTokenizer.from_pretrained(info.tokenizer)
+    transformers.set_seed(config.seed)  # the new head's init: the same run gives the same weights
     model = build_model(loop_config["model"], info.labels)
+
+    run_dir = resolve_storage(config.storage_path).join(config.run_name)
+    driver_id: str = loop_config["driver_id"]
+    checkpoint = resume_checkpoint(run_dir, inside=HF_CHECKPOINT)
+    faults = FaultLog()
+    if checkpoint is not None:
+        state = read_trainer_state(checkpoint)
+        faults = FaultLog(**state["faults"])
+        if config.stop_at_step is not None and state["global_step"] >= config.stop_at_step:
+            return  # already stopped there: a rerun with the same --stop-at-step does nothing
+        if state["epoch"] < config.epochs:
+            faults.record_restart(state["global_step"], run_dir, driver_id, checkpoint.path)
 
     with tempfile.TemporaryDirectory(prefix="hf-finetune-") as output_dir:
         trainer = LengthGroupedTrainer(
@@ -300,7 +406,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             ),
             compute_metrics=make_compute_metrics(info.num_labels),
             callbacks=[
-                ComputeDtypeRecord(),  # before Ray's callback, which uploads the checkpoint
+                # Before Ray's callback, which uploads the checkpoint this one completes.
+                FaultTolerance(config, run_dir, driver_id, faults),
                 RayTrainReportCallback(),
                 NonFiniteLossGuard(),
                 ProgressLog(config.global_batch_size),
@@ -308,7 +415,6 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         )
         trainer.remove_callback(PrinterCallback)  # ProgressLog prints instead of raw dicts
         trainer = prepare_trainer(trainer)
-        checkpoint = ray.train.get_checkpoint()
         if checkpoint is None:
             trainer.train()
         else:
@@ -361,6 +467,7 @@ def run(config: TrainConfig) -> dict[str, Any]:
             "config": dataclasses.asdict(config),
             "dataset": dataclasses.asdict(info),
             "model": model,
+            "driver_id": uuid.uuid4().hex,  # tells a worker restart from a rerun of the command
         },
         scaling_config=build_scaling_config(config),
         run_config=build_run_config(config, score_attribute=SCORE, score_order="max"),
@@ -377,21 +484,23 @@ def run(config: TrainConfig) -> dict[str, Any]:
 def epoch_history(
     trainer_state: dict[str, Any],
 ) -> tuple[list[dict[str, float]], list[dict[str, float]]]:
-    """Per-epoch rows (eval metrics with the train loss of that epoch) and the interval loss log."""
+    """One row per evaluation (each epoch's end, or every N steps), with the mean training loss
+    logged since the evaluation before it, and the interval loss log."""
     step_log = [
         {"epoch": row["epoch"], "step": row["step"], "train_loss_interval": row["loss"]}
         for row in trainer_state["log_history"]
         if "loss" in row
     ]
-    history = []
+    history: list[dict[str, float]] = []
     for row in trainer_state["log_history"]:
         if "eval_loss" not in row:
             continue
-        epoch = round(row["epoch"])
-        losses = [r["train_loss_interval"] for r in step_log if epoch - 1 < r["epoch"] <= epoch]
+        since = history[-1]["step"] if history else 0
+        losses = [r["train_loss_interval"] for r in step_log if since < r["step"] <= row["step"]]
+        epoch = row["epoch"]
         history.append(
             {
-                "epoch": epoch,
+                "epoch": round(epoch) if abs(epoch - round(epoch)) < 1e-6 else round(epoch, 4),
                 "step": row["step"],
                 "train_loss": float(np.mean(losses)) if losses else float("nan"),
                 "eval_loss": row["eval_loss"],
@@ -404,14 +513,14 @@ def epoch_history(
 
 
 def read_trainer_state(checkpoint: Checkpoint) -> dict[str, Any]:
-    """The Trainer's state of a checkpoint, with the compute dtype it recorded (None if absent)."""
+    """The Trainer's state of a checkpoint, with the run's record: compute dtype and faults."""
     with checkpoint.as_directory() as folder:
         hf_folder = Path(folder) / HF_CHECKPOINT
         state = json.loads((hf_folder / "trainer_state.json").read_text())
-        dtype_file = hf_folder / DTYPE_FILE
-        state["compute_dtype"] = (
-            json.loads(dtype_file.read_text())["compute_dtype"] if dtype_file.exists() else None
-        )
+        record_file = hf_folder / RECORD_FILE
+        record = json.loads(record_file.read_text()) if record_file.exists() else {}
+        state["compute_dtype"] = record.get("compute_dtype")
+        state["faults"] = record.get("faults", {})
         return state
 
 
@@ -427,7 +536,7 @@ def write_run_outputs(
         raise RuntimeError(f"run {config.run_name} finished without a checkpoint under {run_dir}")
     state = read_trainer_state(result.checkpoint)
     history, step_log = epoch_history(state)
-    best = result.get_best_checkpoint(SCORE, "max") if result.best_checkpoints else None
+    best = best_complete_checkpoint(result, SCORE, "max", inside=HF_CHECKPOINT)
     write_metrics_csv(run_dir.join(METRICS_FILE), history)
     plot_curves(
         run_dir.join(CURVES_FILE),
@@ -442,8 +551,9 @@ def write_run_outputs(
         "pipeline_version": __version__,
         "run_name": config.run_name,
         "run_dir": run_dir.uri,
-        "epochs_done": len(history),
+        "epochs_done": round(state["epoch"], 4),
         "global_step": state["global_step"],
+        **FaultLog(**state["faults"]).summary(),
         "compute_dtype": state["compute_dtype"],
         "labels": info.labels,
         "majority_share_validation": majority_share(
