@@ -13,6 +13,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+@pytest.hookimpl(trylast=True)  # after `-m` has deselected: `items` is what will run
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """`gpu` tests run where CUDA is and are skipped, with the reason, everywhere else. `faults`
     tests start their own multi-node clusters, which cannot share this process with the session's

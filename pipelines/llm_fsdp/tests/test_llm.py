@@ -83,10 +83,23 @@ def test_fsdp_learns_resumes_exactly_on_one_worker_and_exports(
     # Stopped at step 10 on 2 workers, then continued on 1: DCP reshards the checkpoint, and the
     # data order and schedule depend on the step alone, so steps 11-20 repeat the whole run's.
     # Compiled blocks (the GPU presets' --compile, here on the CPU) give the eager run's losses.
+    # The stopped run uploads its checkpoints in the background (--async-upload): the one it
+    # stopped at is complete in storage when the run returns.
     compiled = {"run_name": "resumed", "compile": True}
-    run(small_config(tmp_path, shakespeare_dir, stop_at_step=10, **compiled))
+    stopped = run(
+        small_config(
+            tmp_path,
+            shakespeare_dir,
+            stop_at_step=10,
+            checkpoint_every_steps=5,
+            async_upload=True,
+            **compiled,
+        )
+    )
+    assert stopped["checkpoint_stall_s"] is not None  # checkpoints at 5 and 10: one stall known
     resumed = run(small_config(tmp_path, shakespeare_dir, num_workers=1, **compiled))
     assert resumed["steps_done"] == 20
+    assert resumed["restarts"][-1]["resumed_at_step"] == 10
     expected, got = losses_by_step(tmp_path / "whole"), losses_by_step(tmp_path / "resumed")
     assert sorted(got) == list(range(1, 21))
     for step in range(1, 21):

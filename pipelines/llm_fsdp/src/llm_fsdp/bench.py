@@ -119,6 +119,31 @@ def pipeline(config: TrainConfig, warm_up: int) -> dict[str, Any]:
     }
 
 
+def checkpoint_stalls(config: TrainConfig, steps: int, every: int) -> dict[str, float | None]:
+    """Seconds training waits per checkpoint, median, with the upload to storage in the step
+    (sync) and in the background (async): two short runs of the pipeline, a checkpoint every
+    `every` steps, nothing else in between."""
+    stalls: dict[str, float | None] = {}
+    for mode, async_upload in (("sync", False), ("async", True)):
+        run_name = f"{RUN_NAME}_checkpoint_{mode}"
+        run_dir = resolve_storage(config.storage_path).join(run_name)
+        if run_dir.is_dir():
+            run_dir.filesystem.delete_dir(run_dir.path)
+        summary = run(
+            dataclasses.replace(
+                config,
+                run_name=run_name,
+                max_steps=steps,
+                warmup_steps=min(config.warmup_steps, steps - 1),
+                eval_every_steps=steps,
+                checkpoint_every_steps=every,
+                async_upload=async_upload,
+            )
+        )
+        stalls[mode] = summary["checkpoint_stall_s"]
+    return stalls
+
+
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -164,6 +189,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--workers", type=int, default=None, help="(default: 1 per GPU, or 2 on CPU)"
     )
+    parser.add_argument(
+        "--checkpoint-steps",
+        type=int,
+        default=20,
+        help="steps of each checkpoint-stall run, a checkpoint every 5 (default: 20; 0: skip)",
+    )
     args = parser.parse_args(argv)
     try:
         return measure(args)
@@ -186,7 +217,6 @@ def measure(args: argparse.Namespace) -> int:
         {"run": "FSDP2 on Ray Train", "workers": config.num_workers, **fsdp},
     ]
     csv_file = resolve_storage(args.storage_path).join("bench", "bench_llm.csv")
-    write_metrics_csv(csv_file, [*rows, {"run": "ratio", "tokens_per_s": ratio}])
     device = torch.cuda.get_device_name(0) if config.use_gpu else f"{os.cpu_count()} CPU cores"
     print(
         f"\n{config.model} ({args.preset} preset), {args.steps} steps after {args.warm_up} warm-up, {device}"
@@ -200,6 +230,16 @@ def measure(args: argparse.Namespace) -> int:
             f"| {row['run']} | {row['workers']} | {row['tokens_per_s']:,.0f} | {mfu} | {memory} |"
         )
     print(f"ratio (FSDP2 on Ray Train ÷ single process, tokens/s): {ratio:.3f}   target ≥ 0.9")
+    if args.checkpoint_steps:
+        stalls = checkpoint_stalls(config, args.checkpoint_steps, every=5)
+        rows.append({"run": "checkpoint, sync upload", "checkpoint_stall_s": stalls["sync"]})
+        rows.append({"run": "checkpoint, async upload", "checkpoint_stall_s": stalls["async"]})
+        print(
+            "training stalled per checkpoint (median, every 5 steps, storage "
+            f"{config.storage_path}): sync upload {stalls['sync']:.3f} s, "
+            f"async upload {stalls['async']:.3f} s"
+        )
+    write_metrics_csv(csv_file, [*rows, {"run": "ratio", "tokens_per_s": ratio}])
     print(f"written to {csv_file.uri}")
     return 0
 

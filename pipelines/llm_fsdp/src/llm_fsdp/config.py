@@ -66,6 +66,11 @@ class TrainConfig(RayTrainSettings):
     checkpoint_every_steps: int = option(
         100, "A sharded checkpoint every N steps (and at the end)."
     )
+    async_upload: bool = option(
+        False,
+        "Copy each checkpoint to storage in the background (Ray's CheckpointUploadMode.ASYNC): "
+        "training stalls only for the local write of the shards, not for the upload.",
+    )
     log_every_steps: int = option(10, "Progress line every N steps (rank 0).")
     preemption_check_steps: int = option(
         5,

@@ -23,7 +23,7 @@ import ray.train.torch
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from ray.train import Checkpoint
+from ray.train import Checkpoint, CheckpointUploadMode
 from ray.train.torch import TorchTrainer
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -248,16 +248,25 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer,
     state: dict[str, Any],
     metrics: dict[str, float],
+    async_upload: bool = False,
 ) -> None:
     # The LM's state alone, so the keys are a plain Hugging Face model's (export loads them).
     model_state, optimizer_state = get_state_dict(model.lm, optimizer)
-    with tempfile.TemporaryDirectory(prefix="llm-fsdp-ckpt-") as folder:
-        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=folder)
-        if dist.get_rank() == 0:
-            (Path(folder) / STATE_FILE).write_text(json.dumps(state))
-        # Each rank describes its own shards, last: a shard cut off is found before a resume.
-        write_manifest(folder, rank=dist.get_rank(), world_size=dist.get_world_size())
-        ray.train.report(metrics, checkpoint=Checkpoint.from_directory(folder))
+    folder = tempfile.mkdtemp(prefix="llm-fsdp-ckpt-")
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=folder)
+    if dist.get_rank() == 0:
+        (Path(folder) / STATE_FILE).write_text(json.dumps(state))
+    # Each rank describes its own shards, last: a shard cut off is found before a resume.
+    write_manifest(folder, rank=dist.get_rank(), world_size=dist.get_world_size())
+    # Ray deletes the local folder once it is in storage: at once (sync), or after the background
+    # upload (async), which is why the folder is not a context-managed temporary one.
+    mode = CheckpointUploadMode.ASYNC if async_upload else CheckpointUploadMode.SYNC
+    ray.train.report(
+        metrics,
+        checkpoint=Checkpoint.from_directory(folder),
+        checkpoint_upload_mode=mode,
+        delete_local_checkpoint_after_upload=True,
+    )
 
 
 def load_checkpoint(
@@ -427,7 +436,13 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                 "faults": dataclasses.asdict(faults),
                 "loop_config": loop_config,
             }
-            save_checkpoint(model, optimizer, saved, {"step": step, **latest_val})
+            stalled = time.perf_counter()
+            save_checkpoint(
+                model, optimizer, saved, {"step": step, **latest_val}, config.async_upload
+            )
+            # How long training waited for the checkpoint: in metrics.csv (this run's rows; a
+            # resumed run's history comes from its checkpoint, which cannot hold its own stall).
+            history.append({"step": step, "checkpoint_stall_s": time.perf_counter() - stalled})
         window_started += time.perf_counter() - paused
 
 
@@ -547,6 +562,7 @@ def write_run_outputs(
             (r["peak_memory_gb"] for r in windows if "peak_memory_gb" in r), default=None
         ),
         "compute_dtype": state.get("compute_dtype"),
+        "checkpoint_stall_s": _median_of(history, "checkpoint_stall_s"),
         "best_checkpoint": _uri(run_dir, best.path) if best else None,
         "latest_checkpoint": _uri(run_dir, result.checkpoint.path),
         "metrics_csv": run_dir.join(METRICS_FILE).uri,
