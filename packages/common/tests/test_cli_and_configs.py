@@ -14,6 +14,7 @@ from raytrain_common.configs import (
     build_run_config,
     build_scaling_config,
     build_torch_config,
+    check_batch_splits_for_every_worker_count,
 )
 
 
@@ -79,6 +80,18 @@ def test_scaling_config_fixed_and_elastic() -> None:
     assert elastic.num_workers == (2, 8)
     assert elastic.resources_per_worker == {"CPU": 1.0, "GPU": 1.0}
     assert elastic.accelerator_type == "H100"
+    assert elastic.elastic_resize_monitor_interval_s == 60.0
+    quick = Example(num_workers=2, min_workers=1, elastic_resize_monitor_interval_s=5)
+    assert build_scaling_config(quick).elastic_resize_monitor_interval_s == 5
+
+
+def test_an_elastic_runs_global_batch_must_split_over_every_worker_count() -> None:
+    check_batch_splits_for_every_worker_count(120, Example(num_workers=5, min_workers=2))
+    check_batch_splits_for_every_worker_count(64, Example(num_workers=4, min_workers=4), 2)
+    with pytest.raises(ConfigError, match=r"over \[3\] worker\(s\) × 1 .* multiple of 12"):
+        check_batch_splits_for_every_worker_count(64, Example(num_workers=4, min_workers=2))
+    with pytest.raises(ConfigError, match=r"global_batch_size=30 does not divide evenly over 4"):
+        check_batch_splits_for_every_worker_count(30, Example(num_workers=4))
 
 
 def test_run_and_torch_configs() -> None:

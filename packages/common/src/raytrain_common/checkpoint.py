@@ -17,8 +17,9 @@ import json
 import logging
 import os
 import tempfile
+import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ import ray.train
 import torch
 from torch import nn
 
-from raytrain_common.storage import StoragePath
+from raytrain_common.storage import StorageError, StoragePath
 
 log = logging.getLogger(__name__)
 
@@ -120,10 +121,17 @@ def resume_checkpoint(run_dir: StoragePath, inside: str = "") -> ray.train.Check
     the files sit one level down (the Hugging Face callback's `checkpoint/`).
     """
     selector = pafs.FileSelector(run_dir.path, allow_not_found=True)
+    try:
+        listed = run_dir.filesystem.get_file_info(selector)
+    except OSError as error:
+        raise StorageError(
+            f"cannot list the run folder {run_dir.uri} to resume from it ({error}): check the "
+            "storage's endpoint, credentials and network, then rerun the same command"
+        ) from error
     candidates = sorted(
         (
             info.path
-            for info in run_dir.filesystem.get_file_info(selector)
+            for info in listed
             if info.type == pafs.FileType.Directory and info.base_name.startswith("checkpoint_")
         ),
         reverse=True,
@@ -247,7 +255,77 @@ def load_model_weights(model: nn.Module, state_dict: Mapping[str, Any]) -> None:
     unwrap(model).load_state_dict(strip_prefixes(state_dict), strict=True)
 
 
-def report_checkpoint(metrics: Mapping[str, Any], state: Mapping[str, Any]) -> None:
+UploadFn = Callable[[ray.train.Checkpoint, str], ray.train.Checkpoint]
+MAX_BACKOFF_S = 30.0
+
+
+def upload_with_retries(storage_uri: str, patience_s: float) -> UploadFn:
+    """A `checkpoint_upload_fn` for `ray.train.report` that rides out a storage outage.
+
+    Ray's own upload gives up at the first error (an S3 endpoint down, a bucket unreachable),
+    which fails the worker group; and the restarted group cannot read the storage either, so the
+    run is lost after its `max_failures`. This retries the whole copy with exponential backoff
+    (1 s, 2 s, … 30 s) for up to `patience_s`, then raises a StorageError naming the storage. A
+    copy cut off by the outage is copied again whole; until its manifest and files all arrive it
+    is torn, so a resume never takes it and the previous checkpoint stays the one to load.
+    """
+
+    def upload(checkpoint: ray.train.Checkpoint, name: str) -> ray.train.Checkpoint:
+        storage = ray.train.get_context().get_storage()
+        started, delay, attempt = time.monotonic(), 1.0, 1
+        while True:
+            try:
+                return storage.persist_current_checkpoint(checkpoint, name)
+            except OSError as error:  # pyarrow's network and filesystem errors
+                waited = time.monotonic() - started
+                if waited + delay > patience_s:
+                    raise StorageError(
+                        f"checkpoint {name} could not be written to {storage_uri} for "
+                        f"{waited:.0f} s ({attempt} attempts; last error: {error}). The previous "
+                        "checkpoint is intact: check the storage's endpoint, credentials and "
+                        "network, then rerun the same command to resume from it (or raise "
+                        "--storage-patience-s to wait longer)"
+                    ) from error
+                log.warning(
+                    "storage %s unavailable (%s): retrying checkpoint %s in %.0f s",
+                    storage_uri,
+                    str(error).splitlines()[0][:200],
+                    name,
+                    delay,
+                )
+                time.sleep(delay)
+                delay, attempt = min(2 * delay, MAX_BACKOFF_S), attempt + 1
+
+    return upload
+
+
+def raise_storage_error_of(error: Exception, storage_uri: str) -> None:
+    """Re-raise a storage failure found inside Ray Train's failure as a StorageError, so the CLI
+    prints its one line (the cause and the fix) instead of a traceback; return if there is none.
+
+    Two places fail on storage: a worker's upload (our StorageError, after its retries), and the
+    Ray Train controller, which records each checkpoint in the run folder right after its upload
+    and does not retry (an outage at that instant ends the run; the checkpoints stay intact).
+    """
+    for failure in getattr(error, "worker_failures", {}).values():
+        cause: BaseException | None = failure
+        while cause is not None:
+            if isinstance(cause, StorageError):
+                raise StorageError(str(cause.args[0]) if cause.args else str(cause)) from error
+            cause = cause.__cause__
+    controller_failure = getattr(error, "controller_failure", None)
+    if isinstance(controller_failure, OSError):
+        first_line = str(controller_failure).strip().splitlines()[0]
+        raise StorageError(
+            f"Ray Train's controller could not write its record of the run to {storage_uri} "
+            f"({first_line}). The checkpoints already written are intact: check the storage's "
+            "endpoint, credentials and network, then rerun the same command to resume"
+        ) from error
+
+
+def report_checkpoint(
+    metrics: Mapping[str, Any], state: Mapping[str, Any], upload: UploadFn | None = None
+) -> None:
     """Report `metrics` from every rank, with a checkpoint of `state` from rank 0 only.
 
     Under data parallelism every rank holds the same weights, so one copy is enough; the other ranks
@@ -260,7 +338,11 @@ def report_checkpoint(metrics: Mapping[str, Any], state: Mapping[str, Any]) -> N
     with tempfile.TemporaryDirectory(prefix="checkpoint-") as folder:
         save_state(folder, state)
         write_manifest(folder)
-        ray.train.report(dict(metrics), checkpoint=ray.train.Checkpoint.from_directory(folder))
+        ray.train.report(
+            dict(metrics),
+            checkpoint=ray.train.Checkpoint.from_directory(folder),
+            checkpoint_upload_fn=upload,
+        )
 
 
 def latest_state(run_dir: StoragePath) -> dict[str, Any] | None:

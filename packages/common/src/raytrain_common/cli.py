@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 import types
 import typing
 from collections.abc import Mapping
@@ -93,3 +94,18 @@ def _nullable(kind: type) -> typing.Callable[[str], Any]:
 
     parse.__name__ = kind.__name__
     return parse
+
+
+def end_ray_before_error_line() -> None:
+    """Disconnect from Ray (if connected) before a command prints its one-line error.
+
+    Ray streams the workers' and the controller's output into the driver's from a background
+    thread; without this, tracebacks from the failed run can arrive after the error line and bury
+    it. Disconnecting stops that stream; a local cluster this process started is shut down too.
+    """
+    if "ray" not in sys.modules:
+        return
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()

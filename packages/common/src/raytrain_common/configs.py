@@ -6,6 +6,7 @@ model, data, loop and cluster options; the builders below turn it into what `Tor
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -44,6 +45,11 @@ class RayTrainSettings:
         None,
         "Make the run elastic: it starts with at least this many workers and grows to num_workers.",
     )
+    elastic_resize_monitor_interval_s: float = option(
+        60.0,
+        "Elastic runs: seconds between checks for room to grow the worker group (a grow restarts "
+        "the group from the latest checkpoint).",
+    )
     use_gpu: bool = option(False, "One GPU per worker (or gpus_per_worker).")
     cpus_per_worker: float = option(1.0, "CPUs reserved per worker.")
     gpus_per_worker: float = option(1.0, "GPUs per worker when use_gpu.")
@@ -69,6 +75,11 @@ class RayTrainSettings:
         0.0,
         "Seconds the other workers may run past a preemption deadline (e.g. to finish an upload).",
     )
+    storage_patience_s: float = option(
+        300.0,
+        "Seconds a checkpoint upload keeps retrying, with backoff, through a storage outage before "
+        "the run fails naming the storage (the previous checkpoint stays loadable either way).",
+    )
     backend: Literal["auto", "gloo", "nccl"] = option(
         "auto", "torch.distributed backend; auto means nccl on GPU, gloo on CPU."
     )
@@ -93,6 +104,13 @@ class RayTrainSettings:
             raise ConfigError(f"gpus_per_worker={self.gpus_per_worker}: it must be above 0")
         if self.num_to_keep < 1:
             raise ConfigError(f"num_to_keep={self.num_to_keep}: keep at least 1 checkpoint")
+        if self.elastic_resize_monitor_interval_s < 0:
+            raise ConfigError(
+                f"elastic_resize_monitor_interval_s={self.elastic_resize_monitor_interval_s}: "
+                "it must be 0 or more"
+            )
+        if self.storage_patience_s < 0:
+            raise ConfigError(f"storage_patience_s={self.storage_patience_s}: it must be 0 or more")
         if self.preemption_grace_s < 0:
             raise ConfigError(f"preemption_grace_s={self.preemption_grace_s}: it must be 0 or more")
 
@@ -119,6 +137,30 @@ def per_worker_batch_size(global_batch_size: int, workers: int, grad_accum_steps
     return global_batch_size // parts
 
 
+def check_batch_splits_for_every_worker_count(
+    global_batch_size: int, settings: RayTrainSettings, grad_accum_steps: int = 1
+) -> None:
+    """An elastic run may get any worker count between min and max: the global batch (and with it
+    the learning rate and the steps per epoch) stays the same only if it splits evenly over each."""
+    low, high = settings.worker_counts()
+    uneven = [
+        workers
+        for workers in range(low, high + 1)
+        if global_batch_size % (workers * grad_accum_steps)
+    ]
+    if not uneven:
+        return
+    if low == high:
+        per_worker_batch_size(global_batch_size, high, grad_accum_steps)  # names the fix
+    need = math.lcm(*range(low, high + 1)) * grad_accum_steps
+    raise ConfigError(
+        f"global_batch_size={global_batch_size} does not split evenly over {uneven} worker(s) "
+        f"× {grad_accum_steps} accumulation step(s), and an elastic run (min_workers={low}, "
+        f"num_workers={high}) may get any count in between: choose a multiple of {need}, "
+        "or a range of worker counts that all divide it"
+    )
+
+
 def build_scaling_config(settings: RayTrainSettings) -> ScalingConfig:
     low, high = settings.worker_counts()
     resources: dict[str, float] = {"CPU": settings.cpus_per_worker}
@@ -130,6 +172,7 @@ def build_scaling_config(settings: RayTrainSettings) -> ScalingConfig:
         resources_per_worker=resources,
         placement_strategy=settings.placement_strategy,
         accelerator_type=settings.accelerator_type,
+        elastic_resize_monitor_interval_s=settings.elastic_resize_monitor_interval_s,
     )
 
 

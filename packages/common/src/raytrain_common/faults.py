@@ -22,6 +22,8 @@ from raytrain_common.storage import StoragePath
 log = logging.getLogger(__name__)
 
 PROGRESS_FILE = "progress.json"
+PROGRESS_PAUSE_AFTER_ERROR_S = 60.0
+_progress_paused_until = float("-inf")
 
 
 @dataclass
@@ -62,10 +64,17 @@ class FaultLog:
         return True
 
     def record_restart(
-        self, resumed_at: int, run_dir: StoragePath, driver_id: str, checkpoint: str | None
+        self,
+        resumed_at: int,
+        run_dir: StoragePath,
+        driver_id: str,
+        checkpoint: str | None,
+        world_size: int | None = None,
     ) -> dict[str, Any]:
-        """Note a resume at `resumed_at`: how far the lost attempt had gone and what caused it."""
+        """Note a resume at `resumed_at`: how far the lost attempt had gone, what caused it, and the
+        worker counts before and after (an elastic run shrinks after a loss and grows back)."""
         progress = read_progress(run_dir) or {}
+        before = progress.get("world_size")
         last = max(resumed_at, progress.get("global_step", resumed_at))
         # A notice saved in this checkpoint that no restart followed yet: this restart is its end
         # (the checkpoint may be the just-in-time one, or a regular one written after it).
@@ -74,7 +83,10 @@ class FaultLog:
             pending[-1]["restarted"] = True
             cause = "preemption"
         elif progress.get("driver_id") == driver_id:
-            cause = "worker failure"  # the same driver restarted its worker group
+            # The same driver restarted its worker group: after a failure, or, in an elastic run
+            # that found room for more workers, to grow (Ray stops a healthy group to resize it).
+            grew = world_size is not None and before is not None and world_size > before
+            cause = "resize" if grew else "worker failure"
         else:
             cause = "rerun"
         restart = {
@@ -83,6 +95,8 @@ class FaultLog:
             "steps_redone": last - resumed_at,
             "cause": cause,
             "checkpoint": checkpoint,
+            "world_size_before": before,
+            "world_size": world_size,
         }
         self.restarts.append(restart)
         return restart
@@ -100,8 +114,27 @@ def read_progress(run_dir: StoragePath) -> dict[str, Any] | None:
     return json.loads(target.read_text()) if target.exists() else None
 
 
-def write_progress(run_dir: StoragePath, global_step: int, driver_id: str) -> None:
-    """The last step rank 0 reached (atomic write), so a restart knows how many steps it redoes."""
-    run_dir.join(PROGRESS_FILE).write_text(
-        json.dumps({"global_step": global_step, "driver_id": driver_id})
-    )
+def write_progress(
+    run_dir: StoragePath, global_step: int, driver_id: str, world_size: int | None = None
+) -> None:
+    """The last step rank 0 reached (atomic write), so a restart knows how many steps it redoes.
+
+    Bookkeeping only: a storage hiccup costs a warning here, never the run (the checkpoint upload
+    is where storage errors count).
+    """
+    global _progress_paused_until
+    if time.monotonic() < _progress_paused_until:
+        return
+    progress = {"global_step": global_step, "driver_id": driver_id, "world_size": world_size}
+    try:
+        run_dir.join(PROGRESS_FILE).write_text(json.dumps(progress))
+    except OSError as error:
+        # Each failed write can spend seconds in the storage client's own retries: pause the
+        # notes for a while instead of slowing every step of an outage.
+        _progress_paused_until = time.monotonic() + PROGRESS_PAUSE_AFTER_ERROR_S
+        log.warning(
+            "could not record progress in %s (notes paused for %.0f s): %s",
+            run_dir.uri,
+            PROGRESS_PAUSE_AFTER_ERROR_S,
+            str(error).splitlines()[0][:200],
+        )

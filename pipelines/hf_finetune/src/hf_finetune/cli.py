@@ -12,7 +12,7 @@ from hf_finetune.config import DEFAULT_DATA_FOLDER, PRESETS, TrainConfig
 from hf_finetune.data import VADER_SOURCE, DataError, PrepareOptions
 from hf_finetune.model import ModelError
 from raytrain_common.checkpoint import TornCheckpointError
-from raytrain_common.cli import add_config_options, config_from_args
+from raytrain_common.cli import add_config_options, config_from_args, end_ray_before_error_line
 from raytrain_common.configs import ConfigError
 from raytrain_common.metrics import SUMMARY_FILE
 from raytrain_common.pretokenize import TokenizeError
@@ -112,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return COMMANDS[args.command](args)
     except USER_ERRORS as error:
+        end_ray_before_error_line()
         print(f"hf-finetune {args.command}: error: {error}", file=sys.stderr)
         return 2
 

@@ -10,7 +10,11 @@ import posixpath
 from dataclasses import dataclass
 
 from raytrain_common.cli import option
-from raytrain_common.configs import ConfigError, RayTrainSettings, per_worker_batch_size
+from raytrain_common.configs import (
+    ConfigError,
+    RayTrainSettings,
+    check_batch_splits_for_every_worker_count,
+)
 
 DEFAULT_DATA_FOLDER = "data/text_classification"
 
@@ -66,9 +70,9 @@ class TrainConfig(RayTrainSettings):
     def validate(self) -> None:
         """Raise on values that cannot work, naming the value and the fix, before anything starts."""
         self.validate_cluster_settings()
-        low, high = self.worker_counts()
-        for workers in range(low, high + 1):
-            per_worker_batch_size(self.global_batch_size, workers, self.grad_accum_steps)
+        check_batch_splits_for_every_worker_count(
+            self.global_batch_size, self, self.grad_accum_steps
+        )
         positive = {
             "epochs": self.epochs,
             "lr": self.lr,

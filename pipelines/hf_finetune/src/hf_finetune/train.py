@@ -49,6 +49,7 @@ from hf_finetune.data import (
 from hf_finetune.model import build_model, display_name, resolve_model
 from raytrain_common.checkpoint import (
     best_complete_checkpoint,
+    raise_storage_error_of,
     resume_checkpoint,
     write_manifest,
 )
@@ -295,7 +296,7 @@ class FaultTolerance(TrainerCallback):
         if step == self.config.stop_at_step:
             control.should_training_stop = True
         if state.is_world_process_zero and (step % self.config.log_every_steps == 0 or preempted):
-            write_progress(self.run_dir, step, self.driver_id)
+            write_progress(self.run_dir, step, self.driver_id, args.world_size)
         return control
 
     def on_save(self, args, state, control, **kwargs):
@@ -392,7 +393,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         if config.stop_at_step is not None and state["global_step"] >= config.stop_at_step:
             return  # already stopped there: a rerun with the same --stop-at-step does nothing
         if state["epoch"] < config.epochs:
-            faults.record_restart(state["global_step"], run_dir, driver_id, checkpoint.path)
+            world = ray.train.get_context().get_world_size()
+            faults.record_restart(state["global_step"], run_dir, driver_id, checkpoint.path, world)
 
     with tempfile.TemporaryDirectory(prefix="hf-finetune-") as output_dir:
         trainer = LengthGroupedTrainer(
@@ -477,7 +479,13 @@ def run(config: TrainConfig) -> dict[str, Any]:
         "fine-tuning %s on %d rows, %d worker(s), %d epoch(s); run folder %s",
         display_name(model), train_rows, config.num_workers, config.epochs, storage.join(config.run_name),
     )  # fmt: skip
-    result = trainer.fit()
+    try:
+        result = trainer.fit()
+    except ray.train.TrainingFailedError as error:
+        raise_storage_error_of(
+            error, config.storage_path
+        )  # a storage outage gets its one line; anything else as is
+        raise
     return write_run_outputs(storage.join(config.run_name), result, config, info, started)
 
 

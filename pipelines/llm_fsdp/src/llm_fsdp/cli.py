@@ -13,7 +13,7 @@ from llm_fsdp.config import DEFAULT_DATA_FOLDER, PRESETS, SMOLLM2_DATA_FOLDER, T
 from llm_fsdp.data import BPE_PREFIX, GPT2_TOKENIZER, SHAKESPEARE_SOURCE, DataError
 from llm_fsdp.model import SMOLLM2, SMOLLM2_FOLDER, ModelError
 from raytrain_common.checkpoint import TornCheckpointError
-from raytrain_common.cli import add_config_options, config_from_args
+from raytrain_common.cli import add_config_options, config_from_args, end_ray_before_error_line
 from raytrain_common.configs import ConfigError
 from raytrain_common.metrics import SUMMARY_FILE
 from raytrain_common.pretokenize import TokenizeError
@@ -117,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return COMMANDS[args.command](args)
     except USER_ERRORS as error:
+        end_ray_before_error_line()
         print(f"llm-fsdp {args.command}: error: {error}", file=sys.stderr)
         return 2
 

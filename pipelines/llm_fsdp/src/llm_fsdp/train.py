@@ -41,8 +41,11 @@ from llm_fsdp.model import (
 )
 from llm_fsdp.parallelize import parallelize
 from raytrain_common.checkpoint import (
+    UploadFn,
     best_complete_checkpoint,
+    raise_storage_error_of,
     resume_checkpoint,
+    upload_with_retries,
     write_manifest,
 )
 from raytrain_common.configs import (
@@ -52,7 +55,7 @@ from raytrain_common.configs import (
     build_torch_config,
     per_worker_batch_size,
 )
-from raytrain_common.faults import FaultLog, write_progress
+from raytrain_common.faults import FaultLog, read_progress, write_progress
 from raytrain_common.hardware import peak_bf16_flops, peak_memory_gb
 from raytrain_common.metrics import (
     SUMMARY_FILE,
@@ -249,6 +252,7 @@ def save_checkpoint(
     state: dict[str, Any],
     metrics: dict[str, float],
     async_upload: bool = False,
+    upload: UploadFn | None = None,
 ) -> None:
     # The LM's state alone, so the keys are a plain Hugging Face model's (export loads them).
     model_state, optimizer_state = get_state_dict(model.lm, optimizer)
@@ -266,6 +270,7 @@ def save_checkpoint(
         checkpoint=Checkpoint.from_directory(folder),
         checkpoint_upload_mode=mode,
         delete_local_checkpoint_after_upload=True,
+        checkpoint_upload_fn=upload,
     )
 
 
@@ -335,7 +340,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             state = load_checkpoint(model, optimizer, folder)
         faults = FaultLog(**state.get("faults", {}))
         if state["step"] < last_step:
-            faults.record_restart(state["step"], run_dir, driver_id, checkpoint.path)
+            faults.record_restart(state["step"], run_dir, driver_id, checkpoint.path, world)
         if rank == 0:
             log.info(
                 "resumed at step %d (written by %d worker(s)) on %d worker(s)",
@@ -343,6 +348,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                 state["world_size"],
                 world,
             )
+    elif read_progress(run_dir) is not None:  # lost before its first checkpoint: starts over
+        faults.record_restart(0, run_dir, driver_id, None, world)
     history: list[dict[str, float]] = state["history"]
     step = state["step"]
     peak = peak_bf16_flops(device)
@@ -391,6 +398,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                 "lr": learning_rate(step - 1, config),
                 "grad_norm": float(grad_norm),
                 "tokens_per_s": tokens_per_s,
+                "workers": world,  # changes when an elastic run shrinks or grows
             }
             if peak is not None:
                 row["mfu"] = tokens_per_s * per_token / (peak * world)
@@ -425,7 +433,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         every = config.preemption_check_steps  # a barrier: every rank asks at the same steps
         preempted = every > 0 and step % every == 0 and faults.check_preemption(step)
         if rank == 0 and (step % config.log_every_steps == 0 or preempted):
-            write_progress(run_dir, step, driver_id)
+            write_progress(run_dir, step, driver_id, world)
         if step % config.checkpoint_every_steps == 0 or step == last_step or preempted:
             saved = {
                 "step": step,
@@ -438,7 +446,12 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             }
             stalled = time.perf_counter()
             save_checkpoint(
-                model, optimizer, saved, {"step": step, **latest_val}, config.async_upload
+                model,
+                optimizer,
+                saved,
+                {"step": step, **latest_val},
+                config.async_upload,
+                upload_with_retries(config.storage_path, config.storage_patience_s),
             )
             # How long training waited for the checkpoint: in metrics.csv (this run's rows; a
             # resumed run's history comes from its checkpoint, which cannot hold its own stall).
@@ -509,7 +522,13 @@ def run(config: TrainConfig) -> dict[str, Any]:
         "training %s (FSDP2) on %d blocks of %d tokens, %d worker(s), %d steps; run folder %s",
         spec.name, info.blocks("train"), info.seq_len, config.num_workers, config.max_steps, storage.join(config.run_name),
     )  # fmt: skip
-    result = trainer.fit()
+    try:
+        result = trainer.fit()
+    except ray.train.TrainingFailedError as error:
+        raise_storage_error_of(
+            error, config.storage_path
+        )  # a storage outage gets its one line; anything else as is
+        raise
     return write_run_outputs(storage.join(config.run_name), result, config, info, spec, started)
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from mnist_resnet.config import DEFAULT_DATA_FOLDER, PRESETS, TrainConfig
 from mnist_resnet.data import HUB_SOURCE, DataError
 from raytrain_common.checkpoint import TornCheckpointError
-from raytrain_common.cli import add_config_options, config_from_args
+from raytrain_common.cli import add_config_options, config_from_args, end_ray_before_error_line
 from raytrain_common.configs import ConfigError
 from raytrain_common.metrics import SUMMARY_FILE
 from raytrain_common.ray_start import ResourceError
@@ -80,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return COMMANDS[args.command](args)
     except USER_ERRORS as error:
+        end_ray_before_error_line()
         print(f"mnist-resnet {args.command}: error: {error}", file=sys.stderr)
         return 2
 

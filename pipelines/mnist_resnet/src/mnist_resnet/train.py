@@ -36,8 +36,10 @@ from raytrain_common.checkpoint import (
     latest_state,
     load_model_weights,
     load_state,
+    raise_storage_error_of,
     report_checkpoint,
     unwrap,
+    upload_with_retries,
 )
 from raytrain_common.configs import (
     ConfigError,
@@ -47,7 +49,7 @@ from raytrain_common.configs import (
     per_worker_batch_size,
 )
 from raytrain_common.data import device_batches, read_parquet
-from raytrain_common.faults import FaultLog, write_progress
+from raytrain_common.faults import FaultLog, read_progress, write_progress
 from raytrain_common.hardware import peak_memory_gb
 from raytrain_common.metrics import (
     SUMMARY_FILE,
@@ -347,15 +349,24 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         history, step_log, epochs_done = state["history"], state["step_log"], state["epochs_done"]
         position = EpochPosition(**state["position"]) if state.get("position") else None
         faults = FaultLog(**state.get("faults", {}))
-        if state.get("world_size", world) != world and position is not None:
-            raise RuntimeError(
-                f"the checkpoint was written mid-epoch by {state['world_size']} workers and this "
-                f"attempt has {world}: an epoch's data order depends on the worker count"
+        if state.get("world_size", world) != world and position is not None and rank == 0:
+            # An elastic resize mid-epoch. Steps per epoch, the global batch and the schedule do
+            # not depend on the worker count (the batch splits evenly over every allowed count),
+            # so the run goes on at the same step; but the split of the epoch's rows over workers
+            # does, so the rest of this epoch is drawn from the new split: the right number of
+            # rows, not exactly the rows the old split had left. Later epochs are exact again.
+            log.warning(
+                "resuming epoch %d at step %d on %d worker(s); it was written by %d: the rest of "
+                "this epoch comes from the new split of its rows",
+                epochs_done + 1,
+                position.step,
+                world,
+                state["world_size"],
             )
         finished = epochs_done >= config.epochs
         if not finished:
             faults.record_restart(
-                state["global_step"], run_dir, driver_id, state.get("resumed_from")
+                state["global_step"], run_dir, driver_id, state.get("resumed_from"), world
             )
         if rank == 0 and finished:
             log.info("the run already has its %d epochs: nothing to train", epochs_done)
@@ -367,6 +378,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                 steps,
                 faults.restarts[-1]["cause"],
             )
+    elif read_progress(run_dir) is not None:  # lost before its first checkpoint: starts over
+        faults.record_restart(0, run_dir, driver_id, None, world)
 
     def checkpoint_state(epochs: int, at: EpochPosition | None, dtype: str | None) -> dict:
         return {
@@ -385,6 +398,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             "dataset": dataclasses.asdict(info),
         }
 
+    upload = upload_with_retries(config.storage_path, config.storage_patience_s)
     collate = ImageBatchCollate(info)
     train_shard = ray.train.get_dataset_shard("train")
     test_shard = ray.train.get_dataset_shard("test")
@@ -413,7 +427,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             if config.stop_at_step == global_step:
                 reasons.append("stop")
             if rank == 0 and (global_step % config.log_every_steps == 0 or reasons):
-                write_progress(run_dir, global_step, driver_id)
+                write_progress(run_dir, global_step, driver_id, world)
             if step == steps or not reasons:
                 return  # the epoch's own checkpoint follows at its end
             at = current()
@@ -424,6 +438,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                     SCORE: NOT_EVALUATED,
                 },
                 checkpoint_state(epoch - 1, at, dtype),
+                upload,
             )
             if "stop" in reasons:
                 raise StopAtStepReached
@@ -478,7 +493,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                 row["train_images_per_s"],
             )
         report_checkpoint(
-            {**row, "global_step": epoch * steps}, checkpoint_state(epoch, None, compute_dtype)
+            {**row, "global_step": epoch * steps},
+            checkpoint_state(epoch, None, compute_dtype),
+            upload,
         )
         if rank == 0:  # after the report: the CSV never lists an epoch without its checkpoint
             write_metrics_csv(run_dir.join(METRICS_FILE), history)
@@ -554,7 +571,13 @@ def run(config: TrainConfig) -> dict[str, Any]:
         config.epochs,
         storage.join(config.run_name),
     )
-    result = trainer.fit()
+    try:
+        result = trainer.fit()
+    except ray.train.TrainingFailedError as error:
+        raise_storage_error_of(
+            error, config.storage_path
+        )  # a storage outage gets its one line; anything else as is
+        raise
     return write_run_outputs(storage.join(config.run_name), result, config, info, started)
 
 
