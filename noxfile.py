@@ -224,7 +224,7 @@ def tests(session: nox.Session) -> None:
         "pytest",
         "-m",
         "not manifests and not faults",
-        *(session.posargs or ["-q"]),
+        *(session.posargs or ["-q", "--durations=12"]),
     )
 
 
@@ -233,7 +233,15 @@ def faults(session: nox.Session) -> None:
     """Faults on a real 2-node Ray cluster on this box: a node preempted (drain with a deadline,
     then killed), the driver SIGKILLed and rerun; each pipeline resumes and reaches its quality bar."""
     python = stack_python(session)
-    run_in_stack(session, python, "-m", "pytest", "-m", "faults", *(session.posargs or ["-q"]))
+    run_in_stack(
+        session,
+        python,
+        "-m",
+        "pytest",
+        "-m",
+        "faults",
+        *(session.posargs or ["-q", "--durations=0"]),
+    )
 
 
 @nox.session(venv_backend="none")

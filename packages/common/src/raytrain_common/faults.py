@@ -12,6 +12,7 @@ import dataclasses
 import json
 import logging
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,10 @@ log = logging.getLogger(__name__)
 PROGRESS_FILE = "progress.json"
 PROGRESS_PAUSE_AFTER_ERROR_S = 60.0
 _progress_paused_until = float("-inf")
+# Each attempt of a run (a worker group) lives in fresh worker processes, so a module-level id
+# names the attempt: a preemption notice and progress.json both carry it, and a restart can tell
+# whether the attempt it replaces is the one that received the notice.
+ATTEMPT_ID = uuid.uuid4().hex
 
 
 @dataclass
@@ -49,6 +54,7 @@ class FaultLog:
         self.preemptions.append(
             {
                 "checkpoint_step": global_step,
+                "attempt": ATTEMPT_ID,
                 "node_ids": nodes,
                 "ranks": notice.preempted_ranks,
                 "deadline_s_after_notice": None if deadline_s is None else round(deadline_s, 1),
@@ -76,11 +82,15 @@ class FaultLog:
         progress = read_progress(run_dir) or {}
         before = progress.get("world_size")
         last = max(resumed_at, progress.get("global_step", resumed_at))
-        # A notice saved in this checkpoint that no restart followed yet: this restart is its end
-        # (the checkpoint may be the just-in-time one, or a regular one written after it).
+        # A notice saved in this checkpoint that no restart has followed yet. It caused this restart
+        # only if the lost attempt is the one that received it: a checkpoint keeps the notice as it
+        # was when written, so a later attempt (or a rerun) resuming from the same checkpoint finds
+        # it again, long after the preemption's own restart.
         pending = [p for p in self.preemptions if not p.get("restarted")]
-        if pending:
-            pending[-1]["restarted"] = True
+        for notice in pending:
+            notice["restarted"] = True
+        lost_attempt = progress.get("attempt")
+        if pending and pending[-1].get("attempt", lost_attempt) == lost_attempt:
             cause = "preemption"
         elif progress.get("driver_id") == driver_id:
             # The same driver restarted its worker group: after a failure, or, in an elastic run
@@ -125,7 +135,12 @@ def write_progress(
     global _progress_paused_until
     if time.monotonic() < _progress_paused_until:
         return
-    progress = {"global_step": global_step, "driver_id": driver_id, "world_size": world_size}
+    progress = {
+        "global_step": global_step,
+        "driver_id": driver_id,
+        "attempt": ATTEMPT_ID,
+        "world_size": world_size,
+    }
     try:
         run_dir.join(PROGRESS_FILE).write_text(json.dumps(progress))
     except OSError as error:
