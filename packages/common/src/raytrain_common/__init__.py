@@ -1,3 +1,3 @@
 """Shared building blocks of the Ray Train reference pipelines."""
 
-__version__ = "0.5.1"
+__version__ = "0.6.0"

@@ -12,7 +12,6 @@ import dataclasses
 import json
 import logging
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,10 +24,6 @@ log = logging.getLogger(__name__)
 PROGRESS_FILE = "progress.json"
 PROGRESS_PAUSE_AFTER_ERROR_S = 60.0
 _progress_paused_until = float("-inf")
-# Each attempt of a run (a worker group) lives in fresh worker processes, so a module-level id
-# names the attempt: a preemption notice and progress.json both carry it, and a restart can tell
-# whether the attempt it replaces is the one that received the notice.
-ATTEMPT_ID = uuid.uuid4().hex
 
 
 @dataclass
@@ -37,6 +32,13 @@ class FaultLog:
 
     preemptions: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     restarts: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+
+    @property
+    def attempt(self) -> int:
+        """Which attempt of the run this is, the same on every rank: the restarts behind it. A
+        preemption notice and progress.json both carry it (with the driver), so a restart can tell
+        whether the attempt it replaces is the one that received the notice."""
+        return len(self.restarts)
 
     def check_preemption(self, global_step: int) -> bool:
         """Ask Ray whether a node of the run is being preempted; True (and recorded) the first time
@@ -54,7 +56,7 @@ class FaultLog:
         self.preemptions.append(
             {
                 "checkpoint_step": global_step,
-                "attempt": ATTEMPT_ID,
+                "attempt": self.attempt,
                 "node_ids": nodes,
                 "ranks": notice.preempted_ranks,
                 "deadline_s_after_notice": None if deadline_s is None else round(deadline_s, 1),
@@ -125,7 +127,11 @@ def read_progress(run_dir: StoragePath) -> dict[str, Any] | None:
 
 
 def write_progress(
-    run_dir: StoragePath, global_step: int, driver_id: str, world_size: int | None = None
+    run_dir: StoragePath,
+    global_step: int,
+    driver_id: str,
+    world_size: int | None = None,
+    attempt: int | None = None,
 ) -> None:
     """The last step rank 0 reached (atomic write), so a restart knows how many steps it redoes.
 
@@ -138,7 +144,7 @@ def write_progress(
     progress = {
         "global_step": global_step,
         "driver_id": driver_id,
-        "attempt": ATTEMPT_ID,
+        "attempt": attempt,
         "world_size": world_size,
     }
     try:

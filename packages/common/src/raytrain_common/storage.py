@@ -7,16 +7,22 @@ driver before any worker starts.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import posixpath
+import re
+import shutil
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow.fs as pafs
 
 REMOTE_SCHEMES = ("s3", "gs", "gcs")
+# Schemes a user may mean when a location starts with `scheme:` but lacks the `//`.
+URI_LIKE_SCHEMES = (*REMOTE_SCHEMES, "file", "hdfs", "http", "https", "abfs", "az", "gcs")
+_MISSPELT_URI = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):(/?)(?!/)")
 
 # Filesystem types (as /proc/mounts names them) that every node of a cluster can mount at once.
 SHARED_FS_TYPES = frozenset(
@@ -100,6 +106,20 @@ class StoragePath:
         )
         return [self.join(name) for name in names]
 
+    def walk_files(self) -> list[tuple[str, StoragePath]]:
+        """Every file under this folder at any depth as (path relative to it, file), sorted by
+        relative path; hidden files and folders (a leading dot: .git, .DS_Store) left out."""
+        selector = pafs.FileSelector(self.path, allow_not_found=True, recursive=True)
+        found = []
+        for info in self.filesystem.get_file_info(selector):
+            if info.type != pafs.FileType.File:
+                continue
+            relative = posixpath.relpath(info.path, self.path)
+            if any(part.startswith(".") for part in relative.split("/")):
+                continue
+            found.append((relative, self.join(*relative.split("/"))))
+        return sorted(found, key=lambda pair: pair[0])
+
     def __str__(self) -> str:
         return self.uri
 
@@ -109,6 +129,14 @@ def resolve_storage(location: str | os.PathLike[str]) -> StoragePath:
     text = os.fspath(location).strip()
     if not text:
         raise StorageError("storage path is empty: give a folder, an NFS mount, s3://… or gs://…")
+    misspelt = _MISSPELT_URI.match(text)
+    if misspelt and misspelt.group(1).lower() in URI_LIKE_SCHEMES:
+        # `s3:/bucket` would otherwise become a local folder named `s3:`, silently.
+        scheme, rest = misspelt.group(1), text[misspelt.end() :]
+        raise StorageError(
+            f"storage path {text!r} looks like a {scheme} URI without its '//': write "
+            f"{scheme}://{rest} (or ./{text} for a local folder of that name)"
+        )
     if "://" in text:
         scheme = text.split("://", 1)[0].lower()
         if scheme == "file":
@@ -208,3 +236,51 @@ def check_writable(storage: StoragePath) -> None:
             f"storage path {storage.uri!r} is not writable ({error}). Point --storage-path at a "
             "folder you can write to (for a bucket, check the credentials in the environment)."
         ) from error
+
+
+@contextlib.contextmanager
+def staged_folder(target: StoragePath, marker: str) -> Iterator[StoragePath]:
+    """A folder to write a whole output into, which becomes `target` only if the block completes.
+
+    `target` may be absent, empty, or an earlier output (it holds `marker`); a folder of anything
+    else is refused, so a --data-dir pointed at the user's own files never gets replaced.
+
+    Locally the writes go to a hidden sibling that replaces `target` (and whatever it held) by a
+    rename at the end, and is deleted on an error: a failed or interrupted `prepare` leaves the
+    user's folder as it was. Object stores have no rename: there the writes go to `target` itself,
+    and the marker file its writer puts last is what tells a complete output from a partial one.
+    """
+    if target.is_dir() and target.walk_files() and not target.join(marker).exists():
+        raise StorageError(
+            f"{target.uri} holds files but no {marker}, so it is not an output of this command: "
+            "choose a new or empty folder to write to"
+        )
+    if not target.is_local:
+        yield target
+        return
+    parent, name = posixpath.split(target.path)
+    created = Path(parent)  # the outermost folder this call creates, removed again on a failure
+    while not created.parent.exists():
+        created = created.parent
+    created_any = not created.exists()
+    os.makedirs(parent, exist_ok=True)
+    staging_path = posixpath.join(parent, f".{name}.partial-{uuid.uuid4().hex[:8]}")
+    staging = StoragePath(target.filesystem, staging_path, staging_path)
+    staging.mkdir()
+    try:
+        yield staging
+    except BaseException:
+        shutil.rmtree(staging_path, ignore_errors=True)
+        if created_any and not any(p.is_file() for p in created.rglob("*")):
+            shutil.rmtree(created, ignore_errors=True)
+        raise
+    try:
+        if os.path.exists(target.path):
+            retired = posixpath.join(parent, f".{name}.old-{uuid.uuid4().hex[:8]}")
+            os.rename(target.path, retired)
+            os.rename(staging_path, target.path)
+            shutil.rmtree(retired, ignore_errors=True)
+        else:
+            os.rename(staging_path, target.path)
+    finally:
+        shutil.rmtree(staging_path, ignore_errors=True)

@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 
 from hf_finetune.config import DEFAULT_DATA_FOLDER, PRESETS, TrainConfig
@@ -18,6 +19,7 @@ from raytrain_common.metrics import SUMMARY_FILE
 from raytrain_common.pretokenize import TokenizeError
 from raytrain_common.ray_start import ResourceError
 from raytrain_common.storage import StorageError, resolve_storage
+from raytrain_common.text import TextEncodingError, check_encoding, decode_text
 
 log = logging.getLogger("hf_finetune")
 
@@ -27,6 +29,7 @@ USER_ERRORS = (
     DataError,
     ModelError,
     TokenizeError,
+    TextEncodingError,
     StorageError,
     ResourceError,
     FileNotFoundError,
@@ -51,6 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
         "or a Hugging Face hub dataset name",
     )
     prepare.add_argument("--dataset-config", default=None, help="hub dataset configuration name")
+    prepare.add_argument(
+        "--encoding",
+        default=defaults.encoding,
+        help="of CSV / TSV / JSONL files: utf-8 (the default; a byte-order mark is fine), "
+        "cp1252, latin-1, utf-16, …",
+    )
     prepare.add_argument("--text-column", default=defaults.text_column, help="(default: text)")
     prepare.add_argument("--label-column", default=defaults.label_column, help="(default: label)")
     prepare.add_argument(
@@ -103,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     commands.choices["predict"].add_argument(
         "input", nargs="?", default="-", help="file with one sentence per line (default: stdin)"
     )
+    commands.choices["predict"].add_argument(
+        "--encoding", default="utf-8", help="of the input file (default: utf-8)"
+    )
     return parser
 
 
@@ -132,6 +144,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         max_length=args.max_length,
         seed=args.seed,
         vader_sdist=args.vader_sdist,
+        encoding=check_encoding(args.encoding),
     )
     model = resolve_model(args.model)
     storage = resolve_storage(args.storage_path)
@@ -179,12 +192,14 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 def cmd_predict(args: argparse.Namespace) -> int:
     from hf_finetune.predict import predict_lines
 
-    stream = sys.stdin if args.input == "-" else open(args.input, encoding="utf-8")  # noqa: SIM115
-    with stream:
-        for label, probability, sentence in predict_lines(
-            stream, args.storage_path, args.run_name, args.checkpoint
-        ):
-            print(f"{label}\t{probability:.4f}\t{sentence}", flush=True)
+    if args.input == "-":
+        lines: Iterable[str] = sys.stdin
+    else:
+        lines = decode_text(Path(args.input).read_bytes(), args.encoding, args.input).splitlines()
+    for label, probability, sentence in predict_lines(
+        lines, args.storage_path, args.run_name, args.checkpoint
+    ):
+        print(f"{label}\t{probability:.4f}\t{sentence}", flush=True)
     return 0
 
 

@@ -28,7 +28,8 @@ import pyarrow.json
 import pyarrow.parquet as pq
 
 from raytrain_common.pretokenize import TokenStats, read_stats
-from raytrain_common.storage import StoragePath, resolve_storage
+from raytrain_common.storage import StoragePath, resolve_storage, staged_folder
+from raytrain_common.text import UTF8, decode_text
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,7 @@ VADER_FILES = {  # file in the sdist's inner archive → source name
     "nytEditorialSnippets_GroundTruth.txt": "nyt_editorials",
 }
 TEXT_SUFFIXES = (".csv", ".tsv", ".jsonl", ".json", ".parquet")
+MIN_VOCABULARY = 100  # fewer tokens: a tokenizer folder without its vocabulary files
 
 
 class DataError(ValueError):
@@ -117,21 +119,22 @@ def read_vader(sdist: Path) -> pa.Table:
     return pa.table({"text": texts, "label": labels, "source": sources})
 
 
-def read_files(locations: Sequence[str]) -> pa.Table:
-    """CSV / TSV / JSONL / Parquet files (local or object storage), concatenated in the order given."""
+def read_files(locations: Sequence[str], encoding: str = UTF8) -> pa.Table:
+    """CSV / TSV / JSONL / Parquet files (local or object storage), concatenated in the order given;
+    text files in `encoding`, folders at any depth."""
     tables = []
     for location in locations:
         storage = resolve_storage(location)
         if not storage.exists():
             raise DataError(f"no data files at {location!r}: the path does not exist")
-        files = storage.list_files() if storage.is_dir() else [storage]
+        files = [f for _, f in storage.walk_files()] if storage.is_dir() else [storage]
         files = [f for f in files if f.path.lower().endswith(TEXT_SUFFIXES)]
         if not files:
             raise DataError(
                 f"no data files at {location!r}: give CSV, TSV, JSONL or Parquet files "
                 f"({', '.join(TEXT_SUFFIXES)})"
             )
-        tables += [_read_one(file) for file in files]
+        tables += [_read_one(file, encoding) for file in files]
     try:
         return pa.concat_tables(tables, promote_options="permissive")
     except (pa.ArrowInvalid, pa.ArrowTypeError) as error:
@@ -140,22 +143,34 @@ def read_files(locations: Sequence[str]) -> pa.Table:
         ) from error
 
 
-def _read_one(file: StoragePath) -> pa.Table:
+def _read_one(file: StoragePath, encoding: str) -> pa.Table:
     suffix = Path(file.path).suffix.lower()
     data = file.read_bytes()
     if not data.strip():
         raise DataError(f"{file.uri} is empty: give a file with a header and rows")
+    if suffix != ".parquet":
+        if b"\x00" in data[:4096] and not data.startswith((b"\xff\xfe", b"\xfe\xff")):
+            raise DataError(
+                f"{file.uri} holds NUL bytes, so it is no {suffix[1:].upper()} text (a binary file "
+                "named like one?); if it is UTF-16 or UTF-32 text, pass --encoding utf-16 / utf-32"
+            )
+        # Arrow's readers take UTF-8 alone: decode in the user's encoding first, so bytes in
+        # another one are refused with their place and the fix, never read as 'binary' columns.
+        data = decode_text(data, encoding, file.uri).encode(UTF8)
     try:
         if suffix == ".parquet":
             return pq.read_table(io.BytesIO(data))
         if suffix in (".jsonl", ".json"):
             return pa.json.read_json(io.BytesIO(data))
         delimiter = "\t" if suffix == ".tsv" else ","
-        return pa.csv.read_csv(
-            io.BytesIO(data), parse_options=pa.csv.ParseOptions(delimiter=delimiter)
-        )
+        # Quoted fields may span lines (a review with paragraphs), as spreadsheets write them.
+        options = pa.csv.ParseOptions(delimiter=delimiter, newlines_in_values=True)
+        return pa.csv.read_csv(io.BytesIO(data), parse_options=options)
     except (pa.ArrowInvalid, OSError) as error:
-        raise DataError(f"cannot read {file.uri} as {suffix[1:]}: {error}") from error
+        first_line = (
+            str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        )
+        raise DataError(f"cannot read {file.uri} as {suffix[1:]}: {first_line}") from error
 
 
 def read_hub(name: str, config_name: str | None) -> dict[str, pa.Table]:
@@ -192,19 +207,39 @@ def select_columns(
     text = table.column(text_column).combine_chunks()
     if not (pa.types.is_string(text.type) or pa.types.is_large_string(text.type)):
         example = next((v for v in text.to_pylist() if v is not None), None)
+        if pa.types.is_binary(text.type) or pa.types.is_large_binary(text.type):
+            raise DataError(
+                f"column {text_column!r} of {where} holds raw bytes, not strings (e.g. {example!r}): "
+                "if they are text, store them as a string column (UTF-8); otherwise set "
+                "--text-column to the column with the sentences"
+            )
         raise DataError(
             f"column {text_column!r} of {where} holds {text.type} values (e.g. {example!r}), not text: "
             "set --text-column to the column with the sentences"
         )
     labels = table.column(label_column).combine_chunks()
+    if pa.types.is_floating(labels.type):
+        nan = pc.fill_null(pc.is_nan(labels), False)
+        count = pc.sum(nan).as_py() or 0
+        if count:
+            row = int(pc.index(nan, True).as_py())
+            raise DataError(
+                f"column {label_column!r} of {where} is NaN at row {row} ({count} such rows): "
+                "fill or drop those rows"
+            )
+        values = labels.drop_null()
+        if len(values) and pc.all(pc.equal(pc.floor(values), values)).as_py():
+            labels = pc.cast(
+                labels, pa.int64()
+            )  # 1.0, 2.0: class ids a spreadsheet wrote as floats
     blank_text = pc.or_kleene(pc.is_null(text), pc.equal(pc.utf8_trim_whitespace(text), ""))
     for name, blank in ((text_column, blank_text), (label_column, pc.is_null(labels))):
         count = pc.sum(pc.fill_null(blank, True)).as_py() or 0
         if count:
             row = int(pc.index(pc.fill_null(blank, True), True).as_py())
             raise DataError(
-                f"column {name!r} of {where} is empty at row {row} ({count} empty rows in all): "
-                "fill or drop those rows"
+                f"column {name!r} of {where} has no value (blank, NA or NaN) at row {row} "
+                f"({count} such rows in all): fill or drop those rows"
             )
     return text.cast(pa.string()), labels
 
@@ -237,19 +272,44 @@ def label_ids(labels: pa.Array, names: Sequence[str]) -> np.ndarray:
     return ids.astype(np.int64)
 
 
+MIN_HELD_OUT_ROWS = 32  # one global batch of the default presets
+MAX_HELD_OUT_SHARE = 0.2  # the minimum yields to this share of a small dataset
+
+
+def held_out_rows(rows: int, fraction: float) -> int:
+    """A carved split's size: `fraction` of the rows, but at least one batch while the dataset is
+    large enough (so a tiny CSV still gets a validation split worth measuring)."""
+    if fraction == 0:
+        return 0
+    return max(round(rows * fraction), min(MIN_HELD_OUT_ROWS, int(rows * MAX_HELD_OUT_SHARE)), 1)
+
+
 def split_indices(
     rows: int, strata: np.ndarray, fractions: tuple[float, float], seed: int
 ) -> dict[str, np.ndarray]:
-    """Train / validation / test row indices, the same share of every stratum in each split."""
+    """Train / validation / test row indices: each held-out split `held_out_rows` long, shared out
+    over the strata in proportion (largest remainders), each stratum keeping a training row."""
     rng = np.random.default_rng(seed)
+    groups = [rng.permutation(np.flatnonzero(strata == s)) for s in np.unique(strata)]
+    sizes = np.array([len(g) for g in groups])
+    taken = np.zeros(len(groups), dtype=np.int64)
     parts: dict[str, list[np.ndarray]] = {split: [] for split in SPLITS}
-    for stratum in np.unique(strata):
-        members = rng.permutation(np.flatnonzero(strata == stratum))
-        n_val = round(len(members) * fractions[0])
-        n_test = round(len(members) * fractions[1])
-        parts["validation"].append(members[:n_val])
-        parts["test"].append(members[n_val : n_val + n_test])
-        parts["train"].append(members[n_val + n_test :])
+    for split, fraction in zip(("validation", "test"), fractions, strict=True):
+        room = sizes - taken - 1  # every stratum keeps one row for training
+        share = held_out_rows(rows, fraction) * sizes / rows
+        quota = np.minimum(np.floor(share).astype(np.int64), room)
+        missing = held_out_rows(rows, fraction) - int(quota.sum())
+        for index in np.argsort(-(share - np.floor(share)), kind="stable"):
+            if missing <= 0:
+                break
+            if quota[index] < room[index]:
+                quota[index] += 1
+                missing -= 1
+        for group, start, count in zip(groups, taken, quota, strict=True):
+            parts[split].append(group[start : start + count])
+        taken += quota
+    for group, start in zip(groups, taken, strict=True):
+        parts["train"].append(group[start:])
     split = {name: rng.permutation(np.concatenate(chunks)) for name, chunks in parts.items()}
     assert sum(len(v) for v in split.values()) == rows
     return split
@@ -259,7 +319,20 @@ def tokenizer_fingerprint(tokenizer_path: str) -> str:
     """A hash of the tokenizer's full definition: data tokenised by one is only fit for the same one."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    except (OSError, ValueError, TypeError) as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise DataError(
+            f"cannot load a tokenizer from {tokenizer_path}: {first[:200]}. A model folder needs its "
+            "tokenizer files (tokenizer.json, or vocab.txt / vocab.json + merges.txt)"
+        ) from error
+    if len(tokenizer) < MIN_VOCABULARY:
+        # transformers builds a tokenizer of special tokens alone from a folder that lacks the files.
+        raise DataError(
+            f"the tokenizer in {tokenizer_path} has {len(tokenizer)} tokens: its files (tokenizer.json, "
+            "or vocab.txt / vocab.json + merges.txt) are missing; copy the whole model folder"
+        )
     return hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode()).hexdigest()
 
 
@@ -317,6 +390,7 @@ class PrepareOptions:
     max_length: int = 128
     seed: int = 0
     vader_sdist: str | None = None
+    encoding: str = UTF8  # of CSV / TSV / JSONL files
 
 
 def load_source(options: PrepareOptions, download_dir: Path) -> tuple[dict[str, pa.Table], str]:
@@ -330,7 +404,7 @@ def load_source(options: PrepareOptions, download_dir: Path) -> tuple[dict[str, 
     )
     if looks_like_files or "://" in options.dataset:
         locations = options.dataset.split(",")
-        return {"all": read_files(locations)}, options.dataset
+        return {"all": read_files(locations, options.encoding)}, options.dataset
     return read_hub(options.dataset, options.dataset_config), options.dataset
 
 
@@ -349,6 +423,20 @@ def assign_splits(raw: dict[str, pa.Table], options: PrepareOptions) -> dict[str
         0.0 if "test" in named else options.test_fraction,
     )
     strata = np.asarray(pool.column("stratum").to_pylist(), dtype=str)
+    if pool.num_rows < 10:
+        raise DataError(
+            f"{pool.num_rows} rows cannot make a train, a validation and a test split worth the name: "
+            "give at least 10 labelled rows (a few hundred to learn anything)"
+        )
+    for split, fraction in zip(("validation", "test"), fractions, strict=True):
+        size = held_out_rows(pool.num_rows, fraction)
+        if fraction and size > round(pool.num_rows * fraction):
+            log.warning(
+                "%s: %d rows, not the %d that --%s-fraction %.2f gives, so it holds one batch of "
+                "%d (or %.0f %% of a small dataset)",
+                split, size, round(pool.num_rows * fraction), split, fraction,
+                MIN_HELD_OUT_ROWS, 100 * MAX_HELD_OUT_SHARE,
+            )  # fmt: skip
     carved = {
         split: pool.take(pa.array(rows))
         for split, rows in split_indices(pool.num_rows, strata, fractions, options.seed).items()
@@ -420,7 +508,8 @@ def prepare(
                 f"{data_dir.uri} holds data prepared from {existing.source} with {existing.tokenizer} "
                 "and other settings: pass --force to rewrite it, or choose another --data-dir"
             )
-        marker.filesystem.delete_file(marker.path)
+        if not data_dir.is_local:  # rewritten in place: unmarked until complete
+            marker.filesystem.delete_file(marker.path)
 
     raw, source = load_source(options, download_dir)
     is_vader = options.dataset == VADER_SOURCE
@@ -436,43 +525,44 @@ def prepare(
 
     init_ray(train_cpus=1)  # only now: every check above runs without a cluster
     token_stats = {}
-    for split, table in splits.items():
-        table = pa.table(
-            {
-                "row": pa.array(np.arange(table.num_rows)),
-                "text": table["text"],
-                "label": table["label"],
-            }
-        )
-        stats = pretokenize(
-            # Blocks of a few thousand rows, so that both tokenizer actors get work.
-            ray.data.from_arrow(
-                [table.slice(start, 2048) for start in range(0, table.num_rows, 2048)]
-            ),
-            data_dir.join(split),
-            tokenizer_path=model,
-            text_column="text",
+    with staged_folder(data_dir, DATASET_FILE) as staging:
+        for split, table in splits.items():
+            table = pa.table(
+                {
+                    "row": pa.array(np.arange(table.num_rows)),
+                    "text": table["text"],
+                    "label": table["label"],
+                }
+            )
+            stats = pretokenize(
+                # Blocks of a few thousand rows, so that both tokenizer actors get work.
+                ray.data.from_arrow(
+                    [table.slice(start, 2048) for start in range(0, table.num_rows, 2048)]
+                ),
+                staging.join(split),
+                tokenizer_path=model,
+                text_column="text",
+                max_length=options.max_length,
+                keep_columns=["row", "label", "text"],
+            )
+            token_stats[split] = asdict(stats)
+            log.info(
+                "%s: %d rows, token length p50 %d / p99 %d, %.2f%% truncated at %d",
+                split, stats.rows, stats.length_p50, stats.length_p99,
+                100 * stats.truncated_share, options.max_length,
+            )  # fmt: skip
+        info = DatasetInfo(
+            source=source,
+            labels=names,
+            rows={split: table.num_rows for split, table in splits.items()},
+            tokenizer=model,
+            tokenizer_sha256=fingerprint,
             max_length=options.max_length,
-            keep_columns=["row", "label", "text"],
+            stratified_by=stratify,
+            seed=options.seed,
+            token_stats=token_stats,
         )
-        token_stats[split] = asdict(stats)
-        log.info(
-            "%s: %d rows, token length p50 %d / p99 %d, %.2f%% truncated at %d",
-            split, stats.rows, stats.length_p50, stats.length_p99,
-            100 * stats.truncated_share, options.max_length,
-        )  # fmt: skip
-    info = DatasetInfo(
-        source=source,
-        labels=names,
-        rows={split: table.num_rows for split, table in splits.items()},
-        tokenizer=model,
-        tokenizer_sha256=fingerprint,
-        max_length=options.max_length,
-        stratified_by=stratify,
-        seed=options.seed,
-        token_stats=token_stats,
-    )
-    write_info(data_dir, info)
+        write_info(staging, info)
     return info
 
 

@@ -296,7 +296,7 @@ class FaultTolerance(TrainerCallback):
         if step == self.config.stop_at_step:
             control.should_training_stop = True
         if state.is_world_process_zero and (step % self.config.log_every_steps == 0 or preempted):
-            write_progress(self.run_dir, step, self.driver_id, args.world_size)
+            write_progress(self.run_dir, step, self.driver_id, args.world_size, self.faults.attempt)
         return control
 
     def on_save(self, args, state, control, **kwargs):

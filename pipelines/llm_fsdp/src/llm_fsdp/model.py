@@ -53,14 +53,21 @@ def resolve_model(name: str, storage_path: str) -> ModelSpec:
                 f"no converted SmolLM2 at {folder}: run `llm-fsdp prepare --tokenizer smollm2` first"
             )
         return ModelSpec(name, None, str(folder))
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
     local = Path(name).expanduser()
     try:
-        AutoConfig.from_pretrained(str(local) if local.exists() else name)
+        config = AutoConfig.from_pretrained(str(local) if local.exists() else name)
     except (OSError, ValueError) as error:
         raise ModelError(
             f"unknown model {name!r}: give a size preset ({', '.join(SIZE_PRESETS)}), {SMOLLM2}, a "
             "local Hugging Face folder or a hub id (the hub is unreachable when HF_HUB_OFFLINE=1)"
         ) from error
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ModelError(
+            f"{name} is a {config.model_type} model, not a causal language model: give a decoder "
+            "such as Llama, Qwen, Mistral, GPT-2 or SmolLM2 (or a size preset)"
+        )
     return ModelSpec(name, None, str(local.resolve()) if local.exists() else name)
 
 

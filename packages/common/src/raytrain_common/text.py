@@ -1,0 +1,71 @@
+"""Users' text files in the encoding they were written in, or a one-line refusal that says which
+encoding to pass: a Latin-1 CSV must never reach a parser as 'binary' data."""
+
+from __future__ import annotations
+
+import codecs
+
+UTF8 = "utf-8"
+_BOMS = ((codecs.BOM_UTF32_LE, "utf-32"), (codecs.BOM_UTF32_BE, "utf-32"),
+         (codecs.BOM_UTF16_LE, "utf-16"), (codecs.BOM_UTF16_BE, "utf-16"))  # fmt: skip
+
+
+class TextEncodingError(ValueError):
+    """A file whose bytes are not text in the encoding asked for; names the place and the fix."""
+
+
+def check_encoding(name: str) -> str:
+    """The codec's canonical name, or an error listing common ones (at start, before any work)."""
+    try:
+        return codecs.lookup(name).name
+    except LookupError:
+        raise TextEncodingError(
+            f"--encoding {name!r} is not an encoding Python knows: give e.g. utf-8, latin-1, "
+            "cp1252, utf-16, shift_jis or gb18030"
+        ) from None
+
+
+def decode_text(data: bytes, encoding: str, where: str) -> str:
+    """`data` decoded as `encoding` (a UTF-8 byte-order mark accepted and dropped)."""
+    codec = check_encoding(encoding)
+    if codec == UTF8:
+        codec = "utf-8-sig"
+    try:
+        return data.decode(codec)
+    except UnicodeDecodeError as error:
+        raise TextEncodingError(describe_decode_error(data, error, encoding, where)) from None
+
+
+def describe_decode_error(data: bytes, error: UnicodeDecodeError, encoding: str, where: str) -> str:
+    offset = error.start
+    line = data.count(b"\n", 0, offset) + 1
+    line_start = data.rfind(b"\n", 0, offset) + 1
+    excerpt = data[max(line_start, offset - 30) : offset + 10]
+    return (
+        f"{where} is not valid {encoding} text: byte {offset} (line {line}, "
+        f"{excerpt!r}) cannot be decoded. {suggest_encoding(data, encoding)}"
+    )
+
+
+def suggest_encoding(data: bytes, tried: str) -> str:
+    """The fix: the encoding the bytes most likely are, from a byte-order mark or a trial decode."""
+    for bom, name in _BOMS:
+        if data.startswith(bom):
+            return f"The file starts with a {name} byte-order mark: pass --encoding {name}."
+    for candidate, label in (
+        (UTF8, "UTF-8"),
+        ("cp1252", "Windows-1252 (what Excel and many Western exports write)"),
+    ):
+        if codecs.lookup(candidate).name == codecs.lookup(tried).name:
+            continue
+        try:
+            data.decode(candidate)
+        except UnicodeDecodeError:
+            continue
+        return (
+            f"It decodes as {label}: pass --encoding {candidate}, or re-encode the file as UTF-8."
+        )
+    return (
+        "Pass the encoding it was written in (--encoding latin-1 reads any bytes, cp1252, "
+        "shift_jis, …), or re-encode the file as UTF-8."
+    )

@@ -1,0 +1,207 @@
+"""Users' images: a class-per-folder tree of PNG / JPEG / WebP / … files of any size and mode, read
+and resized with Ray Data into the same arrays the MNIST sources give.
+
+Layouts (folder names are the class names, sorted; images may sit deeper inside a class folder):
+    DIR/<class>/*.png                       a test split is carved out, stratified, with a seed
+    DIR/train/<class>/…  DIR/test/<class>/… the given split (val/ or validation/ also name the test)
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
+TEST_FOLDERS = ("test", "val", "valid", "validation")
+GREY_MODES = frozenset({"1", "L", "LA", "I", "I;16", "I;16B", "I;16L", "F"})
+# The default side: the images' median shorter side, within these bounds (28: MNIST's, the least
+# ResNet's stride-32 stem handles well; 128: a CPU box still trains it; pass --image-size for 224).
+MIN_DEFAULT_SIDE, MAX_DEFAULT_SIDE = 28, 128
+SIZE_SAMPLE = 2000  # headers read to choose the size and channels
+MIN_HELD_OUT_ROWS = 64  # a carved test split holds one evaluation batch while the data allows
+MAX_HELD_OUT_SHARE = 0.2
+
+
+class ImageFolderError(ValueError):
+    """An image tree this pipeline cannot train on; the message names the file or folder."""
+
+
+@dataclass
+class ImageTree:
+    class_names: list[str]
+    files: dict[str, list[tuple[str, int]]]  # split ("train", "test" or "all") → (path, class id)
+    skipped: dict[str, int] = field(default_factory=dict)  # non-image files, by suffix
+
+
+def is_image_tree(folder: Path) -> bool:
+    """A folder of folders, or of images (then refused by `scan_tree` for lack of classes); an
+    IDX folder holds neither."""
+    return folder.is_dir() and any(
+        p.is_dir() or p.suffix.lower() in IMAGE_SUFFIXES for p in folder.iterdir()
+    )
+
+
+def scan_tree(folder: Path) -> ImageTree:
+    """The tree's classes and image files; an error naming the folder if it cannot train a classifier."""
+    subfolders = {
+        p.name.lower(): p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")
+    }
+    test_name = next((name for name in TEST_FOLDERS if name in subfolders), None)
+    roots = (
+        {"train": subfolders["train"], "test": subfolders[test_name]}
+        if "train" in subfolders and test_name
+        else {"all": folder}
+    )
+    skipped: Counter[str] = Counter()
+    per_split: dict[str, dict[str, list[str]]] = {}
+    for split, root in roots.items():
+        classes: dict[str, list[str]] = {}
+        for class_dir in sorted(
+            p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")
+        ):
+            paths = []
+            for path in sorted(class_dir.rglob("*")):
+                if not path.is_file() or any(
+                    part.startswith(".") for part in path.relative_to(root).parts
+                ):
+                    continue
+                if path.suffix.lower() in IMAGE_SUFFIXES:
+                    paths.append(str(path))
+                else:
+                    skipped[path.suffix.lower() or "(none)"] += 1
+            if paths:
+                classes[class_dir.name] = paths
+        loose = [p for p in root.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES]
+        if loose and not classes:
+            raise ImageFolderError(
+                f"{root} holds {len(loose)} images but no class folders: put each class's images "
+                f"in a folder named after the class ({root}/<class>/image.png)"
+            )
+        per_split[split] = classes
+    train_classes = sorted(per_split.get("train", per_split.get("all", {})))
+    where = roots.get("train", folder)
+    if len(train_classes) < 2:
+        found = (
+            f"one class ({train_classes[0]!r})" if train_classes else "no class folder with images"
+        )
+        raise ImageFolderError(
+            f"{where} has {found}: a classifier needs at least two class folders, each holding "
+            f"images ({', '.join(IMAGE_SUFFIXES)})"
+        )
+    if "test" in per_split:
+        unknown = sorted(set(per_split["test"]) - set(train_classes))
+        if unknown:
+            raise ImageFolderError(
+                f"{roots['test']} has classes {unknown} that {roots['train']} lacks: the test classes "
+                "must be among the training ones"
+            )
+    ids = {name: index for index, name in enumerate(train_classes)}
+    files = {
+        split: [(path, ids[name]) for name, paths in classes.items() for path in paths]
+        for split, classes in per_split.items()
+    }
+    return ImageTree(train_classes, files, dict(sorted(skipped.items())))
+
+
+def choose_size_and_channels(paths: list[str], seed: int) -> tuple[int, int, dict[str, int]]:
+    """(side, channels, modes seen) from a sample of image headers: the median shorter side within
+    28..128, and 1 channel if every sampled image is grey, else 3 (RGB)."""
+    from PIL import Image
+
+    sample = paths if len(paths) <= SIZE_SAMPLE else random.Random(seed).sample(paths, SIZE_SAMPLE)
+    sides, modes = [], Counter()
+    for path in sample:
+        try:
+            with Image.open(path) as image:
+                sides.append(min(image.size))
+                modes[image.mode] += 1
+        except OSError as error:
+            raise ImageFolderError(f"{path} is not an image PIL can open ({error})") from error
+    side = int(np.clip(np.median(sides), MIN_DEFAULT_SIDE, MAX_DEFAULT_SIDE))
+    channels = 1 if set(modes) <= GREY_MODES else 3
+    return side, channels, dict(modes)
+
+
+def load_image(path: str, side: int, channels: int) -> np.ndarray:
+    """One image as uint8 (side, side) or (side, side, 3): the shorter side resized to `side` and the
+    centre cropped square, palette / alpha / 16-bit modes converted."""
+    from PIL import Image, ImageOps
+
+    with Image.open(path) as image:
+        image.load()  # decode now: a truncated file fails here, with its path
+        if image.mode in ("I;16", "I;16B", "I;16L", "I", "F"):
+            array = np.asarray(image, dtype=np.float64)
+            span = max(float(array.max() - array.min()), 1e-9)
+            image = Image.fromarray(((array - array.min()) / span * 255).astype(np.uint8))
+        converted = image.convert("L" if channels == 1 else "RGB")
+        fitted = ImageOps.fit(converted, (side, side), method=Image.Resampling.BILINEAR)
+        return np.asarray(fitted, dtype=np.uint8)
+
+
+def decode_batch(batch: dict[str, np.ndarray], side: int, channels: int) -> dict[str, np.ndarray]:
+    """Ray Data batch function: paths → fixed-size pixels, or the error that stopped a file."""
+    pixels, errors = [], []
+    empty = np.zeros((side, side) + ((3,) if channels == 3 else ()), np.uint8).tobytes()
+    for path in batch["path"]:
+        try:
+            pixels.append(load_image(str(path), side, channels).tobytes())
+            errors.append("")
+        except (OSError, ValueError, SyntaxError) as error:  # PIL's decoders raise all three
+            pixels.append(empty)
+            errors.append(f"{type(error).__name__}: {error}")
+    return {
+        "pixels": np.array(pixels, dtype=object),
+        "label": batch["label"],
+        "path": batch["path"],
+        "error": np.array(errors, dtype=object),
+    }
+
+
+def decode_all(
+    files: list[tuple[str, int]], side: int, channels: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Every file decoded in Ray Data tasks, in the order given; an error listing unreadable files."""
+    import ray.data
+
+    rows = [{"path": path, "label": label} for path, label in files]
+    decoded = (
+        ray.data.from_items(rows, override_num_blocks=max(2, min(64, len(rows) // 256)))
+        .map_batches(decode_batch, batch_size=256, fn_kwargs={"side": side, "channels": channels})
+        .to_pandas()
+    )
+    failed = decoded[decoded["error"] != ""]
+    if len(failed):
+        shown = "; ".join(f"{row.path} ({row.error})" for row in failed.head(3).itertuples())
+        raise ImageFolderError(
+            f"{len(failed)} of {len(files)} images cannot be decoded: {shown}. Replace or remove them"
+        )
+    order = {path: index for index, (path, _) in enumerate(files)}
+    decoded = decoded.assign(order=decoded["path"].map(order)).sort_values("order")
+    shape = (len(decoded), side, side) + ((3,) if channels == 3 else ())
+    images = np.frombuffer(b"".join(decoded["pixels"]), dtype=np.uint8).reshape(shape)
+    return images, decoded["label"].to_numpy().astype(np.int64)
+
+
+def held_out_rows(rows: int, fraction: float) -> int:
+    return max(round(rows * fraction), min(MIN_HELD_OUT_ROWS, int(rows * MAX_HELD_OUT_SHARE)), 1)
+
+
+def carve_test(labels: np.ndarray, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(train, test) indices: the test split `held_out_rows` long, shared over the classes in
+    proportion (each class keeping an image for training), drawn with `seed`."""
+    rng = np.random.default_rng(seed)
+    target = held_out_rows(len(labels), fraction)
+    train, test = [], []
+    for label in np.unique(labels):
+        members = rng.permutation(np.flatnonzero(labels == label))
+        count = min(len(members) - 1, max(1, round(target * len(members) / len(labels))))
+        test.append(members[:count])
+        train.append(members[count:])
+    return np.sort(np.concatenate(train)), np.sort(np.concatenate(test))

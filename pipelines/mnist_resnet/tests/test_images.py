@@ -1,0 +1,91 @@
+"""A user's own images: a class-per-folder tree of PNG / JPEG / WebP files of two sizes and two modes,
+prepared with Ray Data, trained on 2 workers, and new files classified with `predict --input`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from conftest import small_config
+from mnist_resnet.cli import main
+from mnist_resnet.data import DatasetInfo
+from mnist_resnet.train import run
+from raytrain_common.storage import resolve_storage
+
+pytestmark = pytest.mark.ray
+
+CLASSES = ("disc", "horizontal", "vertical")
+
+
+def shape_image(kind: str, size: tuple[int, int], rng: np.random.Generator) -> np.ndarray:
+    """A noisy RGB picture of one class: a disc, or stripes across or down, at a random phase."""
+    width, height = size
+    y, x = np.mgrid[0:height, 0:width]
+    period, phase = rng.uniform(6, 10), rng.uniform(0, 6)
+    if kind == "disc":
+        cy, cx = height / 2 + rng.uniform(-3, 3), width / 2 + rng.uniform(-3, 3)
+        mask = (y - cy) ** 2 + (x - cx) ** 2 < (min(size) * rng.uniform(0.25, 0.4)) ** 2
+    elif kind == "horizontal":
+        mask = np.sin(2 * np.pi * (y + phase) / period) > 0
+    else:
+        mask = np.sin(2 * np.pi * (x + phase) / period) > 0
+    base = rng.uniform(0, 80, 3)
+    colour = rng.uniform(150, 255, 3)
+    pixels = np.where(mask[..., None], colour, base) + rng.normal(0, 20, (height, width, 3))
+    return np.clip(pixels, 0, 255).astype(np.uint8)
+
+
+def write_tree(root: Path, per_class: int, seed: int, nested: bool = True) -> None:
+    """Two sizes (48×40, 32×32), grey and RGB, saved as PNG, JPEG and WebP, in nested folders."""
+    rng = np.random.default_rng(seed)
+    for kind in CLASSES:
+        for index in range(per_class):
+            size = (48, 40) if index % 2 else (32, 32)
+            image = Image.fromarray(shape_image(kind, size, rng))
+            if index % 3 == 0:
+                image = image.convert("L")
+            suffix = (".png", ".jpg", ".webp")[index % 3]
+            folder = root / kind / (f"batch{index % 2}" if nested else "")
+            folder.mkdir(parents=True, exist_ok=True)
+            image.save(folder / f"{kind}_{index}{suffix}")
+    (root / "disc" / "README.txt").write_text("not an image: skipped")
+
+
+def test_an_image_tree_prepares_trains_on_two_workers_and_predicts_new_files(
+    ray_cluster: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tree, data_dir = tmp_path / "shapes", tmp_path / "data"
+    write_tree(tree, per_class=100, seed=0)
+    assert main(["prepare", "--source", str(tree), "--data-dir", str(data_dir)]) == 0
+    info = DatasetInfo(**json.loads((data_dir / "dataset.json").read_text()))
+    assert info.class_names == list(CLASSES)
+    assert (info.height, info.width, info.channels) == (36, 36, 3)  # median of 40 and 32; some RGB
+    assert info.test_rows == 60  # 10 % of 300 is 30, under a batch of 64: 20 % of a small tree
+    assert info.train_rows + info.test_rows == 300
+    assert info.notes["skipped_files"] == {".txt": 1}
+    assert len(info.mean) == 3 and all(s > 0 for s in info.std)
+
+    config = small_config(
+        tmp_path, resolve_storage(data_dir), run_name="shapes", epochs=6, global_batch_size=32,
+        lr=0.05, limit_train_rows=None, limit_test_rows=None, shuffle_buffer_rows=256,
+    )  # fmt: skip
+    summary = run(config)
+    assert summary["best"]["test_accuracy"] >= 0.8  # chance is 1/3
+
+    new_images = tmp_path / "new"
+    write_tree(new_images, per_class=10, seed=1, nested=False)
+    capsys.readouterr()
+    assert main(["predict", "--storage-path", str(tmp_path), "--run-name", "shapes",
+                 "--input", str(new_images)]) == 0  # fmt: skip
+    lines = [line.split("\t") for line in capsys.readouterr().out.strip().splitlines()]
+    assert len(lines) == 30
+    right = sum(Path(file).parent.name == label for label, _, file in lines)
+    assert right >= 0.8 * len(lines)
+    assert all(0 < float(probability) <= 1 for _, probability, _ in lines)
+
+    assert main(["predict", "--storage-path", str(tmp_path), "--run-name", "shapes"]) == 0
+    assert (tmp_path / "shapes" / "predictions.png").read_bytes()[:4] == b"\x89PNG"
