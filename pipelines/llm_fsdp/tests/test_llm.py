@@ -251,7 +251,12 @@ def test_smollm2_converts_trains_a_few_steps_and_exports(
 def write_documentation_tree(root: Path, works: list[str]) -> None:
     """A documentation tree as a user has one: ~120 pages (.md, .rst, .txt) in nested folders,
     written in Windows-1252 (accents included), with images and a .git folder beside them."""
-    pages = [page for work in works for page in work.split("\n\n\n") if len(page) > 400][:120]
+    pages = []
+    for work in works:
+        lines = work.splitlines(keepends=True)
+        for start in range(0, len(lines), 60):  # pages of 60 lines
+            pages.append("".join(lines[start : start + 60]))
+    pages = pages[:120]
     for index, page in enumerate(pages):
         folder = root / f"part{index % 3}" / f"chapter{index % 7}"
         folder.mkdir(parents=True, exist_ok=True)

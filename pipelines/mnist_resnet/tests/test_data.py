@@ -98,7 +98,7 @@ def test_idx_images_of_another_size_are_refused(tmp_path: Path) -> None:
     big = Split(np.zeros((4, 32, 32), np.uint8), np.zeros(4, np.int64))
     folder = make_idx_folder(tmp_path / "idx", big, big)
     with pytest.raises(
-        DataError, match=r"train images are 32×32; this pipeline's model takes 28×28"
+        DataError, match=r"train images are 32×32; IDX sources must hold 28×28 images"
     ):
         prepare(str(folder), resolve_storage(tmp_path / "out"), tmp_path)
     assert not (tmp_path / "out" / DATASET_FILE).exists()
@@ -141,7 +141,9 @@ def test_parquet_without_the_expected_columns(mnist_dir: StoragePath, tmp_path: 
 def test_images_of_the_wrong_shape(mnist_dir: StoragePath, tmp_path: Path) -> None:
     data_dir = copy_dataset(mnist_dir, tmp_path / "d")
     spoil(data_dir, to_arrow(Split(np.zeros((3, 32, 32), np.uint8), np.zeros(3, np.int64))))
-    with pytest.raises(DataError, match=r"images of 1024..1024 bytes; expected 28×28 = 784 bytes"):
+    with pytest.raises(
+        DataError, match=r"images of 1024..1024 bytes; expected 28×28×1 = 784 bytes"
+    ):
         inspect_dataset(data_dir)
 
 

@@ -128,10 +128,11 @@ def cmd_prepare(args: argparse.Namespace) -> int:
             seed=args.seed,
         )
     shape = f"{info.height}×{info.width}" + ("" if info.channels == 1 else f"×{info.channels}")
-    classes = f" ({', '.join(info.class_names[:10])}{', …' if info.num_classes > 10 else ''})"
+    names = info.class_names or []
+    classes = f" ({', '.join(names[:10])}{', …' if len(names) > 10 else ''})" if names else ""
     print(
         f"dataset: {info.train_rows} train + {info.test_rows} test images of {shape}, "
-        f"{info.num_classes} classes{classes if info.class_names else ''}, from {info.source}"
+        f"{info.num_classes} classes{classes}, from {info.source}"
         + (f"\ntest split: {info.notes['test_split']}" if info.notes else "")
         + f"\nwritten to {data_dir}"
     )
