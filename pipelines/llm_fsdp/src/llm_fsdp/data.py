@@ -19,6 +19,7 @@ import tarfile
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -362,11 +363,8 @@ def split_corpus(
     )
 
 
-def chars_per_token(tokenizer_folder: Path, documents: list[str]) -> float:
+def chars_per_token(tokenizer: Any, documents: list[str]) -> float:
     """Characters per token of this tokenizer on a sample of the corpus (≤ 1 MB)."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_folder))
     sample, size = [], 0
     for document in documents:
         sample.append(document[:100_000])
@@ -441,7 +439,7 @@ def prepare(
         train_text = documents if first is None else [documents[i] for i in first["train"]]
         folder = build_tokenizer(tokenizer, train_text, Path(staging.path) / "tokenizer")
         hf_tokenizer = AutoTokenizer.from_pretrained(str(folder))
-        per_token = chars_per_token(folder, documents)
+        per_token = chars_per_token(hf_tokenizer, documents)
         # 1.3 blocks: the estimate of characters per token is a sample's.
         split = split_corpus(
             documents, validation_fraction, seed, round(1.3 * (seq_len + 1) * per_token)
