@@ -182,7 +182,9 @@ def test_a_node_lost_without_notice_shrinks_an_elastic_run_which_grows_back_then
 
         # A fixed-size run (2 workers) has nowhere to go while a node is missing: it waits.
         driver = Driver(
-            train_command(tmp_path, data_dir, "fixed", "--preemption-check-steps", "0"),
+            train_command(
+                tmp_path, data_dir, "fixed", "--preemption-check-steps", "0", "--max-steps", "20"
+            ),
             cluster.address,
             tmp_path / "fixed.log",
         )
@@ -198,5 +200,5 @@ def test_a_node_lost_without_notice_shrinks_an_elastic_run_which_grows_back_then
     assert (restart["cause"], restart["world_size_before"], restart["world_size"]) == (
         "worker failure", 2, 2,
     )  # fmt: skip
-    assert summary["steps_done"] == 40
+    assert summary["steps_done"] == 20
     assert restart["resumed_at_step"] == 10

@@ -163,6 +163,9 @@ def test_collate_decodes_and_normalises(mnist_dir: StoragePath) -> None:
     batch = ImageBatchCollate(info)(table)
     assert batch["image"].shape == (256, 1, 28, 28) and batch["image"].dtype == torch.float32
     assert batch["label"].dtype == torch.int64
+    # Plain NCHW strides: channels-last ones switch the convolutions to other kernels and change
+    # the trained weights (this once cost the small test runs 3 points of accuracy).
+    assert batch["image"].stride() == (28 * 28, 28 * 28, 28, 1)
     raw = np.frombuffer(table["image"][0].as_py(), np.uint8).reshape(28, 28)
     restored = batch["image"][0, 0] * info.std + info.mean
     assert torch.allclose(restored, torch.from_numpy(raw / 255.0).float(), atol=1e-5)

@@ -193,7 +193,7 @@ def test_a_storage_outage_during_a_checkpoint_upload_is_retried_or_fails_naming_
                     "--data-dir", mnist_dir.uri, "--run-name", run_name, "--num-workers", "1",
                     "--epochs", "2", "--limit-train-rows", "4096", "--limit-test-rows", "1000",
                     "--global-batch-size", "128", "--lr", "0.05", "--shuffle-buffer-rows", "1024",
-                    "--checkpoint-every-steps", "4", "--log-every-steps", "1", *extra,
+                    "--checkpoint-every-steps", "8", "--log-every-steps", "1", *extra,
                 ]  # fmt: skip
                 return Driver(command, cluster.address, tmp_path / f"{run_name}.log")
 
@@ -202,7 +202,7 @@ def test_a_storage_outage_during_a_checkpoint_upload_is_retried_or_fails_naming_
             # run folder once per checkpoint and does not retry (see docs/faults.md).
             wait_for(lambda: s3.recorded("team", "outage"), 300, "the first recorded checkpoint")
             s3.stop()
-            time.sleep(25)  # the next checkpoints (every 4 steps) fall due within this outage
+            time.sleep(25)  # the next checkpoints (every 8 steps) fall due within this outage
             s3.restart()
             assert driver.wait(timeout_s=600) == 0, driver.log()
             log = (tmp_path / "outage.log").read_text()

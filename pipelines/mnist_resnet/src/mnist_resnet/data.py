@@ -452,13 +452,19 @@ def decode_images(
         array.offset : array.offset + len(array) + 1
     ]
     values = np.frombuffer(array.buffers()[2], dtype=np.uint8)[offsets[0] : offsets[-1]]
-    return values.reshape(len(array), height, width, channels).transpose(0, 3, 1, 2)
+    if channels == 1:
+        # Not a transpose: numpy calls a transposed (N, 1, H, W) view contiguous, but torch then
+        # sees channels-last strides and picks other conv kernels (and DDP warns of grad strides).
+        return values.reshape(len(array), 1, height, width)
+    return np.ascontiguousarray(
+        values.reshape(len(array), height, width, channels).transpose(0, 3, 1, 2)
+    )
 
 
 def as_nchw(images: np.ndarray) -> torch.Tensor:
     """In-memory images (N, H, W) or (N, H, W, C) as the model's (N, C, H, W) layout."""
     tensor = torch.from_numpy(np.ascontiguousarray(images))
-    return tensor.unsqueeze(1) if tensor.ndim == 3 else tensor.permute(0, 3, 1, 2)
+    return tensor.unsqueeze(1) if tensor.ndim == 3 else tensor.permute(0, 3, 1, 2).contiguous()
 
 
 def normalise(
