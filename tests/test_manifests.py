@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import gzip
+import json
 import os
 import re
 import shutil
@@ -16,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,25 +31,24 @@ pytestmark = pytest.mark.manifests
 ROOT = Path(__file__).resolve().parents[1]
 RAYJOBS = ROOT / "deploy" / "rayjob"
 OVERLAYS = ROOT / "deploy" / "overlays"
-PIPELINES = {"mnist_resnet": "mnist-resnet", "hf_finetune": "hf-finetune", "llm_fsdp": "llm-fsdp"}
 MOUNT = "/mnt/runs"
 K8S_VERSION = "1.35.0"
+SMOKE_ANNOTATION = "raytrain-pipelines/cpu-smoke"
 
-# The CPU smoke size of each GPU entrypoint: the only changes made before submitting it.
-SMOKE = {
-    "mnist_resnet": {
-        "replace": {},
-        "EXTRA_TRAIN_ARGS": "--epochs 1 --limit-train-rows 1024 --limit-test-rows 256 --global-batch-size 128 --lr 0.05",
-    },
-    "hf_finetune": {
-        "replace": {},
-        "EXTRA_TRAIN_ARGS": "--epochs 1 --limit-train-rows 256 --limit-eval-rows 128 --global-batch-size 32",
-    },
-    "llm_fsdp": {
-        "replace": {"--tokenizer smollm2 --seq-len 1024": "--tokenizer bpe:512 --seq-len 64"},
-        "EXTRA_TRAIN_ARGS": "--max-steps 4 --warmup-steps 1 --eval-every-steps 2 --eval-batches 1 --checkpoint-every-steps 2",
-    },
-}
+
+def pipeline_commands() -> dict[str, str]:
+    """Every pipeline under pipelines/ (discovered, never listed) → its console script."""
+    commands = {}
+    for pyproject in sorted(ROOT.glob("pipelines/[!.]*/pyproject.toml")):
+        project = tomllib.loads(pyproject.read_text())["project"]
+        commands[pyproject.parent.name] = next(iter(project["scripts"]))
+    return commands
+
+
+PIPELINES = pipeline_commands()
+RAYJOB_FILES = sorted(
+    p.stem for p in RAYJOBS.glob("*.yaml") if p.name not in {"kustomization.yaml", "pvc.yaml"}
+)
 
 
 def crd_schema() -> dict[str, Any]:
@@ -119,7 +120,7 @@ def load(path: Path) -> list[dict[str, Any]]:
 
 
 def rayjobs() -> dict[str, dict[str, Any]]:
-    return {name: load(RAYJOBS / f"{name}.yaml")[0] for name in PIPELINES}
+    return {name: load(RAYJOBS / f"{name}.yaml")[0] for name in RAYJOB_FILES}
 
 
 def containers(document: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any], dict[str, Any]]]:
@@ -184,7 +185,7 @@ def test_every_kustomize_output_validates(folder: Path) -> None:
     schema = crd_schema()
     documents = kustomize(folder)
     kinds = sorted(doc["kind"] for doc in documents)
-    assert kinds == ["PersistentVolumeClaim", "RayJob", "RayJob", "RayJob"]
+    assert kinds == ["PersistentVolumeClaim"] + ["RayJob"] * len(RAYJOB_FILES)
     for document in documents:
         if document["kind"] == "RayJob":
             check_rayjob(document, schema)
@@ -193,13 +194,29 @@ def test_every_kustomize_output_validates(folder: Path) -> None:
 
 
 def test_the_overlay_changes_image_replicas_gpus_and_storage_class_in_one_place() -> None:
+    overlay = load(OVERLAYS / "example" / "kustomization.yaml")[0]
+    [patched] = {p["target"]["name"] for p in overlay["patches"] if p["target"]["kind"] == "RayJob"}
     rendered = {doc["metadata"]["name"]: doc for doc in kustomize(OVERLAYS / "example")}
-    llm = rendered["llm-fsdp"]["spec"]
-    worker = llm["rayClusterSpec"]["workerGroupSpecs"][0]
+    spec = rendered[patched]["spec"]
+    worker = spec["rayClusterSpec"]["workerGroupSpecs"][0]
     gpus = int(worker["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"])
-    env = yaml.safe_load(llm["runtimeEnvYAML"])["env_vars"]
+    env = yaml.safe_load(spec["runtimeEnvYAML"])["env_vars"]
     assert int(env["NUM_WORKERS"]) == worker["replicas"] * gpus  # one Ray Train worker per GPU
     assert rendered["raytrain-runs"]["spec"]["storageClassName"]
+
+
+def test_every_pipeline_has_one_manifest_and_the_kustomize_base_lists_them_all() -> None:
+    """Found, not listed: pipelines/*/ and deploy/rayjob/*.yaml agree, and the base's resources are
+    that folder (`nox -s new_pipeline` rewrites the list; this catches a hand-made copy)."""
+    assert sorted(PIPELINES) == RAYJOB_FILES, "each pipelines/<name> has deploy/rayjob/<name>.yaml"
+    base = load(RAYJOBS / "kustomization.yaml")[0]
+    assert base["resources"] == ["pvc.yaml", *(f"{name}.yaml" for name in RAYJOB_FILES)], (
+        "deploy/rayjob/kustomization.yaml must list every manifest of its folder"
+    )
+    for name, command in PIPELINES.items():
+        document = rayjobs()[name]
+        assert document["metadata"]["name"] == command  # the RayJob is named as the command
+        assert f"--run-name {command}" in document["spec"]["entrypoint"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -252,16 +269,16 @@ def test_storage_path_is_the_shared_volume_on_head_and_workers(name: str) -> Non
 def test_the_image_installs_what_the_entrypoints_run() -> None:
     dockerfile = (ROOT / "deploy" / "Dockerfile").read_text()
     assert re.search(r"^FROM rayproject/ray:2\.60\.0-py3\d+-gpu$", dockerfile, re.M)
-    for name in PIPELINES:
-        assert f"/opt/raytrain/pipelines/{name}" in dockerfile
+    assert "COPY --chown=ray:users pipelines /opt/raytrain/pipelines" in dockerfile
+    assert "/opt/raytrain/pipelines/*/" in dockerfile  # every pipeline, a copied one too
     assert "/opt/raytrain/packages/common" in dockerfile
-    noxfile = (ROOT / "noxfile.py").read_text()
+    stack = (ROOT / "tools" / "nox_stack.py").read_text()
     for pin in re.findall(
-        r'"((?:torch|transformers|accelerate|datasets|pyarrow|gguf)==[\d.]+)"', noxfile
+        r'"((?:torch|transformers|accelerate|datasets|pyarrow|gguf)==[\d.]+)"', stack
     ):
-        assert pin in dockerfile, f"{pin} of noxfile.py is not what the image installs"
+        assert pin in dockerfile, f"{pin} of tools/nox_stack.py is not what the image installs"
     for document in rayjobs().values():
-        for command in re.findall(r"(?:^|&&)\s*([a-z-]+) ", document["spec"]["entrypoint"]):
+        for command in re.findall(r"(?:^|&&)\s*([a-z0-9-]+) ", document["spec"]["entrypoint"]):
             assert command in PIPELINES.values(), command
 
 
@@ -303,18 +320,19 @@ def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 def smoke_job(name: str, storage: Path) -> tuple[str, dict[str, Any]]:
-    """The manifest's entrypoint and runtime env, changed only to the CPU smoke size."""
-    spec = rayjobs()[name]["spec"]
+    """The manifest's entrypoint and runtime env, changed only to the CPU smoke size that the
+    manifest's own annotation names."""
+    document = rayjobs()[name]
+    spec = document["spec"]
+    smoke = json.loads(document["metadata"]["annotations"][SMOKE_ANNOTATION])
     entrypoint = (
         spec["entrypoint"].replace(MOUNT, str(storage)).replace("--preset gpu", "--preset cpu")
     )
-    for old, new in SMOKE[name]["replace"].items():
+    for old, new in smoke.get("replace", {}).items():
         assert old in entrypoint
         entrypoint = entrypoint.replace(old, new)
     runtime_env = yaml.safe_load(spec["runtimeEnvYAML"])
-    runtime_env["env_vars"].update(
-        NUM_WORKERS="2", EXTRA_TRAIN_ARGS=SMOKE[name]["EXTRA_TRAIN_ARGS"], HF_HUB_OFFLINE="1"
-    )
+    runtime_env["env_vars"].update(NUM_WORKERS="2", HF_HUB_OFFLINE="1", **smoke["env"])
     return entrypoint, runtime_env
 
 

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import importlib.util
+import itertools
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tomllib
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PIPELINES = sorted(p for p in (ROOT / "pipelines").iterdir() if (p / "pyproject.toml").exists())
+PIPELINES = sorted(p.parent for p in (ROOT / "pipelines").glob("[!.]*/pyproject.toml"))
 PACKAGES = [ROOT / "packages" / "common", *PIPELINES]
 
 
@@ -28,30 +32,42 @@ def test_ci_runs_exactly_the_readme_test_command() -> None:
     assert commands[-1] == readme_test_command()
 
 
-def test_noxfile_has_the_sessions_the_readme_names() -> None:
+def nox_sessions() -> list[str]:
     listing = subprocess.run(
         [sys.executable, "-m", "nox", "-l", "-f", str(ROOT / "noxfile.py")],
         capture_output=True, text=True, check=True, cwd=ROOT,
     )  # fmt: skip
-    sessions = ("mnist", "mnist_gpu", "bench_mnist", "hf_finetune", "hf_finetune_gpu", "llm_fsdp")
-    for session in (
-        *sessions,
-        "bench_tokenize",
-        "bench_llm",
-        "tests",
-        "tests_gpu",
-        "manifests",
-        "lint",
-    ):
-        assert re.search(rf"^[*-] {session}\b", listing.stdout, re.M), listing.stdout
+    return re.findall(r"^[*-] (\w+)", listing.stdout, re.M)
+
+
+def test_noxfile_has_every_session_the_readme_names() -> None:
+    """Read from the README, not a hand list: every `nox -s NAME` it shows exists."""
+    readme = (ROOT / "README.md").read_text()
+    named = re.findall(r"nox -s (\w+(?: \w+)*)", readme)
+    wanted = {session for group in named for session in group.split()}
+    for copy in re.findall(r"new_pipeline -- .*--name (\w+)", readme):  # the example copy's
+        wanted -= {copy, f"{copy}_gpu", f"bench_{copy}"}
+    assert {"mnist", "tests", "lint", "manifests", "faults", "new_pipeline"} <= wanted
+    missing = wanted - set(nox_sessions())
+    assert not missing, f"the README names sessions the noxfile lacks: {sorted(missing)}"
+
+
+def pipeline_session(folder: Path) -> str:
+    """The CPU session a pipeline's sessions.py declares (also `<it>_gpu`)."""
+    return re.search(r'^SESSION = "(\w+)"', (folder / "sessions.py").read_text(), re.M).group(1)
+
+
+def test_every_pipeline_brings_its_sessions() -> None:
+    sessions = set(nox_sessions())
+    for folder in PIPELINES:
+        name = pipeline_session(folder)
+        assert {name, f"{name}_gpu"} <= sessions, folder.name
 
 
 @pytest.mark.parametrize(
     ("session", "cpu_session"),
     [
-        ("mnist_gpu", "mnist"),
-        ("hf_finetune_gpu", "hf_finetune"),
-        ("llm_fsdp_gpu", "llm_fsdp"),
+        *((f"{pipeline_session(p)}_gpu", pipeline_session(p)) for p in PIPELINES),
         ("tests_gpu", "tests"),
     ],
 )
@@ -106,3 +122,117 @@ def test_checkpoints_are_never_unpickled_freely() -> None:
         for line in source.read_text().splitlines():
             if call in line:
                 assert "weights_only=True" in line, f"{source}: {line.strip()}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Copying a pipeline (`nox -s new_pipeline`): the drift tests
+# ---------------------------------------------------------------------------------------------
+
+
+def load_copy_tool(repo: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(
+        "new_pipeline", repo / "tools" / "new_pipeline.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def scratch_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """This repository's files as git sees them (tracked and new, not ignored), copied: the copies
+    are made there, never here."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT, capture_output=True, check=True,
+    ).stdout.decode().split("\0")  # fmt: skip
+    scratch = tmp_path_factory.mktemp("repo")
+    for relative in filter(None, listed):
+        source = ROOT / relative
+        if source.is_file():
+            (scratch / relative).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, scratch / relative)
+    return scratch
+
+
+ALLOWED_CHANGES = re.compile(r'^(version|__version__|SESSION|BENCH_SESSION) = "')
+
+
+@pytest.mark.parametrize("origin", [p.name for p in PIPELINES])
+def test_a_copied_pipeline_differs_from_its_origin_only_in_the_renamed_names(
+    origin: str, scratch_repo: Path
+) -> None:
+    """In the spirit of accelerate's ExampleDifferenceTests: map the copy's names back to the
+    origin's and every file is the origin's, line for line, but for the version and session names."""
+    name = f"copy_of_{origin}"
+    done = subprocess.run(
+        [sys.executable, str(scratch_repo / "tools" / "new_pipeline.py"), "--from", origin,
+         "--name", name],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    tool = load_copy_tool(scratch_repo)
+    source, copy = scratch_repo / "pipelines" / origin, scratch_repo / "pipelines" / name
+    old, new = tool.PipelineNames.of(source), tool.PipelineNames.of(copy)
+    assert (new.package, new.distribution, new.version) == (name, name.replace("_", "-"), "0.1.0")
+    assert (new.session, new.bench_session, new.data_folder) == (
+        name,
+        f"bench_{name}",
+        f"data/{name}",
+    )
+
+    originals = sorted(
+        p.relative_to(source)
+        for p in source.rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts and not p.parts[-2].endswith(".egg-info")
+    )
+    copied = sorted(p.relative_to(copy) for p in copy.rglob("*") if p.is_file())
+    renamed = [Path(*(name if part == origin else part for part in p.parts)) for p in originals]
+    assert copied == sorted(renamed), "the copy has exactly the origin's files"
+    for relative, copied_relative in zip(originals, renamed, strict=True):
+        if relative.name == "CHANGELOG.md":
+            continue  # a fresh one, checked below
+        try:
+            before = (source / relative).read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            assert (source / relative).read_bytes() == (copy / copied_relative).read_bytes()
+            continue
+        back = tool.rename((copy / copied_relative).read_text(encoding="utf-8"), new, old)
+        changed = [
+            (a, b)
+            for a, b in itertools.zip_longest(before.splitlines(), back.splitlines())
+            if a != b
+        ]
+        assert all(a and b and ALLOWED_CHANGES.match(a) for a, b in changed), (relative, changed)
+    changelog = (copy / "CHANGELOG.md").read_text()
+    assert "## 0.1.0" in changelog and f"Copied from `{origin}` {old.version}" in changelog
+
+    manifest = (scratch_repo / "deploy" / "rayjob" / f"{name}.yaml").read_text()
+    origin_manifest = (scratch_repo / "deploy" / "rayjob" / f"{origin}.yaml").read_text()
+    assert tool.rename(manifest, new, old) == origin_manifest
+    assert (
+        f"  - {name}.yaml"
+        in (scratch_repo / "deploy" / "rayjob" / "kustomization.yaml").read_text()
+    )
+
+
+@pytest.mark.parametrize("origin", [p.name for p in PIPELINES])
+def test_a_copied_pipelines_cli_and_fast_tests_work(origin: str, scratch_repo: Path) -> None:
+    """The copy runs under its new names: its CLI answers, and its tests that need no Ray cluster
+    pass (the Ray ones run in `nox -s tests` once the copy is installed, as the README says)."""
+    name = f"copy_of_{origin}"
+    copy = scratch_repo / "pipelines" / name
+    if not copy.exists():
+        pytest.skip("made by the difference test above, which failed")
+    env = {**os.environ, "PYTHONPATH": str(copy / "src")}
+    helped = subprocess.run(
+        [sys.executable, "-m", name, "--help"], capture_output=True, text=True, env=env, check=False
+    )
+    assert helped.returncode == 0, helped.stderr
+    assert helped.stdout.startswith(f"usage: {name.replace('_', '-')}")
+    fast = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m",
+         "not ray and not faults and not gpu and not manifests", str(copy / "tests")],
+        capture_output=True, text=True, env=env, cwd=scratch_repo, check=False, timeout=900,
+    )  # fmt: skip
+    assert fast.returncode in (0, 5), fast.stdout[-3000:]  # 5: every test needs Ray

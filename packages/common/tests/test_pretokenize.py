@@ -120,7 +120,7 @@ def test_packing_keeps_every_token_once_in_order(
 ) -> None:
     from transformers import AutoTokenizer
 
-    from raytrain_common.pretokenize import pack_blocks, read_pack_stats
+    from raytrain_common.packing import pack_blocks, read_pack_stats
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     eos = tokenizer.sep_token_id

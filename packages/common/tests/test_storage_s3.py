@@ -7,7 +7,13 @@ from collections.abc import Iterator
 import pytest
 
 from raytrain_common.metrics import read_metrics_csv, write_metrics_csv
-from raytrain_common.storage import StorageError, check_writable, is_shared, resolve_storage
+from raytrain_common.storage import (
+    StorageError,
+    check_writable,
+    is_shared,
+    join_uri,
+    resolve_storage,
+)
 
 moto_server = pytest.importorskip("moto.server")
 
@@ -51,3 +57,21 @@ def test_missing_bucket_is_not_writable(bucket_uri: str) -> None:
     other = bucket_uri.replace("runs-bucket", "no-such-bucket")
     with pytest.raises(StorageError, match=r"is not writable .*check the credentials"):
         check_writable(resolve_storage(other))
+
+
+def test_folders_and_checkpoint_uris_keep_the_options_of_an_object_store_uri(
+    bucket_uri: str,
+) -> None:
+    """A storage URI with options (?endpoint_override=…): every folder computed under it, and every
+    checkpoint URI a run reports, keeps them last, so each resolves to the same server."""
+    data = join_uri(bucket_uri, "data", "images")
+    assert data.startswith("s3://runs-bucket/team/data/images?endpoint_override=")
+    assert data == resolve_storage(bucket_uri).join("data", "images").uri
+    storage = resolve_storage(bucket_uri)
+    storage.join("run", "checkpoint_1", "state.pt").write_bytes(b"weights")
+    reported = storage.join("run", "checkpoint_1").path  # as Ray reports it: no scheme, no options
+    uri = storage.uri_for(reported)
+    assert uri.startswith("s3://runs-bucket/team/run/checkpoint_1?endpoint_override=")
+    assert resolve_storage(uri).join("state.pt").read_bytes() == b"weights"
+    assert join_uri("/local/runs", "data") == "/local/runs/data"
+    assert resolve_storage("/local/runs").uri_for("/local/runs/x") == "/local/runs/x"

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SEQ_LEN
 from llm_fsdp.data import prepare
 from raytrain_common.metrics import read_metrics_csv
 from raytrain_common.multinode import Driver, multinode_cluster, wait_for
 from raytrain_common.storage import StoragePath, resolve_storage
 
+SEQ_LEN = 64  # as the test corpus of conftest.py: 4 blocks per 256-token window
 pytestmark = pytest.mark.faults
 
 DEADLINE_S = 8

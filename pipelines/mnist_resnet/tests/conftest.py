@@ -3,6 +3,7 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import struct
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ def mnist_dir(tmp_path_factory: pytest.TempPathFactory) -> StoragePath:
     return data_dir
 
 
-def small_config(storage: Path, data_dir: StoragePath, **changes: Any) -> TrainConfig:
+def cpu_config_for_tests(storage: Path, data_dir: StoragePath, **changes: Any) -> TrainConfig:
     """The CPU preset cut down to a slice of MNIST that trains in well under a minute."""
     base = dataclasses.replace(
         cpu_preset(),
@@ -40,8 +41,20 @@ def small_config(storage: Path, data_dir: StoragePath, **changes: Any) -> TrainC
     return dataclasses.replace(base, **changes)
 
 
-def write_idx(path: Path, array: np.ndarray) -> None:
+def write_idx_file(path: Path, array: np.ndarray) -> None:
     """Write an IDX file of unsigned bytes, gzipped, as the MNIST family is published."""
     header = b"\x00\x00\x08" + bytes([array.ndim]) + struct.pack(f">{array.ndim}I", *array.shape)
     with gzip.open(path, "wb") as stream:
         stream.write(header + np.ascontiguousarray(array, dtype=np.uint8).tobytes())
+
+
+# Helpers reach the tests as fixtures: tests never import conftest (pytest imports each folder's
+# conftest under its own name, so two pipelines may both have one).
+@pytest.fixture
+def small_config() -> Callable[..., TrainConfig]:
+    return cpu_config_for_tests
+
+
+@pytest.fixture
+def write_idx() -> Callable[[Path, np.ndarray], None]:
+    return write_idx_file

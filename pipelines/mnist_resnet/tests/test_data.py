@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
 import pickle
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -14,7 +17,6 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from conftest import write_idx
 from mnist_resnet.data import (
     DATASET_FILE,
     HUB_SOURCE,
@@ -76,7 +78,9 @@ def test_pickle_with_code_is_refused() -> None:
         _NumpyOnlyUnpickler(io.BytesIO(payload)).load()
 
 
-def make_idx_folder(folder: Path, train: Split, test: Split) -> Path:
+def make_idx_folder(
+    folder: Path, train: Split, test: Split, write_idx: Callable[[Path, np.ndarray], None]
+) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     write_idx(folder / "train-images-idx3-ubyte.gz", train.images)
     write_idx(folder / "train-labels-idx1-ubyte.gz", train.labels)
@@ -85,18 +89,22 @@ def make_idx_folder(folder: Path, train: Split, test: Split) -> Path:
     return folder
 
 
-def test_idx_folder_round_trips(tmp_path: Path) -> None:
+def test_idx_folder_round_trips(tmp_path: Path, write_idx: Callable[..., Any]) -> None:
     rng = np.random.default_rng(0)
     train = Split(rng.integers(0, 256, (50, 28, 28), dtype=np.uint8), rng.integers(0, 5, 50))
     test = Split(rng.integers(0, 256, (20, 28, 28), dtype=np.uint8), rng.integers(0, 5, 20))
-    loaded_train, loaded_test = load_idx_folder(make_idx_folder(tmp_path / "idx", train, test))
+    loaded_train, loaded_test = load_idx_folder(
+        make_idx_folder(tmp_path / "idx", train, test, write_idx)
+    )
     assert np.array_equal(loaded_train.images, train.images)
     assert np.array_equal(loaded_test.labels, test.labels)
 
 
-def test_idx_images_of_another_size_are_refused(tmp_path: Path) -> None:
+def test_idx_images_of_another_size_are_refused(
+    tmp_path: Path, write_idx: Callable[..., Any]
+) -> None:
     big = Split(np.zeros((4, 32, 32), np.uint8), np.zeros(4, np.int64))
-    folder = make_idx_folder(tmp_path / "idx", big, big)
+    folder = make_idx_folder(tmp_path / "idx", big, big, write_idx)
     with pytest.raises(
         DataError, match=r"train images are 32×32; IDX sources must hold 28×28 images"
     ):
@@ -170,3 +178,36 @@ def test_collate_decodes_and_normalises(mnist_dir: StoragePath) -> None:
     restored = batch["image"][0, 0] * info.std + info.mean
     assert torch.allclose(restored, torch.from_numpy(raw / 255.0).float(), atol=1e-5)
     assert abs(batch["image"].mean().item()) < 0.15  # normalised to about zero mean
+
+
+def test_prepare_and_train_agree_on_the_data_folder_under_an_s3_uri_with_options(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`prepare --storage-path s3://bucket/runs?endpoint_override=…` writes <storage>/data/mnist, and
+    `train` with the same storage path and no --data-dir reads that folder (the options once ended
+    up inside train's path: `…?endpoint_override=…/data/mnist`)."""
+    moto_server = pytest.importorskip("moto.server")
+    import boto3
+
+    from mnist_resnet.cli import main
+    from mnist_resnet.config import cpu_preset
+
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+        endpoint = "{}:{}".format(*server.get_host_and_port())
+        s3 = boto3.client("s3", endpoint_url=f"http://{endpoint}", region_name="us-east-1")
+        s3.create_bucket(Bucket="team")
+        storage = f"s3://team/runs?endpoint_override={endpoint}&scheme=http&region=us-east-1"
+        code = main(["prepare", "--storage-path", storage])
+        assert code == 0
+        listed = s3.list_objects_v2(Bucket="team", Prefix="runs/data/mnist/")
+        assert "runs/data/mnist/dataset.json" in {item["Key"] for item in listed["Contents"]}
+
+        config = dataclasses.replace(cpu_preset(), storage_path=storage)
+        data_dir = resolve_storage(config.resolved_data_dir())
+        assert inspect_dataset(data_dir).train_rows == 60000
+    finally:
+        server.stop()

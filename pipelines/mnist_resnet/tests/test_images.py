@@ -4,13 +4,14 @@ prepared with Ray Data, trained on 2 workers, and new files classified with `pre
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import small_config
 from mnist_resnet.cli import main
 from mnist_resnet.data import DatasetInfo
 from mnist_resnet.train import run
@@ -56,7 +57,10 @@ def write_tree(root: Path, per_class: int, seed: int, nested: bool = True) -> No
 
 
 def test_an_image_tree_prepares_trains_on_two_workers_and_predicts_new_files(
-    ray_cluster: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    small_config: Callable[..., Any],
+    ray_cluster: None,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     tree, data_dir = tmp_path / "shapes", tmp_path / "data"
     write_tree(tree, per_class=100, seed=0)

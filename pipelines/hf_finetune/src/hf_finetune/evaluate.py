@@ -16,7 +16,7 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding
 
 from hf_finetune.data import DataError, inspect_dataset, read_split
-from hf_finetune.train import classification_scores, confusion_matrix
+from hf_finetune.metrics import classification_scores, confusion_matrix
 from raytrain_common.checkpoint import verify_checkpoint
 from raytrain_common.metrics import SUMMARY_FILE, write_summary
 from raytrain_common.storage import StoragePath, resolve_storage, write_atomic

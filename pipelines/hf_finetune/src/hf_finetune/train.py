@@ -12,6 +12,7 @@ import dataclasses
 import json
 import logging
 import math
+import posixpath
 import tempfile
 import time
 import uuid
@@ -46,10 +47,10 @@ from hf_finetune.data import (
     read_split,
     tokenizer_fingerprint,
 )
+from hf_finetune.metrics import classification_scores
 from hf_finetune.model import build_model, display_name, resolve_model
 from raytrain_common.checkpoint import (
     best_complete_checkpoint,
-    raise_storage_error_of,
     resume_checkpoint,
     write_manifest,
 )
@@ -69,9 +70,9 @@ from raytrain_common.metrics import (
     write_summary,
 )
 from raytrain_common.ray_start import start_ray_for_run
+from raytrain_common.runs import fit, locate_run, summary_header
 from raytrain_common.storage import (
     StoragePath,
-    check_writable,
     resolve_storage,
 )
 
@@ -87,34 +88,6 @@ RECORD_FILE = "run_record.json"  # compute dtype and faults, beside the Trainer'
 # ---------------------------------------------------------------------------------------------
 # Metrics
 # ---------------------------------------------------------------------------------------------
-
-
-def confusion_matrix(labels: np.ndarray, predictions: np.ndarray, num_labels: int) -> np.ndarray:
-    """Rows: true class; columns: predicted class."""
-    matrix = np.zeros((num_labels, num_labels), dtype=np.int64)
-    np.add.at(matrix, (labels, predictions), 1)
-    return matrix
-
-
-def classification_scores(
-    labels: np.ndarray, predictions: np.ndarray, num_labels: int
-) -> dict[str, float]:
-    """Accuracy and macro F1 (the mean of per-class F1, so a small class counts as much as a big one)."""
-    matrix = confusion_matrix(labels, predictions, num_labels)
-    true_positive = np.diag(matrix).astype(float)
-    precision = np.divide(
-        true_positive, matrix.sum(0), out=np.zeros(num_labels), where=matrix.sum(0) > 0
-    )
-    recall = np.divide(
-        true_positive, matrix.sum(1), out=np.zeros(num_labels), where=matrix.sum(1) > 0
-    )
-    f1 = np.divide(
-        2 * precision * recall,
-        precision + recall,
-        out=np.zeros(num_labels),
-        where=(precision + recall) > 0,
-    )
-    return {"accuracy": float(true_positive.sum() / matrix.sum()), "f1": float(f1.mean())}
 
 
 def make_compute_metrics(num_labels: int):
@@ -444,10 +417,7 @@ def check_model_fits_data(model: str, info: DatasetInfo) -> None:
 def run(config: TrainConfig) -> dict[str, Any]:
     """Check everything that can be checked, train, then write metrics, curves and summary.json."""
     started = time.perf_counter()
-    config.validate()
-    storage = resolve_storage(config.storage_path)
-    check_writable(storage)
-    data_dir = resolve_storage(config.resolved_data_dir())
+    storage, data_dir = locate_run(config)
     info = inspect_dataset(data_dir)
     model = resolve_model(config.model or info.tokenizer)
     check_model_fits_data(model, info)
@@ -479,13 +449,7 @@ def run(config: TrainConfig) -> dict[str, Any]:
         "fine-tuning %s on %d rows, %d worker(s), %d epoch(s); run folder %s",
         display_name(model), train_rows, config.num_workers, config.epochs, storage.join(config.run_name),
     )  # fmt: skip
-    try:
-        result = trainer.fit()
-    except ray.train.TrainingFailedError as error:
-        raise_storage_error_of(
-            error, config.storage_path
-        )  # a storage outage gets its one line; anything else as is
-        raise
+    result = fit(trainer, config.storage_path)
     return write_run_outputs(storage.join(config.run_name), result, config, info, started)
 
 
@@ -555,10 +519,7 @@ def write_run_outputs(
     )
     best_row = max(history, key=lambda row: row[SCORE])
     summary = {
-        "pipeline": "hf_finetune",
-        "pipeline_version": __version__,
-        "run_name": config.run_name,
-        "run_dir": run_dir.uri,
+        **summary_header("hf_finetune", __version__, config.run_name, run_dir),
         "epochs_done": round(state["epoch"], 4),
         "global_step": state["global_step"],
         **FaultLog(**state["faults"]).summary(),
@@ -569,8 +530,10 @@ def write_run_outputs(
         ),
         "final": history[-1],
         "best": best_row,
-        "best_checkpoint": _uri(run_dir, best.path, HF_CHECKPOINT) if best else None,
-        "latest_checkpoint": _uri(run_dir, result.checkpoint.path, HF_CHECKPOINT),
+        "best_checkpoint": run_dir.uri_for(posixpath.join(best.path, HF_CHECKPOINT))
+        if best
+        else None,
+        "latest_checkpoint": run_dir.uri_for(posixpath.join(result.checkpoint.path, HF_CHECKPOINT)),
         "metrics_csv": run_dir.join(METRICS_FILE).uri,
         "curves_png": run_dir.join(CURVES_FILE).uri,
         "wall_time_s": time.perf_counter() - started,
@@ -586,11 +549,3 @@ def majority_share(data_dir: StoragePath, split: str) -> float:
     """Accuracy of always answering the most common class: the bar a classifier must beat."""
     labels = read_split(data_dir, split).column("label").to_numpy()
     return float(np.bincount(labels).max() / len(labels))
-
-
-def _uri(run_dir: StoragePath, path: str, *inner: str) -> str:
-    """A checkpoint's HF folder as a path or URI users can pass back (scheme kept for object stores)."""
-    joined = "/".join([path.rstrip("/"), *inner])
-    if run_dir.is_local:
-        return joined
-    return f"{run_dir.uri.split('://', 1)[0]}://{joined}"

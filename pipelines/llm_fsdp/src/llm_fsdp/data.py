@@ -26,7 +26,7 @@ import pyarrow as pa
 import pyarrow.json
 import pyarrow.parquet as pq
 
-from raytrain_common.pretokenize import PackStats, read_pack_stats
+from raytrain_common.packing import PackStats, read_pack_stats
 from raytrain_common.storage import StoragePath, resolve_storage, staged_folder
 from raytrain_common.text import UTF8, decode_text
 
@@ -393,7 +393,8 @@ def prepare(
     import ray.data
     from transformers import AutoTokenizer
 
-    from raytrain_common.pretokenize import pack_blocks, pretokenize
+    from raytrain_common.packing import pack_blocks
+    from raytrain_common.pretokenize import pretokenize
     from raytrain_common.ray_start import init_ray
 
     if seq_len < 8:

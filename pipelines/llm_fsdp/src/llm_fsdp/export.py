@@ -14,9 +14,9 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
+from llm_fsdp.checkpoint import STATE_FILE
 from llm_fsdp.data import DataError
 from llm_fsdp.model import ModelSpec, build_model
-from llm_fsdp.train import STATE_FILE
 from raytrain_common.checkpoint import verify_checkpoint
 from raytrain_common.metrics import SUMMARY_FILE
 from raytrain_common.storage import resolve_storage

@@ -8,13 +8,10 @@ sharded checkpoints, the per-worker loop, then the driver that checks everything
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
-import tempfile
 import time
 import uuid
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -22,12 +19,10 @@ import ray.train
 import ray.train.torch
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from ray.train import Checkpoint, CheckpointUploadMode
 from ray.train.torch import TorchTrainer
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from llm_fsdp import __version__
+from llm_fsdp.checkpoint import load_checkpoint, read_train_state, save_checkpoint
 from llm_fsdp.config import TrainConfig
 from llm_fsdp.data import DataError, DatasetInfo, inspect_dataset, read_blocks
 from llm_fsdp.loss import NextTokenLoss
@@ -41,12 +36,9 @@ from llm_fsdp.model import (
 )
 from llm_fsdp.parallelize import parallelize
 from raytrain_common.checkpoint import (
-    UploadFn,
     best_complete_checkpoint,
-    raise_storage_error_of,
     resume_checkpoint,
     upload_with_retries,
-    write_manifest,
 )
 from raytrain_common.configs import (
     ConfigError,
@@ -65,12 +57,12 @@ from raytrain_common.metrics import (
     write_summary,
 )
 from raytrain_common.ray_start import start_ray_for_run
-from raytrain_common.storage import StoragePath, check_writable, resolve_storage
+from raytrain_common.runs import fit, locate_run, summary_header
+from raytrain_common.storage import StoragePath, resolve_storage
 
 log = logging.getLogger("llm_fsdp")
 
 SCORE = "val_loss"
-STATE_FILE = "train_state.json"  # step, data position, history: beside the DCP shards
 METRICS_FILE = "metrics.csv"
 CURVES_FILE = "curves.png"
 
@@ -239,52 +231,6 @@ def evaluate(
         model.train()
         loss = (totals[0] / totals[1]).item()
         return {"val_loss": loss, "val_perplexity": math.exp(min(loss, 50))}
-
-
-# ---------------------------------------------------------------------------------------------
-# Sharded checkpoints (DCP): every rank writes its shards, every rank reports, Ray merges them
-# ---------------------------------------------------------------------------------------------
-
-
-def save_checkpoint(
-    model: NextTokenLoss,
-    optimizer: torch.optim.Optimizer,
-    state: dict[str, Any],
-    metrics: dict[str, float],
-    async_upload: bool = False,
-    upload: UploadFn | None = None,
-) -> None:
-    # The LM's state alone, so the keys are a plain Hugging Face model's (export loads them).
-    model_state, optimizer_state = get_state_dict(model.lm, optimizer)
-    folder = tempfile.mkdtemp(prefix="llm-fsdp-ckpt-")
-    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=folder)
-    if dist.get_rank() == 0:
-        (Path(folder) / STATE_FILE).write_text(json.dumps(state))
-    # Each rank describes its own shards, last: a shard cut off is found before a resume.
-    write_manifest(folder, rank=dist.get_rank(), world_size=dist.get_world_size())
-    # Ray deletes the local folder once it is in storage: at once (sync), or after the background
-    # upload (async), which is why the folder is not a context-managed temporary one.
-    mode = CheckpointUploadMode.ASYNC if async_upload else CheckpointUploadMode.SYNC
-    ray.train.report(
-        metrics,
-        checkpoint=Checkpoint.from_directory(folder),
-        checkpoint_upload_mode=mode,
-        delete_local_checkpoint_after_upload=True,
-        checkpoint_upload_fn=upload,
-    )
-
-
-def load_checkpoint(
-    model: NextTokenLoss, optimizer: torch.optim.Optimizer, folder: str
-) -> dict[str, Any]:
-    """Load shards into the current sharding (DCP reshards for another worker count)."""
-    model_state, optimizer_state = get_state_dict(model.lm, optimizer)
-    loaded = {"model": model_state, "optimizer": optimizer_state}
-    dcp.load(loaded, checkpoint_id=folder)
-    set_state_dict(
-        model.lm, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optimizer"]
-    )
-    return json.loads((Path(folder) / STATE_FILE).read_text())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -489,10 +435,7 @@ def dataset_info(config: TrainConfig) -> DatasetInfo:
 def run(config: TrainConfig) -> dict[str, Any]:
     """Check everything that can be checked, train, then write metrics, curves and summary.json."""
     started = time.perf_counter()
-    config.validate()
-    storage = resolve_storage(config.storage_path)
-    check_writable(storage)
-    data_dir = resolve_storage(config.resolved_data_dir())
+    storage, data_dir = locate_run(config)
     spec = resolve_model(config.model, storage.path if storage.is_local else "")
     info = dataset_info(config)
     check_model_fits_data(spec, info)
@@ -522,19 +465,8 @@ def run(config: TrainConfig) -> dict[str, Any]:
         "training %s (FSDP2) on %d blocks of %d tokens, %d worker(s), %d steps; run folder %s",
         spec.name, info.blocks("train"), info.seq_len, config.num_workers, config.max_steps, storage.join(config.run_name),
     )  # fmt: skip
-    try:
-        result = trainer.fit()
-    except ray.train.TrainingFailedError as error:
-        raise_storage_error_of(
-            error, config.storage_path
-        )  # a storage outage gets its one line; anything else as is
-        raise
+    result = fit(trainer, config.storage_path)
     return write_run_outputs(storage.join(config.run_name), result, config, info, spec, started)
-
-
-def read_train_state(checkpoint: Checkpoint) -> dict[str, Any]:
-    with checkpoint.as_directory() as folder:
-        return json.loads((Path(folder) / STATE_FILE).read_text())
 
 
 def write_run_outputs(
@@ -564,10 +496,7 @@ def write_run_outputs(
     # The first window holds the compilation and warm-up: the steady figures leave it out.
     steady = windows[1:] or windows
     summary = {
-        "pipeline": "llm_fsdp",
-        "pipeline_version": __version__,
-        "run_name": config.run_name,
-        "run_dir": run_dir.uri,
+        **summary_header("llm_fsdp", __version__, config.run_name, run_dir),
         "model": spec.name,
         "steps_done": state["step"],
         **FaultLog(**state.get("faults", {})).summary(),
@@ -582,8 +511,8 @@ def write_run_outputs(
         ),
         "compute_dtype": state.get("compute_dtype"),
         "checkpoint_stall_s": _median_of(history, "checkpoint_stall_s"),
-        "best_checkpoint": _uri(run_dir, best.path) if best else None,
-        "latest_checkpoint": _uri(run_dir, result.checkpoint.path),
+        "best_checkpoint": run_dir.uri_for(best.path) if best else None,
+        "latest_checkpoint": run_dir.uri_for(result.checkpoint.path),
         "metrics_csv": run_dir.join(METRICS_FILE).uri,
         "curves_png": run_dir.join(CURVES_FILE).uri,
         "wall_time_s": time.perf_counter() - started,
@@ -598,9 +527,3 @@ def write_run_outputs(
 def _median_of(rows: list[dict[str, float]], key: str) -> float | None:
     values = [row[key] for row in rows if key in row]
     return float(np.median(values)) if values else None
-
-
-def _uri(run_dir: StoragePath, path: str) -> str:
-    if run_dir.is_local:
-        return path
-    return f"{run_dir.uri.split('://', 1)[0]}://{path}"

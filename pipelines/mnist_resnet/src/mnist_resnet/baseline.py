@@ -10,13 +10,13 @@ import logging
 import time
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F  # noqa: N812
 
 from mnist_resnet.config import TrainConfig
-from mnist_resnet.data import DatasetInfo, as_nchw, inspect_dataset, normalise, read_split_arrays
+from mnist_resnet.data import as_nchw, inspect_dataset, normalise, read_split_arrays
 from mnist_resnet.model import build_model
+from mnist_resnet.predict import evaluate_arrays
 from mnist_resnet.train import (
     THROUGHPUT_SKIP_STEPS,
     autocast,
@@ -90,31 +90,3 @@ def run_baseline(config: TrainConfig) -> dict[str, Any]:
         history.append(row)
         log.info("epoch %d  test accuracy %.4f  %.0f img/s", epoch, accuracy, rate)
     return {"history": history, "threads": torch.get_num_threads(), "device": str(device)}
-
-
-@torch.no_grad()
-def predict_labels(
-    model: torch.nn.Module,
-    images: np.ndarray,
-    info: DatasetInfo,
-    device: torch.device,
-    batch_size: int = 1000,
-) -> np.ndarray:
-    """Predicted class of each uint8 image (N, H, W) or (N, H, W, 3) held in memory."""
-    model.eval()
-    predicted = []
-    for start in range(0, len(images), batch_size):
-        batch = as_nchw(images[start : start + batch_size])
-        predicted.append(model(normalise(batch, info.mean, info.std).to(device)).argmax(1).cpu())
-    return torch.cat(predicted).numpy()
-
-
-def evaluate_arrays(
-    model: torch.nn.Module,
-    images: np.ndarray,
-    labels: np.ndarray,
-    info: DatasetInfo,
-    device: torch.device,
-) -> float:
-    """Accuracy of `model` on uint8 images (N, H, W) held in memory."""
-    return float((predict_labels(model, images, info, device) == labels).mean())

@@ -11,13 +11,40 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from mnist_resnet.baseline import predict_labels
 from mnist_resnet.data import DataError, DatasetInfo, as_nchw, normalise, read_split_arrays
 from mnist_resnet.images import IMAGE_SUFFIXES, load_image
 from mnist_resnet.model import build_model
 from raytrain_common.checkpoint import load_model_weights, load_remote_state
 from raytrain_common.metrics import SUMMARY_FILE
 from raytrain_common.storage import StoragePath, resolve_storage
+
+
+@torch.no_grad()
+def predict_labels(
+    model: torch.nn.Module,
+    images: np.ndarray,
+    info: DatasetInfo,
+    device: torch.device,
+    batch_size: int = 1000,
+) -> np.ndarray:
+    """Predicted class of each uint8 image (N, H, W) or (N, H, W, 3) held in memory."""
+    model.eval()
+    predicted = []
+    for start in range(0, len(images), batch_size):
+        batch = as_nchw(images[start : start + batch_size])
+        predicted.append(model(normalise(batch, info.mean, info.std).to(device)).argmax(1).cpu())
+    return torch.cat(predicted).numpy()
+
+
+def evaluate_arrays(
+    model: torch.nn.Module,
+    images: np.ndarray,
+    labels: np.ndarray,
+    info: DatasetInfo,
+    device: torch.device,
+) -> float:
+    """Accuracy of `model` on uint8 images (N, H, W) held in memory."""
+    return float((predict_labels(model, images, info, device) == labels).mean())
 
 
 def load_best_model(

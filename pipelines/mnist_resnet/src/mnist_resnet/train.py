@@ -36,7 +36,6 @@ from raytrain_common.checkpoint import (
     latest_state,
     load_model_weights,
     load_state,
-    raise_storage_error_of,
     report_checkpoint,
     unwrap,
     upload_with_retries,
@@ -59,9 +58,9 @@ from raytrain_common.metrics import (
     write_summary,
 )
 from raytrain_common.ray_start import start_ray_for_run
+from raytrain_common.runs import fit, locate_run, summary_header
 from raytrain_common.storage import (
     StoragePath,
-    check_writable,
     resolve_storage,
 )
 
@@ -513,10 +512,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
 def run(config: TrainConfig) -> dict[str, Any]:
     """Check everything that can be checked, train, then write curves and summary.json."""
     started = time.perf_counter()
-    config.validate()
-    storage = resolve_storage(config.storage_path)
-    check_writable(storage)
-    data_dir = resolve_storage(config.resolved_data_dir())
+    storage, data_dir = locate_run(config)
     info = inspect_dataset(data_dir)
     train_rows = min(info.train_rows, config.limit_train_rows or info.train_rows)
     workers = config.num_workers
@@ -571,13 +567,7 @@ def run(config: TrainConfig) -> dict[str, Any]:
         config.epochs,
         storage.join(config.run_name),
     )
-    try:
-        result = trainer.fit()
-    except ray.train.TrainingFailedError as error:
-        raise_storage_error_of(
-            error, config.storage_path
-        )  # a storage outage gets its one line; anything else as is
-        raise
+    result = fit(trainer, config.storage_path)
     return write_run_outputs(storage.join(config.run_name), result, config, info, started)
 
 
@@ -601,7 +591,10 @@ def write_run_outputs(
         **FaultLog(**state.get("faults", {})).summary(),
     }
     if not history:  # stopped (--stop-at-step) before the first epoch ended
-        summary = {"pipeline": "mnist_resnet", "run_name": config.run_name, **progress}
+        summary = {
+            **summary_header("mnist_resnet", __version__, config.run_name, run_dir),
+            **progress,
+        }
         summary |= {"epochs_done": 0, "best": None, "latest_checkpoint": result.checkpoint.path}
         write_summary(run_dir.join(SUMMARY_FILE), summary)
         return summary
@@ -619,16 +612,13 @@ def write_run_outputs(
     )
     best_row = max(history, key=lambda row: row[SCORE])
     summary = {
-        "pipeline": "mnist_resnet",
-        "pipeline_version": __version__,
-        "run_name": config.run_name,
-        "run_dir": run_dir.uri,
+        **summary_header("mnist_resnet", __version__, config.run_name, run_dir),
         "epochs_done": len(history),
         **progress,
         "final": history[-1],
         "best": best_row,
-        "best_checkpoint": _uri(run_dir, best.path) if best else None,
-        "latest_checkpoint": _uri(run_dir, result.checkpoint.path),
+        "best_checkpoint": run_dir.uri_for(best.path) if best else None,
+        "latest_checkpoint": run_dir.uri_for(result.checkpoint.path),
         "metrics_csv": run_dir.join(METRICS_FILE).uri,
         "curves_png": run_dir.join(CURVES_FILE).uri,
         "train_time_s": sum(row["epoch_train_s"] + row["epoch_eval_s"] for row in history),
@@ -643,10 +633,3 @@ def write_run_outputs(
     }
     write_summary(run_dir.join(SUMMARY_FILE), summary)
     return summary
-
-
-def _uri(run_dir: StoragePath, path: str) -> str:
-    """A checkpoint's path as a URI users can pass back (scheme kept for object stores)."""
-    if run_dir.is_local:
-        return path
-    return f"{run_dir.uri.split('://', 1)[0]}://{path}"

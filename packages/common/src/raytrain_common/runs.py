@@ -1,0 +1,54 @@
+"""The first and last lines of every pipeline's `run()`: where the run lives, `fit` with storage
+outages named as such, and the header every `summary.json` starts with. The training itself stays
+in the pipelines."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import ray.train
+from ray.train import Result
+from ray.train.torch import TorchTrainer
+
+from raytrain_common.checkpoint import raise_storage_error_of
+from raytrain_common.storage import StoragePath, check_writable, resolve_storage
+
+
+class RunConfig(Protocol):
+    storage_path: str
+    run_name: str
+
+    def validate(self) -> None: ...
+
+    def resolved_data_dir(self) -> str: ...
+
+
+def locate_run(config: RunConfig) -> tuple[StoragePath, StoragePath]:
+    """The run's storage (checked writable before anything starts) and its data folder, once the
+    config's values are known to be sane."""
+    config.validate()
+    storage = resolve_storage(config.storage_path)
+    check_writable(storage)
+    return storage, resolve_storage(config.resolved_data_dir())
+
+
+def fit(trainer: TorchTrainer, storage_path: str) -> Result:
+    """`trainer.fit()`; a run that failed because its storage went away ends in one line naming the
+    storage and the fix (StorageError), any other failure as Ray raised it."""
+    try:
+        return trainer.fit()
+    except ray.train.TrainingFailedError as error:
+        raise_storage_error_of(error, storage_path)
+        raise
+
+
+def summary_header(
+    pipeline: str, version: str, run_name: str, run_dir: StoragePath
+) -> dict[str, Any]:
+    """The keys every summary.json starts with, so runs of different pipelines read alike."""
+    return {
+        "pipeline": pipeline,
+        "pipeline_version": version,
+        "run_name": run_name,
+        "run_dir": run_dir.uri,
+    }

@@ -1,0 +1,50 @@
+"""This pipeline's nox sessions. The repository's noxfile loads every pipelines/*/sessions.py, so a
+copied pipeline brings its sessions with it (`nox -s new_pipeline` renames them)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import nox
+
+from nox_stack import require_gpus, run_in_stack, run_location, stack_python
+
+PACKAGE = "hf_finetune"
+SESSION = "hf_finetune"  # also names `<SESSION>_gpu`
+BENCH_SESSION = "bench_tokenize"
+EXAMPLES = Path(__file__).parent / "examples" / "sentences.txt"
+
+
+@nox.session(name=SESSION, venv_backend="none")
+def cpu(session: nox.Session) -> None:
+    """MiniLM-L6 fine-tuned on VADER sentiment, 2 CPU workers, offline: ≥ 0.80 test accuracy.
+
+    Extra arguments go to `train`, e.g. `nox -s hf_finetune -- --epochs 1`.
+    """
+    python = stack_python(session)
+    run_in_stack(session, python, "-m", PACKAGE, "prepare")
+    run_in_stack(session, python, "-m", PACKAGE, "train", "--preset", "cpu", *session.posargs)
+    passed = run_location(session.posargs)
+    run_in_stack(session, python, "-m", PACKAGE, "evaluate", *passed)
+    run_in_stack(session, python, "-m", PACKAGE, "predict", *passed, str(EXAMPLES))
+
+
+@nox.session(name=f"{SESSION}_gpu", venv_backend="none")
+def gpu(session: nox.Session) -> None:
+    """MiniLM-L6 on VADER on every visible GPU (one worker each), bf16."""
+    gpus = require_gpus(session, cpu_session=SESSION, manifest=f"{PACKAGE}.yaml")
+    python = stack_python(session)
+    run_name = ["--run-name", f"{PACKAGE}_gpu"]
+    run_in_stack(session, python, "-m", PACKAGE, "prepare")
+    run_in_stack(
+        session, python, "-m", PACKAGE, "train", "--preset", "gpu", "--num-workers", str(gpus),
+        *run_name, *session.posargs,
+    )  # fmt: skip
+    run_in_stack(session, python, "-m", PACKAGE, "evaluate", *run_name)
+
+
+@nox.session(name=BENCH_SESSION, venv_backend="none")
+def bench(session: nox.Session) -> None:
+    """Pre-tokenisation rows/s: Ray Data ÷ `datasets.map(batched=True)`, same rows, same cores."""
+    python = stack_python(session)
+    run_in_stack(session, python, "-m", f"{PACKAGE}.bench_tokenize", *session.posargs)

