@@ -250,14 +250,10 @@ def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.
     return torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused)
 
 
-def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
-    config = TrainConfig(**loop_config["config"])
-    info = DatasetInfo(**loop_config["dataset"])
-    spec = ModelSpec(**loop_config["model"])
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = ray.train.torch.get_device()
-    micro = per_worker_batch_size(config.global_batch_size, world, config.grad_accum_steps)
-
+def build_sharded_model(
+    spec: ModelSpec, info: DatasetInfo, config: TrainConfig, device: torch.device, world: int
+) -> tuple[NextTokenLoss, torch.optim.Optimizer, int]:
+    """The LM with its loss, sharded with FSDP2 (parallelize.py), its optimizer, and its size."""
     torch.manual_seed(config.seed)  # the same initial weights on every rank before sharding
     lm = build_model(spec, vocab_size=info.vocab_size, seq_len=info.seq_len, eos_id=info.eos_id)
     parameters = parameter_count(lm)
@@ -270,51 +266,135 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         activation_checkpointing=config.activation_checkpointing,
         compile=config.compile,
     )
-    optimizer = build_optimizer(model, config)
+    return model, build_optimizer(model, config), parameters
+
+
+def resume_or_start(
+    model: NextTokenLoss,
+    optimizer: torch.optim.Optimizer,
+    run_dir: StoragePath,
+    driver_id: str,
+    last_step: int,
+) -> tuple[dict[str, Any], FaultLog]:
+    """The newest complete checkpoint's state loaded into the model (resharded to this worker
+    count), or a fresh start; either way the restart, if this is one, recorded with its cause."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    checkpoint = resume_checkpoint(run_dir)
+    if checkpoint is None:
+        faults = FaultLog()
+        if read_progress(run_dir) is not None:  # lost before its first checkpoint: starts over
+            faults.record_restart(0, run_dir, driver_id, None, world)
+        return {"step": 0, "history": []}, faults
+    with checkpoint.as_directory() as folder:
+        state = load_checkpoint(model, optimizer, folder)
+    faults = FaultLog(**state.get("faults", {}))
+    if state["step"] < last_step:
+        faults.record_restart(state["step"], run_dir, driver_id, checkpoint.path, world)
+    if rank == 0:
+        log.info(
+            "resumed at step %d (written by %d worker(s)) on %d worker(s)",
+            state["step"],
+            state["world_size"],
+            world,
+        )
+    return state, faults
+
+
+def window_row(
+    step: int,
+    window_steps: int,
+    window_loss: torch.Tensor,
+    grad_norm: torch.Tensor,
+    seconds: float,
+    context: dict[str, Any],
+) -> dict[str, float]:
+    """One metrics row for the steps since the last one: loss, lr, throughput, MFU, memory.
+    The only host syncs of the loop: the reduced loss and the norm, once per window."""
+    config: TrainConfig = context["config"]
+    seq_len, world = context["seq_len"], context["world"]
+    tokens = context["tokens_per_rank_step"] * window_steps
+    tokens_per_s = window_steps * config.global_batch_size * seq_len / seconds
+    row = {
+        "step": step,
+        "train_loss": mean_window_loss(window_loss, tokens, step),
+        "lr": learning_rate(step - 1, config),
+        "grad_norm": float(grad_norm),
+        "tokens_per_s": tokens_per_s,
+        "workers": world,  # changes when an elastic run shrinks or grows
+    }
+    if context["peak_flops"] is not None:
+        row["mfu"] = tokens_per_s * context["flops_per_token"] / (context["peak_flops"] * world)
+    if context["device"].type == "cuda":
+        row["peak_memory_gb"] = peak_memory_gb(context["device"])
+    if dist.get_rank() == 0:
+        log.info(
+            "step %d/%d  loss %.4f  lr %.2e  %.0f tokens/s%s%s",
+            step,
+            config.max_steps,
+            row["train_loss"],
+            row["lr"],
+            tokens_per_s,
+            f"  MFU {row['mfu']:.1%}" if "mfu" in row else "",
+            f"  peak {row['peak_memory_gb']:.1f} GiB" if "peak_memory_gb" in row else "",
+        )
+    return row
+
+
+def validate(
+    model: NextTokenLoss,
+    val_blocks: np.ndarray,
+    micro: int,
+    config: TrainConfig,
+    device: torch.device,
+    step: int,
+) -> dict[str, float]:
+    losses = evaluate(model, val_blocks, micro, config, device)
+    if dist.get_rank() == 0:
+        log.info(
+            "step %d  val loss %.4f  perplexity %.1f%s",
+            step,
+            losses["val_loss"],
+            losses["val_perplexity"],
+            f"  (compute in {model.compute_dtype})" if step == 0 else "",
+        )
+    return losses
+
+
+def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
+    config = TrainConfig(**loop_config["config"])
+    info = DatasetInfo(**loop_config["dataset"])
+    spec = ModelSpec(**loop_config["model"])
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = ray.train.torch.get_device()
+    micro = per_worker_batch_size(config.global_batch_size, world, config.grad_accum_steps)
+    model, optimizer, parameters = build_sharded_model(spec, info, config, device, world)
 
     data_dir = resolve_storage(config.resolved_data_dir())
     train_blocks = stage_blocks(read_blocks(data_dir, "train"), device)
     val_blocks = read_blocks(data_dir, "validation")
-    state: dict[str, Any] = {"step": 0, "history": []}
     run_dir = resolve_storage(config.storage_path).join(config.run_name)
     driver_id: str = loop_config["driver_id"]
     last_step = min(config.max_steps, config.stop_at_step or config.max_steps)
-    checkpoint = resume_checkpoint(run_dir)
-    faults = FaultLog()
-    if checkpoint is not None:
-        with checkpoint.as_directory() as folder:
-            state = load_checkpoint(model, optimizer, folder)
-        faults = FaultLog(**state.get("faults", {}))
-        if state["step"] < last_step:
-            faults.record_restart(state["step"], run_dir, driver_id, checkpoint.path, world)
-        if rank == 0:
-            log.info(
-                "resumed at step %d (written by %d worker(s)) on %d worker(s)",
-                state["step"],
-                state["world_size"],
-                world,
-            )
-    elif read_progress(run_dir) is not None:  # lost before its first checkpoint: starts over
-        faults.record_restart(0, run_dir, driver_id, None, world)
+    state, faults = resume_or_start(model, optimizer, run_dir, driver_id, last_step)
     history: list[dict[str, float]] = state["history"]
     step = state["step"]
-    peak = peak_bf16_flops(device)
-    per_token = flops_per_token(
-        parameters, lm.config.num_hidden_layers, lm.config.hidden_size, info.seq_len
-    )
     latest_val: dict[str, float] = next((r for r in reversed(history) if "val_loss" in r), {})
     if step == 0:
-        latest_val = evaluate(model, val_blocks, micro, config, device)
+        latest_val = validate(model, val_blocks, micro, config, device, step)
         history.append({"step": 0, **latest_val})
-        if rank == 0:
-            log.info(
-                "step 0  val loss %.4f  perplexity %.1f  (compute in %s)",
-                latest_val["val_loss"],
-                latest_val["val_perplexity"],
-                model.compute_dtype,
-            )
 
-    tokens_per_rank_step = micro * config.grad_accum_steps * info.seq_len
+    lm_config = model.lm.config
+    context = {
+        "config": config,
+        "seq_len": info.seq_len,
+        "world": world,
+        "device": device,
+        "tokens_per_rank_step": micro * config.grad_accum_steps * info.seq_len,
+        "peak_flops": peak_bf16_flops(device),
+        "flops_per_token": flops_per_token(
+            parameters, lm_config.num_hidden_layers, lm_config.hidden_size, info.seq_len
+        ),
+    }
     window_started, window_steps = time.perf_counter(), 0
     window_loss = torch.zeros((), device=device)
     while step < last_step:
@@ -334,46 +414,14 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         window_loss += loss_sum
         row: dict[str, float] | None = None
         if step % config.log_every_steps == 0 or step == last_step:
-            # The only host syncs of the loop: the reduced loss and the norm, once per window.
-            train_loss = mean_window_loss(window_loss, tokens_per_rank_step * window_steps, step)
-            elapsed = time.perf_counter() - window_started
-            tokens_per_s = window_steps * config.global_batch_size * info.seq_len / elapsed
-            row = {
-                "step": step,
-                "train_loss": train_loss,
-                "lr": learning_rate(step - 1, config),
-                "grad_norm": float(grad_norm),
-                "tokens_per_s": tokens_per_s,
-                "workers": world,  # changes when an elastic run shrinks or grows
-            }
-            if peak is not None:
-                row["mfu"] = tokens_per_s * per_token / (peak * world)
-            if device.type == "cuda":
-                row["peak_memory_gb"] = peak_memory_gb(device)
-            if rank == 0:
-                log.info(
-                    "step %d/%d  loss %.4f  lr %.2e  %.0f tokens/s%s%s",
-                    step,
-                    config.max_steps,
-                    row["train_loss"],
-                    row["lr"],
-                    tokens_per_s,
-                    f"  MFU {row['mfu']:.1%}" if "mfu" in row else "",
-                    f"  peak {row['peak_memory_gb']:.1f} GiB" if "peak_memory_gb" in row else "",
-                )
+            seconds = time.perf_counter() - window_started
+            row = window_row(step, window_steps, window_loss, grad_norm, seconds, context)
             window_started, window_steps = time.perf_counter(), 0
             window_loss.zero_()
         paused = time.perf_counter()  # evaluation and checkpoints are left out of tokens/s
         if step % config.eval_every_steps == 0 or step == last_step:
-            latest_val = evaluate(model, val_blocks, micro, config, device)
+            latest_val = validate(model, val_blocks, micro, config, device, step)
             row = {**(row or {"step": step}), **latest_val}
-            if rank == 0:
-                log.info(
-                    "step %d  val loss %.4f  perplexity %.1f",
-                    step,
-                    latest_val["val_loss"],
-                    latest_val["val_perplexity"],
-                )
         if row is not None:
             history.append(row)
         every = config.preemption_check_steps  # a barrier: every rank asks at the same steps

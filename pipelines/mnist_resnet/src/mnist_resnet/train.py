@@ -195,16 +195,9 @@ def train_one_epoch(
     for micro_step, batch in enumerate(batches):
         if micro_step < start.step * accum or step >= steps:
             continue  # already trained before the resume / drained so every rank ends together
-        images, labels = batch["image"], batch["label"]
+        labels = batch["label"]
         is_last_micro = (micro_step + 1) % accum == 0
-        # Between micro-batches, gradients stay local; DDP all-reduces once per optimiser step.
-        no_sync = getattr(model, "no_sync", None)
-        sync = contextlib.nullcontext() if is_last_micro or no_sync is None else no_sync()
-        with sync:
-            with autocast(device, config.bf16):
-                logits = model(images)
-                loss = F.cross_entropy(logits, labels)
-            (loss / accum).backward()
+        logits, loss = forward_backward(model, batch, config, device, sync=is_last_micro)
         compute_dtype = logits.dtype  # bf16 when autocast is really in effect
         loss_sum += loss.detach() * len(labels)
         interval_loss += loss.detach()
@@ -213,11 +206,7 @@ def train_one_epoch(
         seen += len(labels)
         if not is_last_micro:
             continue
-        if config.grad_clip_norm is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
+        optimizer_step(model, optimizer, scheduler, config)
         step += 1
         if step - start.step == THROUGHPUT_SKIP_STEPS:
             steady_start = time.perf_counter()
@@ -249,13 +238,6 @@ def train_one_epoch(
             f"rank {rank}: epoch {epoch} ended after {step} of {steps} steps: the data shard was "
             "shorter than expected"
         )
-    final = position()
-    train_loss = final.loss_sum / final.seen
-    if not math.isfinite(train_loss):  # every rank sees the same reduced value and stops alike
-        raise FloatingPointError(
-            f"rank {rank}: mean training loss of epoch {epoch} is {train_loss}; lower --lr, "
-            "or set --grad-clip-norm"
-        )
     trained = steps - start.step
     if trained > THROUGHPUT_SKIP_STEPS:
         images_per_s = (
@@ -265,6 +247,53 @@ def train_one_epoch(
         )
     else:
         images_per_s = config.global_batch_size * trained / (time.perf_counter() - started)
+    row = epoch_row(position(), images_per_s, device, epoch)
+    return row, str(compute_dtype).removeprefix("torch.")
+
+
+def forward_backward(
+    model: nn.Module,
+    batch: dict[str, torch.Tensor],
+    config: TrainConfig,
+    device: torch.device,
+    *,
+    sync: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One micro-batch's logits and loss, its gradient accumulated (scaled by the accumulation)."""
+    # Between micro-batches, gradients stay local; DDP all-reduces once per optimiser step.
+    no_sync = getattr(model, "no_sync", None)
+    context = contextlib.nullcontext() if sync or no_sync is None else no_sync()
+    with context:
+        with autocast(device, config.bf16):
+            logits = model(batch["image"])
+            loss = F.cross_entropy(logits, batch["label"])
+        (loss / config.grad_accum_steps).backward()
+    return logits, loss
+
+
+def optimizer_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    config: TrainConfig,
+) -> None:
+    if config.grad_clip_norm is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    scheduler.step()
+
+
+def epoch_row(
+    final: EpochPosition, images_per_s: float, device: torch.device, epoch: int
+) -> dict[str, float]:
+    """The epoch's training metrics from the sums over every rank (the same on each)."""
+    train_loss = final.loss_sum / final.seen
+    if not math.isfinite(train_loss):  # every rank sees the same reduced value and stops alike
+        raise FloatingPointError(
+            f"rank {dist.get_rank() if dist.is_initialized() else 0}: mean training loss of epoch "
+            f"{epoch} is {train_loss}; lower --lr, or set --grad-clip-norm"
+        )
     row = {
         "train_loss": train_loss,
         "train_accuracy": final.correct / final.seen,
@@ -273,7 +302,7 @@ def train_one_epoch(
     }
     if device.type == "cuda":
         row["peak_memory_gb"] = peak_memory_gb(device)
-    return row, str(compute_dtype).removeprefix("torch.")
+    return row
 
 
 @torch.no_grad()
@@ -307,6 +336,78 @@ class StopAtStepReached(Exception):  # noqa: N818 (a signal, not an error)
     """`--stop-at-step` reached: the checkpoint is written, every rank leaves the loop together."""
 
 
+def test_metrics(
+    model: nn.Module,
+    test_shard: ray.data.DataIterator,
+    collate: ImageBatchCollate,
+    device: torch.device,
+    bf16: bool,
+) -> dict[str, float]:
+    """Test loss and accuracy over this worker's shard, reduced over every worker, and the time."""
+    started = time.perf_counter()
+    batches = device_batches(test_shard, batch_size=512, collate_fn=collate, drop_last=False)
+    return {**evaluate(model, batches, device, bf16), "epoch_eval_s": time.perf_counter() - started}
+
+
+def restore_progress(
+    state: dict[str, Any] | None,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    run_dir: StoragePath,
+    driver_id: str,
+    steps: int,
+    epochs: int,
+) -> tuple[list[dict[str, float]], list[dict[str, float]], int, EpochPosition | None, FaultLog]:
+    """The optimiser, schedule, metrics and data position of the checkpoint being resumed (the
+    model's weights are loaded before DDP wraps it), and the restart recorded with its cause; or a
+    fresh start. Returns (history, step_log, epochs_done, position in the epoch, fault log)."""
+    context = ray.train.get_context()
+    rank, world = context.get_world_rank(), context.get_world_size()
+    history: list[dict[str, float]] = []
+    step_log: list[dict[str, float]] = []
+    epochs_done = 0
+    position: EpochPosition | None = None
+    faults = FaultLog()
+    if state is not None:
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        history, step_log, epochs_done = state["history"], state["step_log"], state["epochs_done"]
+        position = EpochPosition(**state["position"]) if state.get("position") else None
+        faults = FaultLog(**state.get("faults", {}))
+        if state.get("world_size", world) != world and position is not None and rank == 0:
+            # An elastic resize mid-epoch. Steps per epoch, the global batch and the schedule do
+            # not depend on the worker count (the batch splits evenly over every allowed count),
+            # so the run goes on at the same step; but the split of the epoch's rows over workers
+            # does, so the rest of this epoch is drawn from the new split: the right number of
+            # rows, not exactly the rows the old split had left. Later epochs are exact again.
+            log.warning(
+                "resuming epoch %d at step %d on %d worker(s); it was written by %d: the rest of "
+                "this epoch comes from the new split of its rows",
+                epochs_done + 1,
+                position.step,
+                world,
+                state["world_size"],
+            )
+        finished = epochs_done >= epochs
+        if not finished:
+            faults.record_restart(
+                state["global_step"], run_dir, driver_id, state.get("resumed_from"), world
+            )
+        if rank == 0 and finished:
+            log.info("the run already has its %d epochs: nothing to train", epochs_done)
+        elif rank == 0:
+            log.info(
+                "resuming at epoch %d step %d of %d (%s)",
+                epochs_done + 1,
+                position.step if position else 0,
+                steps,
+                faults.restarts[-1]["cause"],
+            )
+    elif read_progress(run_dir) is not None:  # lost before its first checkpoint: starts over
+        faults.record_restart(0, run_dir, driver_id, None, world)
+    return history, step_log, epochs_done, position, faults
+
+
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     """Runs on every worker: build, restore if the run has a checkpoint, train, evaluate, report."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -337,48 +438,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, warmup_cosine(steps * config.epochs, config.warmup_fraction)
     )
-    history: list[dict[str, float]] = []
-    step_log: list[dict[str, float]] = []
-    epochs_done = 0
-    position: EpochPosition | None = None
-    faults = FaultLog()
-    if state is not None:
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        history, step_log, epochs_done = state["history"], state["step_log"], state["epochs_done"]
-        position = EpochPosition(**state["position"]) if state.get("position") else None
-        faults = FaultLog(**state.get("faults", {}))
-        if state.get("world_size", world) != world and position is not None and rank == 0:
-            # An elastic resize mid-epoch. Steps per epoch, the global batch and the schedule do
-            # not depend on the worker count (the batch splits evenly over every allowed count),
-            # so the run goes on at the same step; but the split of the epoch's rows over workers
-            # does, so the rest of this epoch is drawn from the new split: the right number of
-            # rows, not exactly the rows the old split had left. Later epochs are exact again.
-            log.warning(
-                "resuming epoch %d at step %d on %d worker(s); it was written by %d: the rest of "
-                "this epoch comes from the new split of its rows",
-                epochs_done + 1,
-                position.step,
-                world,
-                state["world_size"],
-            )
-        finished = epochs_done >= config.epochs
-        if not finished:
-            faults.record_restart(
-                state["global_step"], run_dir, driver_id, state.get("resumed_from"), world
-            )
-        if rank == 0 and finished:
-            log.info("the run already has its %d epochs: nothing to train", epochs_done)
-        elif rank == 0:
-            log.info(
-                "resuming at epoch %d step %d of %d (%s)",
-                epochs_done + 1,
-                position.step if position else 0,
-                steps,
-                faults.restarts[-1]["cause"],
-            )
-    elif read_progress(run_dir) is not None:  # lost before its first checkpoint: starts over
-        faults.record_restart(0, run_dir, driver_id, None, world)
+    history, step_log, epochs_done, position, faults = restore_progress(
+        state, optimizer, scheduler, run_dir, driver_id, steps, config.epochs
+    )
 
     def checkpoint_state(epochs: int, at: EpochPosition | None, dtype: str | None) -> dict:
         return {
@@ -471,15 +533,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             return
         position = None
         row |= trained
-        eval_started = time.perf_counter()
-        test_batches = device_batches(
-            test_shard, batch_size=512, collate_fn=collate, drop_last=False
-        )
-        row |= evaluate(model, test_batches, device, config.bf16)
-        row |= {
-            "epoch_eval_s": time.perf_counter() - eval_started,
-            "lr": scheduler.get_last_lr()[0],
-        }
+        row |= test_metrics(model, test_shard, collate, device, config.bf16)
+        row["lr"] = scheduler.get_last_lr()[0]
         history.append(row)
         if rank == 0:
             log.info(
