@@ -62,27 +62,6 @@ def test_two_workers_learn_and_the_best_checkpoint_predicts(
     assert (run_dir / "predictions.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_rerun_with_the_same_name_continues_the_run(
-    small_config: Callable[..., Any], ray_cluster: None, mnist_dir: StoragePath, tmp_path: Path
-) -> None:
-    run(small_config(tmp_path, mnist_dir, run_name="resume", epochs=1))
-    first = read_metrics_csv(resolve_storage(tmp_path / "resume" / "metrics.csv"))
-    assert [row["epoch"] for row in first] == [1]
-
-    summary = run(small_config(tmp_path, mnist_dir, run_name="resume", epochs=2))
-    rows = read_metrics_csv(resolve_storage(tmp_path / "resume" / "metrics.csv"))
-    assert [row["epoch"] for row in rows] == [1, 2]
-    assert rows[0] == first[0]  # epoch 1 was not trained again: its measured times are the same
-    assert summary["epochs_done"] == 2
-    assert len([p for p in (tmp_path / "resume").glob("checkpoint_*") if p.is_dir()]) == 2
-
-    again = run(
-        small_config(tmp_path, mnist_dir, run_name="resume", epochs=2)
-    )  # nothing left to do
-    assert read_metrics_csv(resolve_storage(tmp_path / "resume" / "metrics.csv")) == rows
-    assert again["best_checkpoint"] == summary["best_checkpoint"]
-
-
 def test_another_idx_dataset_trains_with_no_code_change(
     small_config: Callable[..., Any],
     write_idx: Callable[..., Any],
@@ -257,15 +236,22 @@ def test_a_killed_worker_is_replaced_and_the_run_goes_on_from_its_checkpoint(
 def test_a_run_stopped_mid_epoch_resumes_with_exactly_the_batches_it_had_not_seen(
     small_config: Callable[..., Any], ray_cluster: None, mnist_dir: StoragePath, tmp_path: Path
 ) -> None:
-    """Stopped at step 21 of 32 (epoch 2 of 2, mid-epoch) and rerun: every step's loss matches an
-    uninterrupted run's, so no batch was repeated or skipped and the optimiser, schedule and
+    """Stopped at step 21 of 32 (epoch 2 of 2, mid-epoch) and rerun with the same name: epoch 1 is
+    not trained again, every step's loss matches an uninterrupted run's, so no batch was repeated or skipped and the optimiser, schedule and
     BatchNorm statistics came back exactly. Tolerance 1e-5 relative: the same arithmetic on the
     same batches; only the order of floating-point reductions in gloo could differ."""
     common = {"epochs": 2, "limit_train_rows": 2048, "log_every_steps": 1}
     whole = run(small_config(tmp_path, mnist_dir, run_name="whole", **common))
     stopped = run(small_config(tmp_path, mnist_dir, run_name="cut", stop_at_step=21, **common))
     assert stopped["global_step"] == 21 and stopped["stopped_mid_epoch"]
+    metrics_csv = resolve_storage(tmp_path / "cut" / "metrics.csv")
+    first = read_metrics_csv(metrics_csv)
+    assert [row["epoch"] for row in first] == [1]
     resumed = run(small_config(tmp_path, mnist_dir, run_name="cut", **common))
+    rows = read_metrics_csv(metrics_csv)
+    assert [row["epoch"] for row in rows] == [1, 2]
+    assert rows[0] == first[0]  # epoch 1 was not trained again: its measured times are the same
+    assert len([p for p in (tmp_path / "cut").glob("checkpoint_*") if p.is_dir()]) == 2  # kept
 
     def step_losses(run_name: str) -> list[float]:
         _, state = load_best_model(resolve_storage(tmp_path / run_name), which="latest")
@@ -288,6 +274,10 @@ def test_a_run_stopped_mid_epoch_resumes_with_exactly_the_batches_it_had_not_see
             "world_size": 2,
         }
     ]
+    # A rerun of a finished run has nothing left to do: it trains nothing and changes nothing.
+    again = run(small_config(tmp_path, mnist_dir, run_name="cut", **common))
+    assert read_metrics_csv(metrics_csv) == rows
+    assert again["best_checkpoint"] == resumed["best_checkpoint"]
 
 
 def test_a_torn_checkpoint_is_never_loaded(
