@@ -3,6 +3,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -49,3 +50,25 @@ def vader_dir(
     data_dir = resolve_storage(root / "data")
     prepare(PrepareOptions(vader_sdist=str(vader_sdist)), data_dir, minilm, root / "download")
     return data_dir
+
+
+def write_reviews_csv(path: Path, rows: int = 90, encoding: str = "utf-8") -> Path:
+    """A user's CSV, as spreadsheets export them: three classes, its own column names, accented
+    words, quoted fields spanning two lines; in `encoding` (utf-8-sig: with a byte-order mark)."""
+    texts = {
+        "bad": "the food was cold and the waiter rude, no crème brûlée",
+        "okay": "an average meal at an average price\nin a café",
+        "great": "wonderful dinner, we will come back for the jalapeño",
+    }
+    lines = ["review_id,comment,rating"]
+    for index in range(rows):
+        rating = list(texts)[index % 3]
+        lines.append(f'{index},"{texts[rating]} (visit {index})",{rating}')
+    path.write_bytes(("\n".join(lines) + "\n").encode(encoding))
+    return path
+
+
+@pytest.fixture
+def write_reviews() -> Callable[..., Path]:
+    """Tests take helpers as fixtures: they never import one another (pytest's importlib mode)."""
+    return write_reviews_csv

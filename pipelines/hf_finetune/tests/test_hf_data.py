@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -83,25 +84,9 @@ def test_vader_tokens_round_trip_and_stats(vader_dir: StoragePath, minilm: str) 
     assert 10 < stats["length_p50"] < stats["length_p99"] <= stats["length_max"]
 
 
-def write_reviews(path: Path, rows: int = 90, encoding: str = "utf-8") -> Path:
-    """A user's CSV, as spreadsheets export them: three classes, its own column names, accented
-    words, quoted fields spanning two lines; in `encoding` (utf-8-sig: with a byte-order mark)."""
-    texts = {
-        "bad": "the food was cold and the waiter rude, no crème brûlée",
-        "okay": "an average meal at an average price\nin a café",
-        "great": "wonderful dinner, we will come back for the jalapeño",
-    }
-    lines = ["review_id,comment,rating"]
-    for index in range(rows):
-        rating = list(texts)[index % 3]
-        lines.append(f'{index},"{texts[rating]} (visit {index})",{rating}')
-    path.write_bytes(("\n".join(lines) + "\n").encode(encoding))
-    return path
-
-
 @pytest.mark.ray
 def test_a_users_csv_with_three_classes_and_truncation(
-    ray_cluster: None, tmp_path: Path, minilm: str
+    ray_cluster: None, tmp_path: Path, minilm: str, write_reviews: Callable[..., Path]
 ) -> None:
     from transformers import AutoTokenizer
 
@@ -206,6 +191,8 @@ def test_cli_reports_bad_input_in_one_line(
         ["prepare", "--dataset", str(tmp_path / "none.csv"), "--storage-path", str(tmp_path)]
     )
     assert status == 2
-    err = capsys.readouterr().err
-    assert err.startswith("hf-finetune prepare: error: no data files at")
-    assert err.count("\n") == 1
+    # The command's own lines (Ray may still stream an earlier run's worker logs, prefixed).
+    own = [
+        line for line in capsys.readouterr().err.splitlines() if not line.startswith(("\x1b[", "("))
+    ]
+    assert len(own) == 1 and own[0].startswith("hf-finetune prepare: error: no data files at")

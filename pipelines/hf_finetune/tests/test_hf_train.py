@@ -8,6 +8,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -107,11 +108,12 @@ def test_two_workers_learn_survive_a_lost_worker_and_the_checkpoint_predicts(
 
 
 def test_a_users_csv_trains_with_flags_alone(
-    ray_cluster: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    ray_cluster: None,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    write_reviews: Callable[..., Path],
 ) -> None:
     """Three classes and the user's own column names: prepare, train, evaluate, predict by CLI."""
-    from test_hf_data import write_reviews
-
     csv = write_reviews(tmp_path / "reviews.csv", rows=240, encoding="latin-1")
     storage = ["--storage-path", str(tmp_path)]
     columns = ["--text-column", "comment", "--label-column", "rating"]
