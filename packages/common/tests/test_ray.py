@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -86,3 +90,31 @@ def test_rank_zero_saves_every_rank_reports_and_a_rerun_resumes(
     with second.checkpoint.as_directory() as folder:
         state = torch.load(Path(folder) / "state.pt", weights_only=True)
     assert torch.equal(state["weights"], torch.full((2,), 3.0))
+
+
+def test_a_stale_cluster_address_file_does_not_stop_a_local_start() -> None:
+    """Ray records the last `ray start` (or test cluster) in <temp>/ray/ray_current_cluster and,
+    when ray.init gets no address, joins it, even long after that cluster died, and then refuses
+    num_cpus. A run without RAY_ADDRESS must start its own cluster whatever that file says."""
+    temp = Path(tempfile.mkdtemp(prefix="rt-", dir="/tmp"))  # Ray's socket paths are short
+    (temp / "ray").mkdir()
+    (temp / "ray" / "ray_current_cluster").write_text("127.0.0.1:9")  # nothing listens there
+    script = (
+        "import ray\n"
+        "from raytrain_common.ray_start import init_ray\n"
+        "assert init_ray(train_cpus=1) is True\n"
+        "print('CPUS', ray.cluster_resources()['CPU'])\n"
+        "ray.shutdown()\n"
+    )
+    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        env={**env, "RAY_TMPDIR": str(temp)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    shutil.rmtree(temp, ignore_errors=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "CPUS" in done.stdout

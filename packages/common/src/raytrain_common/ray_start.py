@@ -34,7 +34,7 @@ class ResourceError(RuntimeError):
 
 
 def init_ray(train_cpus: float, *, data_cpus: float = DATA_CPUS) -> bool:
-    """Connect to `RAY_ADDRESS` if set, else start a local cluster; return True when it is local.
+    """Join `RAY_ADDRESS` if set, else start a new local cluster; return True when it is local.
 
     A local cluster gets max(cores, train_cpus) + data_cpus logical CPUs: the extra ones are
     scheduling slots for Ray Data, not extra cores, and torch threads in each worker are limited to
@@ -50,7 +50,11 @@ def init_ray(train_cpus: float, *, data_cpus: float = DATA_CPUS) -> bool:
         return False
     cores = os.cpu_count() or 1
     num_cpus = math.ceil(max(cores, train_cpus) + data_cpus)
+    # "local", not None: with None, Ray joins whatever cluster /tmp/ray/ray_current_cluster names
+    # (the last `ray start` or test cluster, even one long dead) and then refuses num_cpus.
+    # A cluster of your own is joined through RAY_ADDRESS (its address, or "auto").
     ray.init(
+        address="local",
         num_cpus=num_cpus,
         runtime_env={"env_vars": dict(RUN_ENV)},
         logging_level=logging.WARNING,
