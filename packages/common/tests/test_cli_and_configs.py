@@ -3,14 +3,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import pytest
 
 from raytrain_common.cli import add_config_options, config_from_args, option
 from raytrain_common.configs import (
     ConfigError,
+    DataLocation,
     RayTrainSettings,
+    RunLocation,
     build_run_config,
     build_scaling_config,
     build_torch_config,
@@ -68,6 +70,47 @@ def test_help_shows_each_presets_default() -> None:
     add_config_options(parser, Example, PRESETS)
     text = parser.format_help()
     assert "--use-gpu" in text and "(default: cpu: False, gpu: True)" in text
+
+
+@dataclass(kw_only=True)
+class PredictExample(RunLocation, DataLocation):
+    """A command without presets: `predict`-like, with an input file as its positional argument."""
+
+    data_folder: ClassVar[str] = "data/images"
+    run_name: str = option("vision", "run to read")
+    input: str = option("-", "file to read", positional=True)
+    count: int = option(40, "how many")
+
+
+def parse_command(*argv: str) -> PredictExample:
+    parser = argparse.ArgumentParser()
+    add_config_options(parser, PredictExample)
+    return config_from_args(parser.parse_args(argv), PredictExample)
+
+
+def test_a_command_without_presets_takes_the_class_defaults_and_a_positional_input() -> None:
+    assert parse_command() == PredictExample()
+    config = parse_command("in.txt", "--count", "3", "--run-name", "r2")
+    assert (config.input, config.count, config.run_name) == ("in.txt", 3, "r2")
+    parser = argparse.ArgumentParser()
+    add_config_options(parser, PredictExample)
+    text = parser.format_help()
+    assert "--preset" not in text
+    assert "path>/data/images" in text  # the class's own data folder, named once
+
+
+def test_every_command_computes_the_data_and_run_folders_alike() -> None:
+    """prepare writes where train reads: both ask `resolved_data_dir()`, and a storage URI's options
+    stay at its end (`posixpath.join` would put the folders after them)."""
+    uri = "s3://bucket/runs?endpoint_override=127.0.0.1:9000&scheme=http"
+    config = PredictExample(storage_path=uri)
+    assert config.resolved_data_dir() == (
+        "s3://bucket/runs/data/images?endpoint_override=127.0.0.1:9000&scheme=http"
+    )
+    assert (
+        config.run_dir() == "s3://bucket/runs/vision?endpoint_override=127.0.0.1:9000&scheme=http"
+    )
+    assert PredictExample(data_dir="/elsewhere").resolved_data_dir() == "/elsewhere"
 
 
 def test_scaling_config_fixed_and_elastic() -> None:

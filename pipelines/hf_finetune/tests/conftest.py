@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from hf_finetune.data import VADER_SDIST, PrepareOptions, prepare
+from hf_finetune.config import PrepareConfig
+from hf_finetune.data import VADER_SDIST, prepare
 from hf_finetune.model import default_model
 from raytrain_common.storage import StoragePath, resolve_storage
 
@@ -48,7 +49,7 @@ def vader_dir(
     """VADER split and pre-tokenised with MiniLM's tokenizer, once per test session."""
     root = tmp_path_factory.mktemp("vader")
     data_dir = resolve_storage(root / "data")
-    prepare(PrepareOptions(vader_sdist=str(vader_sdist)), data_dir, minilm, root / "download")
+    prepare(PrepareConfig(vader_sdist=str(vader_sdist)), data_dir, minilm, root / "download")
     return data_dir
 
 

@@ -11,9 +11,9 @@ import pyarrow as pa
 import pytest
 
 from hf_finetune.cli import main
+from hf_finetune.config import PrepareConfig
 from hf_finetune.data import (
     DataError,
-    PrepareOptions,
     inspect_dataset,
     label_ids,
     label_names,
@@ -91,7 +91,7 @@ def test_a_users_csv_with_three_classes_and_truncation(
     from transformers import AutoTokenizer
 
     csv = write_reviews(tmp_path / "reviews.csv", encoding="utf-8-sig")
-    options = PrepareOptions(
+    options = PrepareConfig(
         dataset=str(csv), text_column="comment", label_column="rating", max_length=8
     )
     data_dir = resolve_storage(tmp_path / "data")
@@ -117,7 +117,7 @@ def test_a_users_csv_with_three_classes_and_truncation(
     assert prepare(options, data_dir, minilm, tmp_path / "download") == info
     with pytest.raises(DataError, match="pass --force to rewrite it"):
         prepare(
-            PrepareOptions(dataset=str(csv), text_column="comment", label_column="rating"),
+            PrepareConfig(dataset=str(csv), text_column="comment", label_column="rating"),
             data_dir,
             minilm,
             tmp_path / "download",
@@ -168,7 +168,7 @@ def test_bad_data_is_refused_with_its_reason(
 ) -> None:
     csv = tmp_path / "reviews.csv"
     csv.write_text(content)
-    options = PrepareOptions(dataset=str(csv), text_column=columns[0], label_column=columns[1])
+    options = PrepareConfig(dataset=str(csv), text_column=columns[0], label_column=columns[1])
     with pytest.raises(DataError, match=message):
         prepare(options, resolve_storage(tmp_path / "data"), minilm, tmp_path / "download")
     assert not (tmp_path / "data" / "dataset.json").exists()

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from hf_finetune.data import PrepareOptions, prepare
+from hf_finetune.config import PrepareConfig
+from hf_finetune.data import prepare
 from raytrain_common.metrics import read_metrics_csv
 from raytrain_common.multinode import Driver, multinode_cluster, wait_for
 from raytrain_common.storage import StoragePath, resolve_storage
@@ -52,7 +53,7 @@ def test_a_preempted_node_makes_the_trainer_save_at_once_and_the_run_resumes_the
     run_dir = tmp_path / "preempted"
     with multinode_cluster(head_cpus=3) as cluster:
         data_dir = resolve_storage(tmp_path / "data")
-        prepare(PrepareOptions(vader_sdist=str(vader_sdist)), data_dir, minilm, tmp_path / "dl")
+        prepare(PrepareConfig(vader_sdist=str(vader_sdist)), data_dir, minilm, tmp_path / "dl")
         cluster.add_node(cpus=2)
         driver = Driver(
             train_command(tmp_path, data_dir, "preempted"), cluster.address, tmp_path / "d.log"

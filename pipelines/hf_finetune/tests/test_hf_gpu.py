@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from hf_finetune.config import gpu_preset
-from hf_finetune.data import PrepareOptions, prepare
+from hf_finetune.config import PrepareConfig, gpu_preset
+from hf_finetune.data import prepare
 from hf_finetune.model import ModelError, default_model
 from hf_finetune.train import run
 from raytrain_common.metrics import read_metrics_csv
@@ -31,7 +31,7 @@ def test_gpu_preset_learns_in_bf16_and_resumes(
     except ModelError as error:
         pytest.skip(str(error))
     data_dir = resolve_storage(tmp_path / "data")
-    prepare(PrepareOptions(vader_sdist=str(vader_sdist)), data_dir, minilm, tmp_path / "download")
+    prepare(PrepareConfig(vader_sdist=str(vader_sdist)), data_dir, minilm, tmp_path / "download")
     config = dataclasses.replace(
         gpu_preset(),
         storage_path=str(tmp_path),

@@ -17,55 +17,85 @@ from typing import Any, Literal, TypeVar
 Config = TypeVar("Config")
 
 
-def option(default: Any, help: str) -> Any:
-    """A dataclass field with a default and the help text its command-line flag shows."""
-    return dataclasses.field(default=default, metadata={"help": help})
+def option(default: Any, help: str, *, positional: bool = False) -> Any:
+    """A dataclass field with a default and the help text its command-line flag shows.
+
+    `positional=True` makes it an optional positional argument instead of a flag (an input file).
+    `{name}` in the help is replaced by the config class's attribute `name` (e.g. `{data_folder}`).
+    """
+    return dataclasses.field(default=default, metadata={"help": help, "positional": positional})
 
 
 def add_config_options(
     parser: argparse.ArgumentParser,
     config_class: type[Config],
-    presets: Mapping[str, Config],
+    presets: Mapping[str, Config] | None = None,
 ) -> None:
-    """Add `--preset` and one flag per field of `config_class`; defaults come from the first preset.
+    """Add one flag per field of `config_class`, and `--preset` when there are presets; defaults come
+    from the first preset, or from the class itself.
 
     Flags default to "not given" so that `config_from_args` can tell a flag the user typed from a
     preset's value.
     """
-    preset_names = list(presets)
-    base = presets[preset_names[0]]
-    parser.add_argument(
-        "--preset",
-        choices=preset_names,
-        default=preset_names[0],
-        help=f"named defaults that the flags below override (default: {preset_names[0]})",
-    )
+    if presets:
+        preset_names = list(presets)
+        base = presets[preset_names[0]]
+        parser.add_argument(
+            "--preset",
+            choices=preset_names,
+            default=preset_names[0],
+            help=f"named defaults that the flags below override (default: {preset_names[0]})",
+        )
+    else:
+        base = config_class()
+        presets = {"": base}
     hints = typing.get_type_hints(config_class)
     for field in dataclasses.fields(config_class):  # type: ignore[arg-type]
         if not field.init:
             continue
-        flag = "--" + field.name.replace("_", "-")
         default = getattr(base, field.name)
         shown = {name: getattr(preset, field.name) for name, preset in presets.items()}
         if len({repr(value) for value in shown.values()}) > 1:
             default_text = ", ".join(f"{name}: {value}" for name, value in shown.items())
         else:
             default_text = str(default)
-        help_text = f"{field.metadata.get('help', '')} (default: {default_text})".strip()
+        described = field.metadata.get("help", "").format_map(_ClassAttributes(config_class))
+        help_text = f"{described} (default: {default_text})".strip()
         kwargs = _argparse_kwargs(hints[field.name], field.name)
-        parser.add_argument(
-            flag, dest=field.name, default=argparse.SUPPRESS, help=help_text, **kwargs
-        )
+        if field.metadata.get("positional"):
+            kwargs["metavar"] = field.name.upper()
+            parser.add_argument(
+                field.name, nargs="?", default=argparse.SUPPRESS, help=help_text, **kwargs
+            )
+        else:
+            flag = "--" + field.name.replace("_", "-")
+            parser.add_argument(
+                flag, dest=field.name, default=argparse.SUPPRESS, help=help_text, **kwargs
+            )
 
 
 def config_from_args(
-    namespace: argparse.Namespace, config_class: type[Config], presets: Mapping[str, Config]
+    namespace: argparse.Namespace,
+    config_class: type[Config],
+    presets: Mapping[str, Config] | None = None,
 ) -> Config:
-    """The chosen preset with every flag the user gave applied on top."""
-    preset = presets[namespace.preset]
+    """The chosen preset (or the class's defaults) with every flag the user gave applied on top."""
     names = {field.name for field in dataclasses.fields(config_class)}  # type: ignore[arg-type]
     given = {name: value for name, value in vars(namespace).items() if name in names}
-    return dataclasses.replace(preset, **given)  # type: ignore[type-var]
+    if not presets:
+        return config_class(**given)
+    return dataclasses.replace(presets[namespace.preset], **given)  # type: ignore[type-var]
+
+
+class _ClassAttributes(dict[str, str]):
+    """`str.format_map` source: a config class's attributes, e.g. its `data_folder`."""
+
+    def __init__(self, config_class: type) -> None:
+        super().__init__()
+        self.config_class = config_class
+
+    def __missing__(self, key: str) -> str:
+        return str(getattr(self.config_class, key))
 
 
 def _argparse_kwargs(hint: Any, name: str) -> dict[str, Any]:

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig
 
 from raytrain_common.cli import option
+from raytrain_common.storage import join_uri
 
 PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 
@@ -23,17 +24,52 @@ class ConfigError(ValueError):
 
 
 @dataclass(kw_only=True)
-class RayTrainSettings:
-    """Cluster, storage and fault-tolerance options shared by every pipeline."""
+class StorageLocation:
+    """Where every file of a pipeline lives; each command's config starts from one of these."""
+
+    storage_path: str = option(
+        "./runs",
+        "Local folder, NFS mount, s3://bucket/prefix or gs://bucket/prefix shared by every node.",
+    )
+
+
+@dataclass(kw_only=True)
+class DataLocation(StorageLocation):
+    """A prepared dataset: `data_dir`, or the pipeline's data folder under the storage path.
+
+    `prepare` writes where `train` reads because both ask `resolved_data_dir()`.
+    """
+
+    data_folder: ClassVar[str] = "data"
+    data_dir: str | None = option(
+        None, "Prepared dataset folder (none: <storage-path>/{data_folder})."
+    )
+
+    def default_data_folder(self) -> str:
+        """The folder under the storage path; a config may pick it by its other options."""
+        return self.data_folder
+
+    def resolved_data_dir(self) -> str:
+        return self.data_dir or join_uri(self.storage_path, self.default_data_folder())
+
+
+@dataclass(kw_only=True)
+class RunLocation(StorageLocation):
+    """One run's folder under the storage path: its checkpoints, metrics and summary."""
 
     run_name: str = option(
         "run",
         "Folder of this run under the storage path; rerunning with the same name continues the run.",
     )
-    storage_path: str = option(
-        "./runs",
-        "Local folder, NFS mount, s3://bucket/prefix or gs://bucket/prefix shared by every node.",
-    )
+
+    def run_dir(self) -> str:
+        return join_uri(self.storage_path, self.run_name)
+
+
+@dataclass(kw_only=True)
+class RayTrainSettings(RunLocation):
+    """Cluster, storage and fault-tolerance options shared by every pipeline."""
+
     storage_is_shared: bool = option(
         False,
         "Treat a local-looking storage path as shared by every node (a mount type not recognised).",

@@ -1,32 +1,79 @@
-"""The one typed config of a fine-tuning run, with its CPU and GPU presets.
+"""The typed configs of every command, and the fine-tuning run's CPU and GPU presets.
 
-Every field is a command-line flag (`hf-finetune train --help`); a preset sets the defaults.
+Every field is a command-line flag (`hf-finetune train --help`); a preset sets train's defaults.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import ClassVar
 
 from raytrain_common.cli import option
 from raytrain_common.configs import (
     ConfigError,
+    DataLocation,
     RayTrainSettings,
+    RunLocation,
     check_batch_splits_for_every_worker_count,
 )
-from raytrain_common.storage import join_uri
+from raytrain_common.text import UTF8
 
 DEFAULT_DATA_FOLDER = "data/text_classification"
+RUN_NAME = "hf_finetune"
+VADER_SOURCE = "vader"
 
 
 @dataclass(kw_only=True)
-class TrainConfig(RayTrainSettings):
-    run_name: str = option(
-        "hf_finetune", "Run folder under the storage path; rerun to continue it."
+class PrepareConfig(DataLocation):
+    data_folder: ClassVar[str] = DEFAULT_DATA_FOLDER
+    dataset: str = option(
+        VADER_SOURCE,
+        f"{VADER_SOURCE} (offline: 23,703 human-rated sentences, binary sentiment), CSV / TSV / "
+        "JSONL / Parquet files or folders (comma-separated; local, s3://, gs://), or a Hugging "
+        "Face hub dataset name.",
     )
-    data_dir: str | None = option(
-        None, f"Prepared dataset (default: <storage-path>/{DEFAULT_DATA_FOLDER})."
+    dataset_config: str | None = option(None, "Hub dataset configuration name.")
+    encoding: str = option(
+        UTF8,
+        "Of CSV / TSV / JSONL files: utf-8 (a byte-order mark is fine), cp1252, latin-1, utf-16, ….",
     )
+    text_column: str = option("text", "Column holding the sentences.")
+    label_column: str = option("label", "Column holding the class labels.")
+    stratify_column: str | None = option(
+        None, "Column whose mix every split keeps (none: source for vader, else the label)."
+    )
+    validation_fraction: float = option(0.1, "Share of rows held out for validation.")
+    test_fraction: float = option(0.1, "Share of rows held out for the test split.")
+    max_length: int = option(128, "Tokens kept per sentence.")
+    seed: int = option(0, "Seed of the split.")
+    model: str | None = option(
+        None, "Hub id or local folder whose tokenizer to use (none: the offline MiniLM-L6)."
+    )
+    vader_sdist: str | None = option(None, "A downloaded vaderSentiment-3.3.2.tar.gz to read.")
+    force: bool = option(False, "Rewrite a dataset prepared before.")
+
+
+@dataclass(kw_only=True)
+class EvaluateConfig(RunLocation):
+    run_name: str = option(RUN_NAME, "Run whose best checkpoint is used.")
+    checkpoint: str | None = option(
+        None, "A Hugging Face model folder (none: the run's best checkpoint)."
+    )
+
+
+@dataclass(kw_only=True)
+class PredictConfig(EvaluateConfig):
+    input: str = option(
+        "-", "File with one sentence per line ('-': standard input).", positional=True
+    )
+    encoding: str = option(UTF8, "Of the input file.")
+
+
+@dataclass(kw_only=True)
+class TrainConfig(RayTrainSettings, DataLocation):
+    data_folder: ClassVar[str] = DEFAULT_DATA_FOLDER
+    run_name: str = option(RUN_NAME, "Run folder under the storage path; rerun to continue it.")
     model: str | None = option(
         None,
         "Hub id or local Hugging Face folder (default: the model the data was tokenised for).",
@@ -63,9 +110,6 @@ class TrainConfig(RayTrainSettings):
         None, "Evaluate, checkpoint and stop after this optimiser step (a rerun continues)."
     )
     seed: int = option(0, "Seed of the head's init and the data order.")
-
-    def resolved_data_dir(self) -> str:
-        return self.data_dir or join_uri(self.storage_path, DEFAULT_DATA_FOLDER)
 
     def validate(self) -> None:
         """Raise on values that cannot work, naming the value and the fix, before anything starts."""

@@ -27,6 +27,7 @@ import pyarrow.csv
 import pyarrow.json
 import pyarrow.parquet as pq
 
+from hf_finetune.config import VADER_SOURCE, PrepareConfig
 from raytrain_common.pretokenize import TokenStats, read_stats
 from raytrain_common.storage import StoragePath, resolve_storage, staged_folder
 from raytrain_common.text import UTF8, decode_text
@@ -35,7 +36,6 @@ log = logging.getLogger(__name__)
 
 DATASET_FILE = "dataset.json"
 SPLITS = ("train", "validation", "test")
-VADER_SOURCE = "vader"
 VADER_SDIST = "vadersentiment==3.3.2"
 VADER_FILES = {  # file in the sdist's inner archive → source name
     "tweets_GroundTruth.txt": "tweets",
@@ -378,22 +378,7 @@ def read_split(data_dir: StoragePath, split: str, limit: int | None = None) -> p
 # ---------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class PrepareOptions:
-    dataset: str = VADER_SOURCE
-    dataset_config: str | None = None
-    text_column: str = "text"
-    label_column: str = "label"
-    stratify_column: str | None = None  # default: VADER's source, else the label
-    validation_fraction: float = 0.1
-    test_fraction: float = 0.1
-    max_length: int = 128
-    seed: int = 0
-    vader_sdist: str | None = None
-    encoding: str = UTF8  # of CSV / TSV / JSONL files
-
-
-def load_source(options: PrepareOptions, download_dir: Path) -> tuple[dict[str, pa.Table], str]:
+def load_source(options: PrepareConfig, download_dir: Path) -> tuple[dict[str, pa.Table], str]:
     """The raw tables (one, or the hub's named splits) and a description of where they came from."""
     if options.dataset == VADER_SOURCE:
         sdist = Path(options.vader_sdist) if options.vader_sdist else download_vader(download_dir)
@@ -408,7 +393,7 @@ def load_source(options: PrepareOptions, download_dir: Path) -> tuple[dict[str, 
     return read_hub(options.dataset, options.dataset_config), options.dataset
 
 
-def assign_splits(raw: dict[str, pa.Table], options: PrepareOptions) -> dict[str, pa.Table]:
+def assign_splits(raw: dict[str, pa.Table], options: PrepareConfig) -> dict[str, pa.Table]:
     """Use a source's own train/validation/test splits; carve any missing one out of its train rows.
 
     Carving is stratified by the `stratum` column, so each split keeps the source's mix.
@@ -448,7 +433,7 @@ def assign_splits(raw: dict[str, pa.Table], options: PrepareOptions) -> dict[str
 
 
 def normalise(
-    raw: dict[str, pa.Table], options: PrepareOptions, stratify: str, where: str
+    raw: dict[str, pa.Table], options: PrepareConfig, stratify: str, where: str
 ) -> tuple[dict[str, pa.Table], list[str]]:
     """Every raw table as columns text, label (class id) and stratum; and the class names."""
     checked = {
@@ -473,7 +458,7 @@ def normalise(
 
 
 def prepare(
-    options: PrepareOptions,
+    options: PrepareConfig,
     data_dir: StoragePath,
     model: str,
     download_dir: Path,
@@ -566,5 +551,5 @@ def prepare(
     return info
 
 
-def _source_prefix(options: PrepareOptions) -> str:
+def _source_prefix(options: PrepareConfig) -> str:
     return "VADER" if options.dataset == VADER_SOURCE else options.dataset

