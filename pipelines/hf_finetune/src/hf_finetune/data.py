@@ -310,9 +310,9 @@ def split_indices(
         taken += quota
     for group, start in zip(groups, taken, strict=True):
         parts["train"].append(group[start:])
-    split = {name: rng.permutation(np.concatenate(chunks)) for name, chunks in parts.items()}
-    assert sum(len(v) for v in split.values()) == rows
-    return split
+    splits = {name: rng.permutation(np.concatenate(chunks)) for name, chunks in parts.items()}
+    assert sum(len(v) for v in splits.values()) == rows
+    return splits
 
 
 def tokenizer_fingerprint(tokenizer_path: str) -> str:

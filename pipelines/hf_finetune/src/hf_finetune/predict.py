@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -35,7 +36,7 @@ def predict_lines(
 
 
 def _classify(
-    model, tokenizer, sentences: list[str], max_length: int
+    model: Any, tokenizer: Any, sentences: list[str], max_length: int
 ) -> Iterator[tuple[str, float, str]]:
     ids = tokenizer(sentences, truncation=True, max_length=max_length)["input_ids"]
     probabilities = predict_ids(model, tokenizer, ids)

@@ -16,6 +16,7 @@ import posixpath
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,8 @@ from transformers import (
     EvalPrediction,
     Trainer,
     TrainerCallback,
+    TrainerControl,
+    TrainerState,
     TrainingArguments,
 )
 from transformers.trainer_callback import PrinterCallback
@@ -90,7 +93,7 @@ RECORD_FILE = "run_record.json"  # compute dtype and faults, beside the Trainer'
 # ---------------------------------------------------------------------------------------------
 
 
-def make_compute_metrics(num_labels: int):
+def make_compute_metrics(num_labels: int) -> Callable[[EvalPrediction], dict[str, float]]:
     def compute_metrics(prediction: EvalPrediction) -> dict[str, float]:
         logits = (
             prediction.predictions[0]
@@ -170,7 +173,7 @@ class LengthGroupedTrainer(Trainer):
         self.epoch_sampler: EpochSeededLengthGroupedSampler | None = None
         self.add_callback(SamplerEpoch(self))
 
-    def _get_train_sampler(self, train_dataset=None):
+    def _get_train_sampler(self, train_dataset: Any = None) -> Any:
         dataset = train_dataset if train_dataset is not None else self.train_dataset
         if self.args.train_sampling_strategy == "group_by_length" and isinstance(
             dataset, TokenizedSplit
@@ -197,7 +200,9 @@ class SamplerEpoch(TrainerCallback):
     def __init__(self, trainer: LengthGroupedTrainer) -> None:
         self.trainer = trainer
 
-    def on_epoch_begin(self, args, state, control, **kwargs):
+    def on_epoch_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         if self.trainer.epoch_sampler is not None:
             # A resumed run starts inside an epoch (state.epoch 1.25: epoch index 1).
             self.trainer.epoch_sampler.set_epoch(math.floor((state.epoch or 0.0) + 1e-9))
@@ -210,7 +215,14 @@ class ProgressLog(TrainerCallback):
         self.global_batch_size = global_batch_size
         self.last = (time.perf_counter(), 0)
 
-    def on_log(self, args, state, control, logs=None, **kwargs):
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: dict[str, float] | None = None,
+        **kwargs: Any,
+    ) -> None:
         if not state.is_world_process_zero or not logs:
             return
         now = time.perf_counter()
@@ -252,15 +264,25 @@ class FaultTolerance(TrainerCallback):
         self.config, self.run_dir, self.driver_id, self.faults = config, run_dir, driver_id, faults
         self.dtype: str | None = None
 
-    def on_train_begin(self, args, state, control, model=None, **kwargs):
+    def on_train_begin(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        model: torch.nn.Module | None = None,
+        **kwargs: Any,
+    ) -> None:
         def record(module: torch.nn.Module, inputs: Any, output: Any) -> None:
             logits = getattr(output, "logits", None)
             if logits is not None:
                 self.dtype = str(logits.dtype).removeprefix("torch.")
 
-        model.register_forward_hook(record)
+        if model is not None:
+            model.register_forward_hook(record)
 
-    def on_step_end(self, args, state, control, **kwargs):
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> TrainerControl:
         step, every = state.global_step, self.config.preemption_check_steps
         # A barrier: the Trainer ends steps in lockstep on every rank, so all ranks ask alike.
         preempted = every > 0 and step % every == 0 and self.faults.check_preemption(step)
@@ -272,7 +294,9 @@ class FaultTolerance(TrainerCallback):
             write_progress(self.run_dir, step, self.driver_id, args.world_size, self.faults.attempt)
         return control
 
-    def on_save(self, args, state, control, **kwargs):
+    def on_save(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         if state.is_world_process_zero:
             folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
             record = {"compute_dtype": self.dtype, "faults": dataclasses.asdict(self.faults)}
@@ -283,7 +307,14 @@ class FaultTolerance(TrainerCallback):
 class NonFiniteLossGuard(TrainerCallback):
     """Stops the run at the first NaN/inf logged loss, naming the step, instead of training on garbage."""
 
-    def on_log(self, args, state, control, logs=None, **kwargs):
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: dict[str, float] | None = None,
+        **kwargs: Any,
+    ) -> None:
         loss = (logs or {}).get("loss")
         if loss is not None and not math.isfinite(loss):
             rank = ray.train.get_context().get_world_rank()

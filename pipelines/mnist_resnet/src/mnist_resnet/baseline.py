@@ -85,8 +85,8 @@ def run_baseline(config: TrainConfig) -> dict[str, Any]:
             "train_images_per_s": rate,
             "epoch_train_s": elapsed,
         }
-        if device.type == "cuda":
-            row["peak_memory_gb"] = peak_memory_gb(device)
+        if (memory := peak_memory_gb(device)) is not None:  # on a GPU
+            row["peak_memory_gb"] = memory
         history.append(row)
         log.info("epoch %d  test accuracy %.4f  %.0f img/s", epoch, accuracy, rate)
     return {"history": history, "threads": torch.get_num_threads(), "device": str(device)}

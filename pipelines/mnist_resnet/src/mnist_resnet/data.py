@@ -10,6 +10,7 @@ Layout of a prepared dataset folder:
 
 from __future__ import annotations
 
+import functools
 import gzip
 import importlib.util
 import io
@@ -304,7 +305,7 @@ def write_split(folder: StoragePath, split: Split) -> None:
     for index, start in enumerate(range(0, table.num_rows, ROWS_PER_FILE)):
         part = table.slice(start, ROWS_PER_FILE)
         target = folder.join(f"part-{index:03d}.parquet")
-        write_atomic(target, lambda stream, part=part: pq.write_table(part, stream))
+        write_atomic(target, functools.partial(pq.write_table, part))
 
 
 def prepare(

@@ -116,7 +116,8 @@ def choose_size_and_channels(paths: list[str], seed: int) -> tuple[int, int, dic
     from PIL import Image
 
     sample = paths if len(paths) <= SIZE_SAMPLE else random.Random(seed).sample(paths, SIZE_SAMPLE)
-    sides, modes = [], Counter()
+    sides: list[int] = []
+    modes: Counter[str] = Counter()
     for path in sample:
         try:
             with Image.open(path) as image:

@@ -190,7 +190,8 @@ def train_one_epoch(
         if dist.is_initialized():
             dist.all_reduce(totals)
         elapsed = start.train_s + time.perf_counter() - started
-        return EpochPosition(step, *(float(value) for value in totals.tolist()), elapsed)
+        loss_total, correct_total, seen_total = (float(value) for value in totals.tolist())
+        return EpochPosition(step, loss_total, correct_total, seen_total, elapsed)
 
     for micro_step, batch in enumerate(batches):
         if micro_step < start.step * accum or step >= steps:
@@ -300,8 +301,8 @@ def epoch_row(
         "train_images_per_s": images_per_s,
         "epoch_train_s": final.train_s,
     }
-    if device.type == "cuda":
-        row["peak_memory_gb"] = peak_memory_gb(device)
+    if (memory := peak_memory_gb(device)) is not None:  # on a GPU
+        row["peak_memory_gb"] = memory
     return row
 
 
