@@ -1,8 +1,7 @@
 """The repository's sessions. `nox -l` lists them all:
 
-- one per pipeline and hardware, and its benchmark, from each pipeline's own `sessions.py`
-  (pipelines/*/sessions.py: `mnist`, `mnist_gpu`, `bench_mnist`, `hf_finetune`, `hf_finetune_gpu`,
-  `bench_tokenize`, `llm_fsdp`, `llm_fsdp_gpu`, `bench_llm`, and those of any pipeline you add);
+- one per pipeline and hardware, and its benchmark, each registered by its pipeline's own
+  `pipelines/*/sessions.py` (a pipeline you add brings its own);
 - `quick` (no Ray cluster), `tests`, `tests_gpu`, `faults`, `manifests` and `lint` (ruff and
   mypy), over every package;
 - `new_pipeline`: copy a pipeline under a new name, here or as a standalone project.
@@ -100,7 +99,7 @@ def faults(session: nox.Session) -> None:
 @nox.session(venv_backend="none")
 def tests_gpu(session: nox.Session) -> None:
     """The `gpu` tests: each pipeline's gpu preset for a few steps, the chunked loss on the GPU."""
-    require_gpus(session, cpu_session="tests", manifest="llm_fsdp.yaml")
+    require_gpus(session, cpu_session="tests", manifest="<pipeline>.yaml")
     python = stack_python(session)
     run_in_stack(session, python, "-m", "pytest", "-m", "gpu", *(session.posargs or ["-q"]))
 
@@ -135,7 +134,7 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def new_pipeline(session: nox.Session) -> None:
-    """Copy a pipeline under a new name: `nox -s new_pipeline -- --from mnist_resnet --name my_vision`
+    """Copy a pipeline under a new name: `nox -s new_pipeline -- --from PIPELINE --name NEW_NAME`
     (in this repo, sessions and manifest included), or add `--out DIR` for a standalone project."""
     session.install(RUFF)  # the copy's imports re-sorted under its new name
     session.run("python", str(ROOT / "tools" / "new_pipeline.py"), *session.posargs)

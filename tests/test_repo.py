@@ -116,6 +116,16 @@ def test_common_never_names_a_pipeline() -> None:
             assert name not in text, f"{source} names the pipeline {name}"
 
 
+def test_the_files_a_standalone_copy_takes_never_name_a_pipeline() -> None:
+    """`new_pipeline --out` copies these as they are into a project holding one pipeline: a name
+    of another pipeline there is a test or session that breaks in the copy (it happened once)."""
+    names = [p.name for p in PIPELINES]
+    for relative in ("noxfile.py", "conftest.py", "tests/test_manifests.py", "deploy/Dockerfile"):
+        text = (ROOT / relative).read_text()
+        for name in names:
+            assert name not in text, f"{relative} names the pipeline {name}"
+
+
 def test_checkpoints_are_never_unpickled_freely() -> None:
     call = "torch" + ".load("  # spelled apart so this file does not match itself
     for source in ROOT.glob("[!.]*/**/*.py"):
