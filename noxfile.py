@@ -4,7 +4,8 @@
   `pipelines/*/sessions.py` (a pipeline you add brings its own);
 - `quick` (no Ray cluster), `tests`, `tests_gpu`, `faults`, `manifests` and `lint` (ruff and
   mypy), over every package;
-- `new_pipeline`: copy a pipeline under a new name, here or as a standalone project.
+- `new_pipeline`: copy a pipeline under a new name, here or as a standalone project;
+- `ui`: MLflow's UI on the local tracking store the runs write.
 
 The pins, the shared environment and the helpers the sessions use are in tools/nox_stack.py.
 """
@@ -119,6 +120,25 @@ def manifests(session: nox.Session) -> None:
         "tests/test_manifests.py",
         *(session.posargs or ["-q"]),
     )
+
+
+@nox.session(venv_backend="none")
+def ui(session: nox.Session) -> None:
+    """MLflow's UI on the runs' local store (`./runs/mlflow.db`), at http://127.0.0.1:5000; Ctrl-C
+    stops it. Extra arguments go to `mlflow ui` (e.g. `-- --port 5001`)."""
+    python = stack_python(session)
+    store = ROOT / "runs" / "mlflow.db"
+    if not store.exists():
+        session.log(f"{store} does not exist yet: it appears with the first run (`nox -s mnist`)")
+    port = "5000"
+    if "--port" in session.posargs:
+        port = session.posargs[session.posargs.index("--port") + 1]
+    session.log(f"MLflow UI at http://127.0.0.1:{port} (runs of {store})")
+    run_in_stack(
+        session, python, "-m", "mlflow", "ui", "--backend-store-uri", f"sqlite:///{store}",
+        "--host", "127.0.0.1", *([] if "--port" in session.posargs else ["--port", port]),
+        *session.posargs,
+    )  # fmt: skip
 
 
 @nox.session

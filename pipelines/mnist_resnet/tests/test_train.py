@@ -27,6 +27,7 @@ from raytrain_common.faults import read_progress
 from raytrain_common.metrics import read_metrics_csv
 from raytrain_common.ray_start import ResourceError
 from raytrain_common.storage import StorageError, StoragePath, resolve_storage
+from raytrain_common.tracking import metric_history
 
 pytestmark = pytest.mark.ray
 
@@ -224,6 +225,7 @@ def test_a_killed_worker_is_replaced_and_the_run_goes_on_from_its_checkpoint(
             limit_train_rows=3072,
             max_failures=2,
             log_every_steps=1,
+            tracking="mlflow",
         )
     )
     killer.join(timeout=10)
@@ -235,6 +237,15 @@ def test_a_killed_worker_is_replaced_and_the_run_goes_on_from_its_checkpoint(
     assert [row["epoch"] for row in rows] == [1, 2, 3]
     assert rows[0] == seen_before_kill["rows"][0]  # epoch 1 came from the checkpoint, not retrained
     assert summary["epochs_done"] == 3
+    # MLflow: the restarted group logs into the same MLflow run; the steps of epoch 2 it redid
+    # are not logged twice, so every step appears once, in order.
+    storage = resolve_storage(tmp_path)
+    tracked = metric_history(storage, "mnist_resnet", storage.join("crash"), "train_loss_interval")
+    assert len(tracked["runs"]) == 1 and tracked["runs"][0].info.status == "FINISHED"
+    steps = [step for step, _ in tracked["steps"]]
+    assert steps == list(range(1, 73))
+    accuracy = metric_history(storage, "mnist_resnet", storage.join("crash"), "test_accuracy")
+    assert [step for step, _ in accuracy["steps"]] == [24, 48, 72]
 
 
 def test_a_run_stopped_mid_epoch_resumes_with_exactly_the_batches_it_had_not_seen(

@@ -7,10 +7,11 @@ model, data, loop and cluster options; the builders below turn it into what `Tor
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, UserCallback
 from ray.train.torch import TorchConfig
 
 from raytrain_common.cli import option
@@ -120,6 +121,25 @@ class RayTrainSettings(RunLocation):
         "auto", "torch.distributed backend; auto means nccl on GPU, gloo on CPU."
     )
     timeout_s: int = option(1800, "torch.distributed collective timeout.")
+    tracking: Literal["mlflow", "none"] = option(
+        "mlflow",
+        "Experiment tracking: mlflow logs params, metrics and artifacts from rank 0; none turns it off.",
+    )
+    tracking_uri: str | None = option(
+        None,
+        "MLflow tracking URI (a server, or sqlite:///…); none: $MLFLOW_TRACKING_URI, else "
+        "sqlite:///<storage-path>/mlflow.db.",
+    )
+    experiment_name: str | None = option(
+        None, "MLflow experiment the run is logged under (none: the pipeline's name)."
+    )
+    parent_run_id: str | None = option(
+        None, "MLflow run to nest this run under (a sweep sets it for each trial)."
+    )
+    verbose: bool = option(
+        False,
+        "Show Ray's own progress bars and internal lines on the console, not only in its logs.",
+    )
 
     def worker_counts(self) -> tuple[int, int]:
         """(fewest, most) workers the run may have."""
@@ -217,9 +237,11 @@ def build_run_config(
     *,
     score_attribute: str | None,
     score_order: Literal["max", "min"] = "max",
+    callbacks: Sequence[UserCallback] = (),
 ) -> RunConfig:
     return RunConfig(
         name=settings.run_name,
+        callbacks=list(callbacks),
         storage_path=settings.storage_path,
         checkpoint_config=CheckpointConfig(
             num_to_keep=settings.num_to_keep,

@@ -14,6 +14,8 @@ from typing import Any
 from raytrain_common.storage import StoragePath
 
 SUMMARY_FILE = "summary.json"
+METRICS_FILE = "metrics.csv"  # every pipeline's table of evaluations, in its run folder
+CURVES_FILE = "curves.png"
 
 
 def write_metrics_csv(target: StoragePath, rows: Sequence[Mapping[str, Any]]) -> None:
@@ -96,3 +98,11 @@ def _format(value: Any) -> Any:
     if isinstance(value, float):
         return f"{value:.6g}"
     return value
+
+
+def eta(remaining_steps: int, seconds_per_step: float) -> str:
+    """ "ETA 4m05s" for a progress line: the steps left at the recent pace (evaluations excluded)."""
+    seconds = max(0, round(remaining_steps * seconds_per_step))
+    hours, rest = divmod(seconds, 3600)
+    minutes, seconds = divmod(rest, 60)
+    return f"ETA {hours}h{minutes:02d}m" if hours else f"ETA {minutes}m{seconds:02d}s"

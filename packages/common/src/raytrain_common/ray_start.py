@@ -70,6 +70,9 @@ def start_ray_for_run(settings: RayTrainSettings, *paths: StoragePath) -> None:
     waiting 5 minutes for autoscaled nodes on a remote cluster), each fail with what to change.
     """
     is_local = init_ray(train_cpus=settings.num_workers * settings.cpus_per_worker)
+    quiet_ray_output(settings.verbose)
+    if not settings.verbose:
+        log.info("Ray's own lines are in %s (--verbose shows them here)", ray_log_folder())
     nodes = alive_nodes()
     for path in paths:
         check_shared_for_cluster(path, nodes, assume_shared=settings.storage_is_shared)
@@ -112,3 +115,40 @@ def require_resources(needed: dict[str, float], *, wait_s: float = 0.0, hint: st
 def _describe(resources: dict[str, float]) -> str:
     shown = [f"{name}={resources.get(name, 0.0):g}" for name in ("CPU", "GPU")]
     return ", ".join(shown) + f" on {alive_nodes()} node(s)"
+
+
+class _RayInternalLines(logging.Filter):
+    """Passes warnings and errors, and every line that is not Ray's own."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or f"{os.sep}ray{os.sep}" not in record.pathname
+
+
+def quiet_ray_output(verbose: bool) -> None:
+    """Keep the console to the run's own lines: Ray Data's progress bars and execution plans, and
+    Ray Train's per-report and per-checkpoint INFO lines, stay in Ray's log files
+    (/tmp/ray/session_latest/logs) unless `verbose`. Call it in the driver and in each worker."""
+    if verbose:
+        return
+    import ray.data
+
+    data = ray.data.DataContext.get_current()  # datasets carry it to Ray Data's own processes
+    data.enable_progress_bars = False
+    data.print_on_execution_start = False
+    data.enable_auto_log_stats = False
+    quiet = _RayInternalLines()
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(quiet)
+    # Ray Train's worker-side loggers (one is named by its file path, so it is found by module).
+    from ray.train.v2._internal.execution import context, storage
+
+    for name in (context.__file__, storage.__name__, "ray.data"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def ray_log_folder() -> str:
+    """This session's log folder on this node, where every Ray process writes its lines."""
+    try:
+        return str(ray._private.worker.global_worker.node.get_logs_dir_path())
+    except Exception:
+        return "/tmp/ray/session_latest/logs"

@@ -10,11 +10,14 @@ import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
+from hf_finetune import __version__
 from hf_finetune.config import (
     PRESETS,
+    SWEEP_PRESETS,
     EvaluateConfig,
     PredictConfig,
     PrepareConfig,
+    SweepConfig,
     TrainConfig,
 )
 from hf_finetune.data import DataError
@@ -58,6 +61,13 @@ def build_parser() -> argparse.ArgumentParser:
         "train", help="fine-tune with Ray Train; rerun with the same --run-name to continue"
     )
     add_config_options(train, TrainConfig, PRESETS)
+
+    sweep = commands.add_parser(
+        "sweep",
+        help="Ray Tune over the learning rate, batch size, warm-up and weight decay, with ASHA; "
+        "rerun the same --sweep-name to resume",
+    )
+    add_config_options(sweep, SweepConfig, SWEEP_PRESETS)
 
     evaluate = commands.add_parser(
         "evaluate",
@@ -116,6 +126,27 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from hf_finetune.train import SCORE, run
+    from raytrain_common.sweep import Objective, print_outcome, run_sweep, train_fields
+
+    config = config_from_args(args, SweepConfig, SWEEP_PRESETS)
+    preset = PRESETS[args.preset]
+    outcome = run_sweep(
+        pipeline="hf_finetune",
+        version=__version__,
+        settings=config,
+        base=train_fields(config, TrainConfig),
+        preset=preset,
+        train=run,
+        objective=Objective(SCORE, "max", time_attr="epoch", max_t=config.epochs),
+        command=f"hf-finetune train --preset {args.preset}",
+        full_run={"limit_train_rows": None, "limit_eval_rows": None, "epochs": preset.epochs},
+    )
+    print_outcome(outcome, SCORE)
+    return 0
+
+
 def cmd_evaluate(args: argparse.Namespace) -> int:
     from hf_finetune.evaluate import evaluate
 
@@ -148,6 +179,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
 COMMANDS = {
     "prepare": cmd_prepare,
     "train": cmd_train,
+    "sweep": cmd_sweep,
     "evaluate": cmd_evaluate,
     "predict": cmd_predict,
 }

@@ -16,7 +16,8 @@ import posixpath
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,7 @@ import pyarrow as pa
 import ray.train
 import torch
 import transformers
-from ray.train import Checkpoint
+from ray.train import Checkpoint, UserCallback
 from ray.train.huggingface.transformers import RayTrainReportCallback, prepare_trainer
 from ray.train.torch import TorchTrainer
 from transformers import (
@@ -67,16 +68,24 @@ from raytrain_common.configs import (
 from raytrain_common.faults import FaultLog, write_progress
 from raytrain_common.metrics import (
     SUMMARY_FILE,
+    eta,
     package_versions,
     plot_curves,
     write_metrics_csv,
     write_summary,
 )
-from raytrain_common.ray_start import start_ray_for_run
+from raytrain_common.ray_start import quiet_ray_output, start_ray_for_run
 from raytrain_common.runs import fit, locate_run, summary_header
 from raytrain_common.storage import (
     StoragePath,
     resolve_storage,
+)
+from raytrain_common.tracking import (
+    MetricSink,
+    failed_on_error,
+    finish_for_summary,
+    open_for_config,
+    tracked_from_loop_config,
 )
 
 log = logging.getLogger("hf_finetune")
@@ -232,10 +241,12 @@ class ProgressLog(TrainerCallback):
             / max(now - self.last[0], 1e-9)
         )
         if "loss" in logs:
+            steps = max(state.global_step - self.last[1], 1)
             log.info(
-                "step %d/%d  epoch %.2f  loss %.4f  lr %.2e  %.1f sentences/s",
+                "step %d/%d  epoch %.2f  loss %.4f  lr %.2e  %.1f sentences/s  %s",
                 state.global_step, state.max_steps, state.epoch or 0.0, logs["loss"],
                 logs.get("learning_rate", float("nan")), rate,
+                eta(state.max_steps - state.global_step, (now - self.last[0]) / steps),
             )  # fmt: skip
         elif "eval_loss" in logs:
             log.info(
@@ -244,6 +255,25 @@ class ProgressLog(TrainerCallback):
                 logs.get("eval_f1", float("nan")),
             )  # fmt: skip
         self.last = (now, state.global_step)
+
+
+class TrackerLog(TrainerCallback):
+    """Every logged value (training loss, learning rate, evaluation metrics) to MLflow with the
+    Trainer's global step, from rank 0 (the sink of other ranks logs nothing)."""
+
+    def __init__(self, sink: MetricSink) -> None:
+        self.sink = sink
+
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: dict[str, float] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if state.is_world_process_zero and logs:
+            self.sink.log({**logs, "epoch": state.epoch or 0.0}, state.global_step)
 
 
 class FaultTolerance(TrainerCallback):
@@ -370,6 +400,7 @@ def training_arguments(config: TrainConfig, output_dir: str, workers: int) -> Tr
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     config = TrainConfig(**loop_config["config"])
+    quiet_ray_output(config.verbose)
     info = DatasetInfo(**loop_config["dataset"])
     data_dir = resolve_storage(config.resolved_data_dir())
     context = ray.train.get_context()
@@ -400,7 +431,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             world = ray.train.get_context().get_world_size()
             faults.record_restart(state["global_step"], run_dir, driver_id, checkpoint.path, world)
 
-    with tempfile.TemporaryDirectory(prefix="hf-finetune-") as output_dir:
+    sink = tracked_from_loop_config(loop_config, context.get_world_rank())
+    with tempfile.TemporaryDirectory(prefix="hf-finetune-") as output_dir, closing(sink):
         trainer = LengthGroupedTrainer(
             model=model,
             args=training_arguments(config, output_dir, workers),
@@ -417,6 +449,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                 RayTrainReportCallback(),
                 NonFiniteLossGuard(),
                 ProgressLog(config.global_batch_size),
+                TrackerLog(sink),
             ],
         )
         trainer.remove_callback(PrinterCallback)  # ProgressLog prints instead of raw dicts
@@ -445,8 +478,11 @@ def check_model_fits_data(model: str, info: DatasetInfo) -> None:
         )
 
 
-def run(config: TrainConfig) -> dict[str, Any]:
-    """Check everything that can be checked, train, then write metrics, curves and summary.json."""
+def run(config: TrainConfig, callbacks: Sequence[UserCallback] = ()) -> dict[str, Any]:
+    """Check everything that can be checked, train, then write metrics, curves and summary.json.
+
+    `callbacks` join the run's (a sweep passes Tune's, which forwards every report to Tune).
+    """
     started = time.perf_counter()
     storage, data_dir = locate_run(config)
     info = inspect_dataset(data_dir)
@@ -463,6 +499,7 @@ def run(config: TrainConfig) -> dict[str, Any]:
     )
 
     start_ray_for_run(config, storage, data_dir)
+    tracked = open_for_config(config, storage, pipeline="hf_finetune", version=__version__)
 
     trainer = TorchTrainer(
         train_loop_per_worker,
@@ -471,17 +508,24 @@ def run(config: TrainConfig) -> dict[str, Any]:
             "dataset": dataclasses.asdict(info),
             "model": model,
             "driver_id": uuid.uuid4().hex,  # tells a worker restart from a rerun of the command
+            "tracked": dataclasses.asdict(tracked) if tracked else None,
         },
         scaling_config=build_scaling_config(config),
-        run_config=build_run_config(config, score_attribute=SCORE, score_order="max"),
+        run_config=build_run_config(
+            config, score_attribute=SCORE, score_order="max", callbacks=callbacks
+        ),
         torch_config=build_torch_config(config),
     )
     log.info(
         "fine-tuning %s on %d rows, %d worker(s), %d epoch(s); run folder %s",
         display_name(model), train_rows, config.num_workers, config.epochs, storage.join(config.run_name),
     )  # fmt: skip
-    result = fit(trainer, config.storage_path)
-    return write_run_outputs(storage.join(config.run_name), result, config, info, started)
+    run_dir = storage.join(config.run_name)
+    with failed_on_error(tracked):
+        result = fit(trainer, config.storage_path)
+        summary = write_run_outputs(run_dir, result, config, info, started)
+    finish_for_summary(tracked, run_dir, summary)
+    return summary
 
 
 def epoch_history(

@@ -9,7 +9,16 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from llm_fsdp.config import PRESETS, ExportConfig, GenerateConfig, PrepareConfig, TrainConfig
+from llm_fsdp import __version__
+from llm_fsdp.config import (
+    PRESETS,
+    SWEEP_PRESETS,
+    ExportConfig,
+    GenerateConfig,
+    PrepareConfig,
+    SweepConfig,
+    TrainConfig,
+)
 from llm_fsdp.data import DataError
 from llm_fsdp.model import SMOLLM2, SMOLLM2_FOLDER, ModelError
 from raytrain_common.checkpoint import TornCheckpointError
@@ -49,6 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
         "train", help="train with FSDP2; rerun with the same --run-name to continue"
     )
     add_config_options(train, TrainConfig, PRESETS)
+
+    sweep = commands.add_parser(
+        "sweep",
+        help="Ray Tune over the learning rate with ASHA; rerun the same --sweep-name to resume",
+    )
+    add_config_options(sweep, SweepConfig, SWEEP_PRESETS)
 
     export = commands.add_parser("export", help="a checkpoint → a Hugging Face safetensors folder")
     add_config_options(export, ExportConfig)
@@ -135,6 +150,30 @@ def describe_run(summary: dict[str, Any]) -> str:
     )
 
 
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from llm_fsdp.train import SCORE, run
+    from raytrain_common.sweep import Objective, print_outcome, run_sweep, train_fields
+
+    config = config_from_args(args, SweepConfig, SWEEP_PRESETS)
+    preset = PRESETS[args.preset]
+    outcome = run_sweep(
+        pipeline="llm_fsdp",
+        version=__version__,
+        settings=config,
+        base=train_fields(config, TrainConfig),
+        preset=preset,
+        train=run,
+        objective=Objective(SCORE, "min", time_attr="step", max_t=config.max_steps),
+        command=f"llm-fsdp train --preset {args.preset}",
+        full_run={
+            name: getattr(preset, name)
+            for name in ("max_steps", "warmup_steps", "eval_every_steps", "checkpoint_every_steps")
+        },
+    )
+    print_outcome(outcome, SCORE)
+    return 0
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from llm_fsdp.export import choose_checkpoint, export
 
@@ -172,6 +211,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 COMMANDS = {
     "prepare": cmd_prepare,
     "train": cmd_train,
+    "sweep": cmd_sweep,
     "export": cmd_export,
     "generate": cmd_generate,
 }

@@ -20,6 +20,7 @@ from raytrain_common.configs import (
     RunLocation,
     check_batch_splits_for_every_worker_count,
 )
+from raytrain_common.sweep import SweepSettings
 from raytrain_common.text import UTF8
 
 DEFAULT_DATA_FOLDER = "data/llm"
@@ -240,3 +241,31 @@ def gpu_24gb_preset() -> TrainConfig:
 
 
 PRESETS = {"cpu": cpu_preset(), "gpu": gpu_preset(), "gpu-24gb": gpu_24gb_preset()}
+
+
+@dataclass(kw_only=True)
+class SweepConfig(TrainConfig, SweepSettings):
+    """`llm-fsdp sweep`: the train options every trial starts from, then the sweep's own."""
+
+
+def cpu_sweep_preset() -> SweepConfig:
+    """The learning rate of the tiny preset: 6 trials of one worker, two at a time, 150 steps
+    each, ASHA comparing the validation loss every 25 steps."""
+    return SweepConfig(
+        **dataclasses.asdict(cpu_preset()) | {"max_steps": 150, "warmup_steps": 15,
+                                              "eval_every_steps": 25, "checkpoint_every_steps": 25},
+        num_samples=6, max_concurrent_trials=2, workers_per_trial=1, lr_min=3e-4, lr_max=3e-2,
+        grace_period=25,
+    )  # fmt: skip
+
+
+def gpu_sweep_preset() -> SweepConfig:
+    """The gpu preset's learning rate, one GPU per trial (set --max-concurrent-trials)."""
+    return SweepConfig(
+        **dataclasses.asdict(gpu_preset()),
+        num_samples=8, max_concurrent_trials=4, workers_per_trial=1, lr_min=1e-4, lr_max=3e-3,
+        grace_period=10,
+    )  # fmt: skip
+
+
+SWEEP_PRESETS = {"cpu": cpu_sweep_preset(), "gpu": gpu_sweep_preset()}

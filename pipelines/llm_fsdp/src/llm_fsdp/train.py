@@ -12,6 +12,7 @@ import logging
 import math
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -19,6 +20,7 @@ import ray.train
 import ray.train.torch
 import torch
 import torch.distributed as dist
+from ray.train import UserCallback
 from ray.train.torch import TorchTrainer
 
 from llm_fsdp import __version__
@@ -51,14 +53,21 @@ from raytrain_common.faults import FaultLog, read_progress, write_progress
 from raytrain_common.hardware import peak_bf16_flops, peak_memory_gb
 from raytrain_common.metrics import (
     SUMMARY_FILE,
+    eta,
     package_versions,
     plot_curves,
     write_metrics_csv,
     write_summary,
 )
-from raytrain_common.ray_start import start_ray_for_run
+from raytrain_common.ray_start import quiet_ray_output, start_ray_for_run
 from raytrain_common.runs import fit, locate_run, summary_header
 from raytrain_common.storage import StoragePath, resolve_storage
+from raytrain_common.tracking import (
+    failed_on_error,
+    finish_for_summary,
+    open_for_config,
+    tracked_from_loop_config,
+)
 
 log = logging.getLogger("llm_fsdp")
 
@@ -328,12 +337,13 @@ def window_row(
         row["peak_memory_gb"] = peak_memory_gb(context["device"])
     if dist.get_rank() == 0:
         log.info(
-            "step %d/%d  loss %.4f  lr %.2e  %.0f tokens/s%s%s",
+            "step %d/%d  loss %.4f  lr %.2e  %.0f tokens/s  %s%s%s",
             step,
             config.max_steps,
             row["train_loss"],
             row["lr"],
             tokens_per_s,
+            eta(config.max_steps - step, seconds / window_steps),
             f"  MFU {row['mfu']:.1%}" if "mfu" in row else "",
             f"  peak {row['peak_memory_gb']:.1f} GiB" if "peak_memory_gb" in row else "",
         )
@@ -362,6 +372,7 @@ def validate(
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     config = TrainConfig(**loop_config["config"])
+    quiet_ray_output(config.verbose)
     info = DatasetInfo(**loop_config["dataset"])
     spec = ModelSpec(**loop_config["model"])
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -395,62 +406,69 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             parameters, lm_config.num_hidden_layers, lm_config.hidden_size, info.seq_len
         ),
     }
-    window_started, window_steps = time.perf_counter(), 0
-    window_loss = torch.zeros((), device=device)
-    while step < last_step:
-        indices = global_batch_indices(
-            step, config.global_batch_size, len(train_blocks), config.seed
-        )
-        batches = [
-            take_blocks(train_blocks, part, device)
-            for part in micro_batches(indices, rank, world, config.grad_accum_steps)
-        ]
-        try:
-            loss_sum, grad_norm = train_step(model, optimizer, batches, config, step)
-        except torch.OutOfMemoryError as error:
-            raise MemoryError(out_of_memory_advice(config, micro, info.seq_len, step)) from error
-        step += 1
-        window_steps += 1
-        window_loss += loss_sum
-        row: dict[str, float] | None = None
-        if step % config.log_every_steps == 0 or step == last_step:
-            seconds = time.perf_counter() - window_started
-            row = window_row(step, window_steps, window_loss, grad_norm, seconds, context)
-            window_started, window_steps = time.perf_counter(), 0
-            window_loss.zero_()
-        paused = time.perf_counter()  # evaluation and checkpoints are left out of tokens/s
-        if step % config.eval_every_steps == 0 or step == last_step:
-            latest_val = validate(model, val_blocks, micro, config, device, step)
-            row = {**(row or {"step": step}), **latest_val}
-        if row is not None:
-            history.append(row)
-        every = config.preemption_check_steps  # a barrier: every rank asks at the same steps
-        preempted = every > 0 and step % every == 0 and faults.check_preemption(step)
-        if rank == 0 and (step % config.log_every_steps == 0 or preempted):
-            write_progress(run_dir, step, driver_id, world, faults.attempt)
-        if step % config.checkpoint_every_steps == 0 or step == last_step or preempted:
-            saved = {
-                "step": step,
-                "sequences_seen": step * config.global_batch_size,
-                "world_size": world,
-                "compute_dtype": str(model.compute_dtype).removeprefix("torch."),
-                "history": history,
-                "faults": dataclasses.asdict(faults),
-                "loop_config": loop_config,
-            }
-            stalled = time.perf_counter()
-            save_checkpoint(
-                model,
-                optimizer,
-                saved,
-                {"step": step, **latest_val},
-                config.async_upload,
-                upload_with_retries(config.storage_path, config.storage_patience_s),
+    sink = tracked_from_loop_config(loop_config, rank)
+    try:
+        window_started, window_steps = time.perf_counter(), 0
+        window_loss = torch.zeros((), device=device)
+        while step < last_step:
+            indices = global_batch_indices(
+                step, config.global_batch_size, len(train_blocks), config.seed
             )
-            # How long training waited for the checkpoint: in metrics.csv (this run's rows; a
-            # resumed run's history comes from its checkpoint, which cannot hold its own stall).
-            history.append({"step": step, "checkpoint_stall_s": time.perf_counter() - stalled})
-        window_started += time.perf_counter() - paused
+            batches = [
+                take_blocks(train_blocks, part, device)
+                for part in micro_batches(indices, rank, world, config.grad_accum_steps)
+            ]
+            try:
+                loss_sum, grad_norm = train_step(model, optimizer, batches, config, step)
+            except torch.OutOfMemoryError as error:
+                raise MemoryError(
+                    out_of_memory_advice(config, micro, info.seq_len, step)
+                ) from error
+            step += 1
+            window_steps += 1
+            window_loss += loss_sum
+            row: dict[str, float] | None = None
+            if step % config.log_every_steps == 0 or step == last_step:
+                seconds = time.perf_counter() - window_started
+                row = window_row(step, window_steps, window_loss, grad_norm, seconds, context)
+                window_started, window_steps = time.perf_counter(), 0
+                window_loss.zero_()
+            paused = time.perf_counter()  # evaluation and checkpoints are left out of tokens/s
+            if step % config.eval_every_steps == 0 or step == last_step:
+                latest_val = validate(model, val_blocks, micro, config, device, step)
+                row = {**(row or {"step": step}), **latest_val}
+            if row is not None:
+                history.append(row)
+                sink.log(row, step)
+            every = config.preemption_check_steps  # a barrier: every rank asks at the same steps
+            preempted = every > 0 and step % every == 0 and faults.check_preemption(step)
+            if rank == 0 and (step % config.log_every_steps == 0 or preempted):
+                write_progress(run_dir, step, driver_id, world, faults.attempt)
+            if step % config.checkpoint_every_steps == 0 or step == last_step or preempted:
+                saved = {
+                    "step": step,
+                    "sequences_seen": step * config.global_batch_size,
+                    "world_size": world,
+                    "compute_dtype": str(model.compute_dtype).removeprefix("torch."),
+                    "history": history,
+                    "faults": dataclasses.asdict(faults),
+                    "loop_config": loop_config,
+                }
+                stalled = time.perf_counter()
+                save_checkpoint(
+                    model,
+                    optimizer,
+                    saved,
+                    {"step": step, **latest_val},
+                    config.async_upload,
+                    upload_with_retries(config.storage_path, config.storage_patience_s),
+                )
+                # How long training waited for the checkpoint: in metrics.csv (this run's rows; a
+                # resumed run's history comes from its checkpoint, which cannot hold its own stall).
+                history.append({"step": step, "checkpoint_stall_s": time.perf_counter() - stalled})
+            window_started += time.perf_counter() - paused
+    finally:
+        sink.close()  # sends what rank 0 queued (bounded wait)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -480,8 +498,11 @@ def dataset_info(config: TrainConfig) -> DatasetInfo:
         ) from error
 
 
-def run(config: TrainConfig) -> dict[str, Any]:
-    """Check everything that can be checked, train, then write metrics, curves and summary.json."""
+def run(config: TrainConfig, callbacks: Sequence[UserCallback] = ()) -> dict[str, Any]:
+    """Check everything that can be checked, train, then write metrics, curves and summary.json.
+
+    `callbacks` join the run's (a sweep passes Tune's, which forwards every report to Tune).
+    """
     started = time.perf_counter()
     storage, data_dir = locate_run(config)
     spec = resolve_model(config.model, storage.path if storage.is_local else "")
@@ -496,6 +517,7 @@ def run(config: TrainConfig) -> dict[str, Any]:
     config.validate()
     config = dataclasses.replace(config, storage_path=storage.uri, data_dir=data_dir.uri)
     start_ray_for_run(config, storage, data_dir)
+    tracked = open_for_config(config, storage, pipeline="llm_fsdp", version=__version__)
 
     trainer = TorchTrainer(
         train_loop_per_worker,
@@ -504,17 +526,24 @@ def run(config: TrainConfig) -> dict[str, Any]:
             "dataset": dataclasses.asdict(info),
             "model": dataclasses.asdict(spec),
             "driver_id": uuid.uuid4().hex,  # tells a worker restart from a rerun of the command
+            "tracked": dataclasses.asdict(tracked) if tracked else None,
         },
         scaling_config=build_scaling_config(config),
-        run_config=build_run_config(config, score_attribute=SCORE, score_order="min"),
+        run_config=build_run_config(
+            config, score_attribute=SCORE, score_order="min", callbacks=callbacks
+        ),
         torch_config=build_torch_config(config),
     )
     log.info(
         "training %s (FSDP2) on %d blocks of %d tokens, %d worker(s), %d steps; run folder %s",
         spec.name, info.blocks("train"), info.seq_len, config.num_workers, config.max_steps, storage.join(config.run_name),
     )  # fmt: skip
-    result = fit(trainer, config.storage_path)
-    return write_run_outputs(storage.join(config.run_name), result, config, info, spec, started)
+    run_dir = storage.join(config.run_name)
+    with failed_on_error(tracked):
+        result = fit(trainer, config.storage_path)
+        summary = write_run_outputs(run_dir, result, config, info, spec, started)
+    finish_for_summary(tracked, run_dir, summary)
+    return summary
 
 
 def write_run_outputs(

@@ -9,7 +9,15 @@ import sys
 import tempfile
 from pathlib import Path
 
-from mnist_resnet.config import PRESETS, PredictConfig, PrepareConfig, TrainConfig
+from mnist_resnet import __version__
+from mnist_resnet.config import (
+    PRESETS,
+    SWEEP_PRESETS,
+    PredictConfig,
+    PrepareConfig,
+    SweepConfig,
+    TrainConfig,
+)
 from mnist_resnet.data import DataError
 from raytrain_common.checkpoint import TornCheckpointError
 from raytrain_common.cli import add_config_options, config_from_args, end_ray_before_error_line
@@ -49,6 +57,13 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         sub = commands.add_parser(name, help=text)
         add_config_options(sub, TrainConfig, PRESETS)
+
+    sweep = commands.add_parser(
+        "sweep",
+        help="Ray Tune over the learning rate, batch size, warm-up and weight decay, with ASHA; "
+        "rerun the same --sweep-name to resume",
+    )
+    add_config_options(sweep, SweepConfig, SWEEP_PRESETS)
 
     predict = commands.add_parser(
         "predict",
@@ -122,6 +137,27 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from mnist_resnet.train import SCORE, run
+    from raytrain_common.sweep import Objective, print_outcome, run_sweep, train_fields
+
+    config = config_from_args(args, SweepConfig, SWEEP_PRESETS)
+    preset = PRESETS[args.preset]
+    outcome = run_sweep(
+        pipeline="mnist_resnet",
+        version=__version__,
+        settings=config,
+        base=train_fields(config, TrainConfig),
+        preset=preset,
+        train=run,
+        objective=Objective(SCORE, "max", time_attr="epoch", max_t=config.epochs),
+        command=f"mnist-resnet train --preset {args.preset}",
+        full_run={"limit_train_rows": None, "limit_test_rows": None, "epochs": preset.epochs},
+    )
+    print_outcome(outcome, SCORE)
+    return 0
+
+
 def cmd_baseline(args: argparse.Namespace) -> int:
     from mnist_resnet.baseline import run_baseline
 
@@ -151,6 +187,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
 COMMANDS = {
     "prepare": cmd_prepare,
     "train": cmd_train,
+    "sweep": cmd_sweep,
     "baseline": cmd_baseline,
     "predict": cmd_predict,
 }

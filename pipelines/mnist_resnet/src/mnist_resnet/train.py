@@ -12,7 +12,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F  # noqa: N812
 from ray.data import ExecutionOptions
-from ray.train import DataConfig
+from ray.train import DataConfig, UserCallback
 from ray.train.torch import TorchTrainer
 from torch import nn
 
@@ -52,16 +52,23 @@ from raytrain_common.faults import FaultLog, read_progress, write_progress
 from raytrain_common.hardware import peak_memory_gb
 from raytrain_common.metrics import (
     SUMMARY_FILE,
+    eta,
     package_versions,
     plot_curves,
     write_metrics_csv,
     write_summary,
 )
-from raytrain_common.ray_start import start_ray_for_run
+from raytrain_common.ray_start import quiet_ray_output, start_ray_for_run
 from raytrain_common.runs import fit, locate_run, summary_header
 from raytrain_common.storage import (
     StoragePath,
     resolve_storage,
+)
+from raytrain_common.tracking import (
+    failed_on_error,
+    finish_for_summary,
+    open_for_config,
+    tracked_from_loop_config,
 )
 
 log = logging.getLogger("mnist_resnet")
@@ -223,14 +230,16 @@ def train_one_epoch(
             step_log.append({"epoch": epoch - 1 + step / steps, "train_loss_interval": loss_value})
             trained = step - start.step
             rate = len(labels) * accum * world * trained / (time.perf_counter() - started)
+            seconds_per_step = (time.perf_counter() - started) / trained
             log.info(
-                "epoch %d step %d/%d  loss %.4f  lr %.4g  %.0f img/s",
+                "epoch %d step %d/%d  loss %.4f  lr %.4g  %.0f img/s  %s",
                 epoch,
                 step,
                 steps,
                 loss_value,
                 scheduler.get_last_lr()[0],
                 rate,
+                eta((config.epochs - epoch) * steps + steps - step, seconds_per_step),
             )
         if after_step is not None:
             after_step(step, position)
@@ -413,6 +422,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     """Runs on every worker: build, restore if the run has a checkpoint, train, evaluate, report."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     config = TrainConfig(**loop_config["config"])
+    quiet_ray_output(config.verbose)
     info = DatasetInfo(**loop_config["dataset"])
     train_rows: int = loop_config["train_rows"]
     driver_id: str = loop_config["driver_id"]
@@ -461,103 +471,116 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         }
 
     upload = upload_with_retries(config.storage_path, config.storage_patience_s)
-    collate = ImageBatchCollate(info)
-    train_shard = ray.train.get_dataset_shard("train")
-    test_shard = ray.train.get_dataset_shard("test")
-    compute_dtype: str | None = state.get("compute_dtype") if state else None
-    stop_at = config.stop_at_step
-    if state is not None and stop_at is not None and state["global_step"] >= stop_at:
-        if rank == 0:
-            log.info("the run is already at step %d (--stop-at-step)", state["global_step"])
-        return
-    for epoch in range(epochs_done + 1, config.epochs + 1):
+    sink = tracked_from_loop_config(loop_config, rank)
+    tracked_rows = [len(step_log)]  # step_log rows already sent to the tracker (a resume's are)
+    try:
+        collate = ImageBatchCollate(info)
+        train_shard = ray.train.get_dataset_shard("train")
+        test_shard = ray.train.get_dataset_shard("test")
+        compute_dtype: str | None = state.get("compute_dtype") if state else None
+        stop_at = config.stop_at_step
+        if state is not None and stop_at is not None and state["global_step"] >= stop_at:
+            if rank == 0:
+                log.info("the run is already at step %d (--stop-at-step)", state["global_step"])
+            return
+        for epoch in range(epochs_done + 1, config.epochs + 1):
 
-        def after_step(
-            step: int,
-            current: Callable[[], EpochPosition],
-            epoch: int = epoch,
-            dtype: str | None = compute_dtype,
-        ) -> None:
-            """Mid-epoch checkpoints: every N steps, at a preemption notice, at --stop-at-step."""
-            global_step = (epoch - 1) * steps + step
-            reasons = []
-            if config.checkpoint_every_steps and global_step % config.checkpoint_every_steps == 0:
-                reasons.append("every")
-            every = config.preemption_check_steps
-            if every and global_step % every == 0 and faults.check_preemption(global_step):
-                reasons.append("preemption")
-            if config.stop_at_step == global_step:
-                reasons.append("stop")
-            if rank == 0 and (global_step % config.log_every_steps == 0 or reasons):
-                write_progress(run_dir, global_step, driver_id, world, faults.attempt)
-            if step == steps or not reasons:
-                return  # the epoch's own checkpoint follows at its end
-            at = current()
+            def after_step(
+                step: int,
+                current: Callable[[], EpochPosition],
+                epoch: int = epoch,
+                dtype: str | None = compute_dtype,
+            ) -> None:
+                """Mid-epoch checkpoints: every N steps, at a preemption notice, at --stop-at-step."""
+                global_step = (epoch - 1) * steps + step
+                if rank == 0 and len(step_log) > tracked_rows[0]:  # a new interval loss to log
+                    tracked_rows[0] = len(step_log)
+                    interval = {"train_loss_interval": step_log[-1]["train_loss_interval"]}
+                    sink.log(interval | {"lr": scheduler.get_last_lr()[0]}, global_step)
+                reasons = []
+                if (
+                    config.checkpoint_every_steps
+                    and global_step % config.checkpoint_every_steps == 0
+                ):
+                    reasons.append("every")
+                every = config.preemption_check_steps
+                if every and global_step % every == 0 and faults.check_preemption(global_step):
+                    reasons.append("preemption")
+                if config.stop_at_step == global_step:
+                    reasons.append("stop")
+                if rank == 0 and (global_step % config.log_every_steps == 0 or reasons):
+                    write_progress(run_dir, global_step, driver_id, world, faults.attempt)
+                if step == steps or not reasons:
+                    return  # the epoch's own checkpoint follows at its end
+                at = current()
+                report_checkpoint(
+                    {
+                        "epoch": epoch - 1 + step / steps,
+                        "global_step": global_step,
+                        SCORE: NOT_EVALUATED,
+                    },
+                    checkpoint_state(epoch - 1, at, dtype),
+                    upload,
+                )
+                if "stop" in reasons:
+                    raise StopAtStepReached
+
+            batches = device_batches(
+                train_shard,
+                batch_size=micro_batch,
+                collate_fn=collate,
+                drop_last=True,
+                shuffle_buffer_rows=config.shuffle_buffer_rows or None,
+                seed=config.seed * 10_000 + epoch * 100 + rank,
+            )
+            row: dict[str, float] = {"epoch": epoch}
+            try:
+                trained, compute_dtype = train_one_epoch(
+                    model,
+                    batches,
+                    optimizer,
+                    scheduler,
+                    config,
+                    epoch=epoch,
+                    steps=steps,
+                    device=device,
+                    step_log=step_log,
+                    start=position,
+                    after_step=after_step,
+                )
+            except StopAtStepReached:
+                if rank == 0:
+                    log.info("stopped at step %d as asked (--stop-at-step)", config.stop_at_step)
+                return
+            position = None
+            row |= trained
+            row |= test_metrics(model, test_shard, collate, device, config.bf16)
+            row["lr"] = scheduler.get_last_lr()[0]
+            history.append(row)
+            sink.log(row, step=epoch * steps)
+            if rank == 0:
+                log.info(
+                    "epoch %d/%d  train loss %.4f  test loss %.4f  test accuracy %.4f  %.0f img/s",
+                    epoch,
+                    config.epochs,
+                    row["train_loss"],
+                    row["test_loss"],
+                    row["test_accuracy"],
+                    row["train_images_per_s"],
+                )
             report_checkpoint(
-                {
-                    "epoch": epoch - 1 + step / steps,
-                    "global_step": global_step,
-                    SCORE: NOT_EVALUATED,
-                },
-                checkpoint_state(epoch - 1, at, dtype),
+                {**row, "global_step": epoch * steps},
+                checkpoint_state(epoch, None, compute_dtype),
                 upload,
             )
-            if "stop" in reasons:
-                raise StopAtStepReached
-
-        batches = device_batches(
-            train_shard,
-            batch_size=micro_batch,
-            collate_fn=collate,
-            drop_last=True,
-            shuffle_buffer_rows=config.shuffle_buffer_rows or None,
-            seed=config.seed * 10_000 + epoch * 100 + rank,
-        )
-        row: dict[str, float] = {"epoch": epoch}
-        try:
-            trained, compute_dtype = train_one_epoch(
-                model,
-                batches,
-                optimizer,
-                scheduler,
-                config,
-                epoch=epoch,
-                steps=steps,
-                device=device,
-                step_log=step_log,
-                start=position,
-                after_step=after_step,
-            )
-        except StopAtStepReached:
-            if rank == 0:
-                log.info("stopped at step %d as asked (--stop-at-step)", config.stop_at_step)
-            return
-        position = None
-        row |= trained
-        row |= test_metrics(model, test_shard, collate, device, config.bf16)
-        row["lr"] = scheduler.get_last_lr()[0]
-        history.append(row)
-        if rank == 0:
-            log.info(
-                "epoch %d/%d  train loss %.4f  test loss %.4f  test accuracy %.4f  %.0f img/s",
-                epoch,
-                config.epochs,
-                row["train_loss"],
-                row["test_loss"],
-                row["test_accuracy"],
-                row["train_images_per_s"],
-            )
-        report_checkpoint(
-            {**row, "global_step": epoch * steps},
-            checkpoint_state(epoch, None, compute_dtype),
-            upload,
-        )
-        if rank == 0:  # after the report: the CSV never lists an epoch without its checkpoint
-            write_metrics_csv(run_dir.join(METRICS_FILE), history)
-        if config.stop_at_step == epoch * steps:
-            if rank == 0:
-                log.info("stopped at step %d as asked (--stop-at-step)", config.stop_at_step)
-            return
+            if rank == 0:  # after the report: the CSV never lists an epoch without its checkpoint
+                write_metrics_csv(run_dir.join(METRICS_FILE), history)
+            if config.stop_at_step == epoch * steps:
+                if rank == 0:
+                    log.info("stopped at step %d as asked (--stop-at-step)", config.stop_at_step)
+                return
+    finally:
+        sink.close()  # sends what rank 0 queued (bounded wait)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -565,8 +588,11 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def run(config: TrainConfig) -> dict[str, Any]:
-    """Check everything that can be checked, train, then write curves and summary.json."""
+def run(config: TrainConfig, callbacks: Sequence[UserCallback] = ()) -> dict[str, Any]:
+    """Check everything that can be checked, train, then write curves and summary.json.
+
+    `callbacks` join the run's (a sweep passes Tune's, which forwards every report to Tune).
+    """
     started = time.perf_counter()
     storage, data_dir = locate_run(config)
     info = inspect_dataset(data_dir)
@@ -581,6 +607,7 @@ def run(config: TrainConfig) -> dict[str, Any]:
     config = dataclasses.replace(config, storage_path=storage.uri, data_dir=data_dir.uri)
 
     start_ray_for_run(config, storage, data_dir)
+    tracked = open_for_config(config, storage, pipeline="mnist_resnet", version=__version__)
 
     # Deterministic reads: the same rows in the same order on every run (and `limit` takes the
     # same rows), the basis of the data order a resumed epoch relies on.
@@ -607,9 +634,12 @@ def run(config: TrainConfig) -> dict[str, Any]:
             "dataset": dataclasses.asdict(info),
             "train_rows": train_rows,
             "driver_id": uuid.uuid4().hex,  # tells a worker restart from a rerun of the command
+            "tracked": dataclasses.asdict(tracked) if tracked else None,
         },
         scaling_config=build_scaling_config(config),
-        run_config=build_run_config(config, score_attribute=SCORE, score_order="max"),
+        run_config=build_run_config(
+            config, score_attribute=SCORE, score_order="max", callbacks=callbacks
+        ),
         torch_config=build_torch_config(config),
         datasets={"train": train_data, "test": test_data},
         dataset_config=DataConfig(
@@ -623,8 +653,12 @@ def run(config: TrainConfig) -> dict[str, Any]:
         config.epochs,
         storage.join(config.run_name),
     )
-    result = fit(trainer, config.storage_path)
-    return write_run_outputs(storage.join(config.run_name), result, config, info, started)
+    with failed_on_error(tracked):
+        result = fit(trainer, config.storage_path)
+        summary = write_run_outputs(storage.join(config.run_name), result, config, info, started)
+    run_dir = storage.join(config.run_name)
+    finish_for_summary(tracked, run_dir, summary)
+    return summary
 
 
 def write_run_outputs(

@@ -1,0 +1,181 @@
+"""MLflow tracking against real stores: the SQLite store a run writes by default, and a real
+`mlflow server` on loopback that is stopped mid-run."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from raytrain_common.storage import resolve_storage
+from raytrain_common.tracking import (
+    MetricSink,
+    TrackedRun,
+    finish_tracked_run,
+    open_tracked_run,
+)
+
+
+def open_run(folder: Path, run_name: str = "run", **changes: object) -> TrackedRun | None:
+    location = resolve_storage(folder)
+    arguments: dict = {
+        "tracking": "mlflow",
+        "tracking_uri": None,
+        "storage": location,
+        "run_dir": location.join(run_name),
+        "experiment": "tests",
+        "run_name": run_name,
+        "params": {"lr": 0.1, "epochs": 2},
+        "tags": {"pipeline": "tests"},
+    }
+    return open_tracked_run(**(arguments | changes))
+
+
+def history(tracked: TrackedRun, key: str) -> list[tuple[int, float]]:
+    client = MlflowClient(tracked.tracking_uri)
+    return [(m.step, m.value) for m in client.get_metric_history(tracked.run_id, key)]
+
+
+def test_a_run_logs_into_the_sqlite_store_under_the_storage_path_and_a_rerun_continues_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    first = open_run(tmp_path)
+    assert first is not None
+    assert first.tracking_uri == f"sqlite:///{tmp_path.resolve() / 'mlflow.db'}"
+    sink = MetricSink(first)
+    for step in range(1, 6):
+        sink.log({"loss": 1.0 / step, "not_a_number": "x", "nan": float("nan")}, step)
+    sink.close()
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "summary.json").write_text("{}")
+    finish_tracked_run(
+        first,
+        artifacts=[resolve_storage(tmp_path / "run" / "summary.json")],
+        tags={"best_checkpoint": "/somewhere/checkpoint_1", "unset": None},
+    )
+
+    # A rerun of the same run folder (after a crash it redoes steps 4 and 5): the same MLflow run,
+    # the steps the store holds are not logged twice, the new ones are.
+    with caplog.at_level(logging.WARNING):
+        again = open_run(tmp_path, params={"lr": 0.1, "epochs": 3})
+    assert again is not None and again.run_id == first.run_id
+    assert "epochs (2 -> 3)" in caplog.text  # params are immutable: the change is named
+    sink = MetricSink(again)
+    for step in range(4, 9):
+        sink.log({"loss": 1.0 / step}, step)
+    sink.close()
+    steps = [step for step, _ in history(again, "loss")]
+    assert steps == list(range(1, 9))
+    assert history(again, "loss")[0] == (1, 1.0)
+
+    client = MlflowClient(again.tracking_uri)
+    run = client.get_run(again.run_id)
+    assert run.info.status == "RUNNING"  # reopened by the rerun
+    assert run.data.params == {"lr": "0.1", "epochs": "2"}
+    assert run.data.tags["best_checkpoint"] == "/somewhere/checkpoint_1"
+    assert "unset" not in run.data.tags and "not_a_number" not in run.data.metrics
+    assert "nan" not in run.data.metrics
+    assert [a.path for a in client.list_artifacts(again.run_id)] == ["summary.json"]
+    # The artifacts sit beside the store, under the storage path.
+    assert list((tmp_path / "mlflow-artifacts").rglob("summary.json"))
+    # Another run folder is another MLflow run in the same experiment.
+    other = open_run(tmp_path, run_name="other")
+    assert other is not None and other.run_id != first.run_id
+
+
+def test_tracking_none_and_an_object_store_without_a_server_log_nothing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    assert open_run(tmp_path, tracking="none") is None
+    with caplog.at_level(logging.WARNING):
+        remote = resolve_storage("s3://bucket/runs?endpoint_override=127.0.0.1:9&scheme=http")
+        tracked = open_run(tmp_path, storage=remote, run_dir=remote.join("run"))
+    assert tracked is None
+    assert "set MLFLOW_TRACKING_URI (or --tracking-uri)" in caplog.text
+    assert not (tmp_path / "mlflow.db").exists()
+    MetricSink(None).log({"loss": 1.0}, 1)  # a sink of no run takes values and does nothing
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture
+def mlflow_server(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """A real `mlflow server` on loopback (its own process group: it starts worker processes)."""
+    port = free_port()
+    log_file = (tmp_path / "server.log").open("wb")
+    server = subprocess.Popen(
+        [
+            sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
+            "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}",
+            "--default-artifact-root", (tmp_path / "server-artifacts").as_uri(),
+        ],
+        stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120  # ~15 s on an idle 2-core box
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                break
+        except OSError:
+            time.sleep(0.5)
+    else:
+        log_text = (tmp_path / "server.log").read_text()[-2000:]
+        pytest.fail(f"mlflow server did not listen within 120 s:\n{log_text}")
+    try:
+        yield url, server
+    finally:
+        with_group(server, signal.SIGKILL)
+
+
+def with_group(process: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, sig)
+    process.wait(timeout=30)
+
+
+def test_a_server_receives_the_run_and_its_loss_mid_run_costs_a_warning_not_the_run(
+    tmp_path: Path,
+    mlflow_server: tuple[str, subprocess.Popen[bytes]],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    url, server = mlflow_server
+    tracked = open_run(tmp_path, tracking_uri=url)
+    assert tracked is not None and tracked.tracking_uri == url
+    assert not (tmp_path / "mlflow.db").exists()  # a server given: no local store
+    sink = MetricSink(tracked)
+    for step in range(1, 4):
+        sink.log({"loss": float(step)}, step)
+    deadline = time.monotonic() + 60
+    while len(history(tracked, "loss")) < 3 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert [step for step, _ in history(tracked, "loss")] == [1, 2, 3]
+
+    with_group(server, signal.SIGKILL)  # the server goes away mid-run
+    with caplog.at_level(logging.WARNING):
+        started = time.monotonic()
+        for step in range(4, 200):
+            sink.log({"loss": float(step)}, step)  # training goes on: never blocks, never raises
+        assert time.monotonic() - started < 1.0
+        sink.close(timeout_s=30)
+        finish_tracked_run(tracked)  # at the end too: a warning, no exception
+    assert "cannot be reached" in caplog.text
+    assert "could not finish MLflow run" in caplog.text
+    # A run that starts while the server is down trains untracked, after a warning.
+    with caplog.at_level(logging.WARNING):
+        assert open_run(tmp_path, run_name="later", tracking_uri=url) is None
+    assert "MLflow tracking is off for this run" in caplog.text
