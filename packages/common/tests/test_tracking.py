@@ -126,20 +126,24 @@ def mlflow_server(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]
         stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120  # ~15 s on an idle 2-core box
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1):
-                break
-        except OSError:
-            time.sleep(0.5)
-    else:
-        log_text = (tmp_path / "server.log").read_text()[-2000:]
-        pytest.fail(f"mlflow server did not listen within 120 s:\n{log_text}")
     try:
+        deadline = time.monotonic() + 120  # ~15 s on an idle 2-core box
+        while not listening(port):
+            if time.monotonic() > deadline or server.poll() is not None:
+                log_text = (tmp_path / "server.log").read_text()[-2000:]
+                pytest.fail(f"mlflow server did not listen within 120 s:\n{log_text}")
+            time.sleep(0.5)
         yield url, server
     finally:
         with_group(server, signal.SIGKILL)
+
+
+def listening(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1):
+            return True
+    except OSError:
+        return False
 
 
 def with_group(process: subprocess.Popen[bytes], sig: signal.Signals) -> None:

@@ -23,6 +23,7 @@ import os
 import shlex
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 from ray.train import UserCallback
@@ -54,6 +55,7 @@ SWEEPS_FOLDER = "sweeps"
 RESULTS_FILE = "results.csv"
 CURVES_FILE = "trials.png"
 BEST_FILE = "best.json"
+SWEEP_FILE = "sweep.json"  # which pipeline's sweep the folder holds
 TRIAL_DRIVER_CPU = 0.1
 STATE_SAVE_S = 5
 # Options the printed full-run command never repeats: the run gets a name of its own.
@@ -66,7 +68,7 @@ class SweepSettings:
 
     sweep_name: str = option(
         "sweep", "Folder under <storage-path>/sweeps; rerunning the same name resumes the sweep."
-    )
+    )  # each pipeline's presets name their own
     num_samples: int = option(8, "Trials drawn from the search space.")
     max_concurrent_trials: int = option(2, "Trials that run at once.")
     workers_per_trial: int = option(1, "Train workers of each trial.")
@@ -234,9 +236,15 @@ def run_sweep(
     os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", str(STATE_SAVE_S))
     base.validate()
     storage = resolve_storage(base.storage_path)
+    if storage.is_local:  # trials run in Tune's actors: relative paths must not depend on their cwd
+        storage = resolve_storage(Path(storage.path).resolve())
+        base = dataclasses.replace(base, storage_path=storage.uri)
+    os.environ.setdefault("RAY_CHDIR_TO_TRIAL_DIR", "0")  # keep the user's relative --model etc.
     sweep_dir = storage.join(SWEEPS_FOLDER, settings.sweep_name)
     trials = sweep_dir.join("trials")
     data_dir = base.resolved_data_dir()
+    if resolve_storage(data_dir).is_local:
+        data_dir = str(Path(resolve_storage(data_dir).path).resolve())
     base = dataclasses.replace(base, data_dir=data_dir)
 
     concurrent = settings.max_concurrent_trials
@@ -279,6 +287,7 @@ def run_sweep(
     # The trial's driver only waits on its TorchTrainer (Tune refuses a request of nothing).
     trainable = tune.with_resources(trial, {"CPU": TRIAL_DRIVER_CPU})
     experiment = sweep_dir.uri
+    claim_sweep_folder(sweep_dir, pipeline, objective)
     if tune.Tuner.can_restore(experiment):
         log.info(
             "resuming sweep %s from %s: finished trials are kept", settings.sweep_name, experiment
@@ -325,6 +334,23 @@ def run_sweep(
         tags={"best_trial": outcome.get("best_trial"), "best_command": outcome.get("command")},
     )
     return outcome
+
+
+def claim_sweep_folder(sweep_dir: StoragePath, pipeline: str, objective: Objective) -> None:
+    """Mark the folder as this pipeline's sweep, or refuse one another pipeline's sweep holds (a
+    rerun resumes what the folder holds, so the two must match)."""
+    marker = sweep_dir.join(SWEEP_FILE)
+    mine = {"pipeline": pipeline, "metric": objective.metric}
+    if marker.exists():
+        found = json.loads(marker.read_text())
+        if found != mine:
+            raise ConfigError(
+                f"{sweep_dir.uri} holds a sweep of {found.get('pipeline')} ({found.get('metric')}): "
+                "choose another --sweep-name"
+            )
+        return
+    sweep_dir.mkdir()
+    marker.write_text(json.dumps(mine) + "\n")
 
 
 def finished_trial_rows(

@@ -167,6 +167,9 @@ def gpu_preset() -> TrainConfig:
 PRESETS = {"cpu": cpu_preset(), "gpu": gpu_preset()}
 
 
+SWEEP_NAME = "hf_finetune_sweep"
+
+
 @dataclass(kw_only=True)
 class SweepConfig(TrainConfig, SweepSettings):
     """`hf-finetune sweep`: the train options every trial starts from, then the sweep's own."""
@@ -178,6 +181,7 @@ def cpu_sweep_preset() -> SweepConfig:
     return SweepConfig(
         **dataclasses.asdict(cpu_preset()) | {"epochs": 3, "limit_train_rows": 1024,
                                               "limit_eval_rows": 512},
+        sweep_name=SWEEP_NAME,
         num_samples=6, max_concurrent_trials=2, workers_per_trial=1, lr_min=1e-6, lr_max=5e-4,
         batch_sizes="16,32", warmup_fractions="0,0.1", weight_decays="0,0.01",
     )  # fmt: skip
@@ -188,6 +192,7 @@ def gpu_sweep_preset() -> SweepConfig:
     cluster has GPUs (set --max-concurrent-trials)."""
     return SweepConfig(
         **dataclasses.asdict(gpu_preset()),
+        sweep_name=SWEEP_NAME,
         num_samples=16, max_concurrent_trials=4, workers_per_trial=1, lr_min=1e-5, lr_max=3e-4,
         batch_sizes="32,64,128", warmup_fractions="0,0.1", weight_decays="0,0.01",
     )  # fmt: skip

@@ -243,6 +243,9 @@ def gpu_24gb_preset() -> TrainConfig:
 PRESETS = {"cpu": cpu_preset(), "gpu": gpu_preset(), "gpu-24gb": gpu_24gb_preset()}
 
 
+SWEEP_NAME = "llm_fsdp_sweep"
+
+
 @dataclass(kw_only=True)
 class SweepConfig(TrainConfig, SweepSettings):
     """`llm-fsdp sweep`: the train options every trial starts from, then the sweep's own."""
@@ -254,6 +257,7 @@ def cpu_sweep_preset() -> SweepConfig:
     return SweepConfig(
         **dataclasses.asdict(cpu_preset()) | {"max_steps": 150, "warmup_steps": 15,
                                               "eval_every_steps": 25, "checkpoint_every_steps": 25},
+        sweep_name=SWEEP_NAME,
         num_samples=6, max_concurrent_trials=2, workers_per_trial=1, lr_min=3e-4, lr_max=3e-2,
         grace_period=25,
     )  # fmt: skip
@@ -263,6 +267,7 @@ def gpu_sweep_preset() -> SweepConfig:
     """The gpu preset's learning rate, one GPU per trial (set --max-concurrent-trials)."""
     return SweepConfig(
         **dataclasses.asdict(gpu_preset()),
+        sweep_name=SWEEP_NAME,
         num_samples=8, max_concurrent_trials=4, workers_per_trial=1, lr_min=1e-4, lr_max=3e-3,
         grace_period=10,
     )  # fmt: skip

@@ -146,6 +146,9 @@ def gpu_preset() -> TrainConfig:
 PRESETS = {"cpu": cpu_preset(), "gpu": gpu_preset()}
 
 
+SWEEP_NAME = "mnist_resnet_sweep"
+
+
 @dataclass(kw_only=True)
 class SweepConfig(TrainConfig, SweepSettings):
     """`mnist-resnet sweep`: the train options every trial starts from, then the sweep's own."""
@@ -157,6 +160,7 @@ def cpu_sweep_preset() -> SweepConfig:
     return SweepConfig(
         **dataclasses.asdict(cpu_preset()) | {"epochs": 3, "limit_train_rows": 6144,
                                               "limit_test_rows": 2000},
+        sweep_name=SWEEP_NAME,
         num_samples=8, max_concurrent_trials=2, workers_per_trial=1, lr_min=1e-3, lr_max=0.5,
         batch_sizes="128,256", warmup_fractions="0.05,0.2", weight_decays="0,0.0005",
     )  # fmt: skip
@@ -167,6 +171,7 @@ def gpu_sweep_preset() -> SweepConfig:
     (set --max-concurrent-trials)."""
     return SweepConfig(
         **dataclasses.asdict(gpu_preset()) | {"epochs": 4},
+        sweep_name=SWEEP_NAME,
         num_samples=16, max_concurrent_trials=4, workers_per_trial=1, lr_min=0.01, lr_max=0.4,
         batch_sizes="256,512,1024", warmup_fractions="0.1,0.2", weight_decays="0,0.0005",
     )  # fmt: skip

@@ -1,0 +1,87 @@
+"""The parts of a sweep that need no cluster: its options, its search space, the printed command
+line and the folder a sweep claims (the sweeps themselves run in each pipeline's tests)."""
+
+from __future__ import annotations
+
+import dataclasses
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from raytrain_common.cli import option
+from raytrain_common.configs import ConfigError
+from raytrain_common.storage import resolve_storage
+from raytrain_common.sweep import (
+    Objective,
+    SweepSettings,
+    claim_sweep_folder,
+    search_space,
+    train_command,
+    train_fields,
+)
+
+
+@dataclass(kw_only=True)
+class Train:
+    storage_path: str = option("./runs", "")
+    run_name: str = option("run", "")
+    lr: float = option(0.1, "")
+    epochs: int = option(2, "")
+    limit_train_rows: int | None = option(None, "")
+    bf16: bool = option(False, "")
+    parent_run_id: str | None = option(None, "")
+
+
+@dataclass(kw_only=True)
+class Sweep(Train, SweepSettings):
+    pass
+
+
+def test_the_search_space_holds_what_was_asked_and_bad_options_are_refused() -> None:
+    space = search_space(SweepSettings(lr_min=1e-4, lr_max=1e-2, batch_sizes="64, 128"))
+    assert set(space) == {"lr", "global_batch_size"}
+    assert space["global_batch_size"].categories == [64, 128]
+    assert space["lr"].lower == 1e-4 and space["lr"].upper == 1e-2
+    for bad, named in (
+        ({"lr_min": 0.0}, "lr_min"),
+        ({"lr_min": 1.0, "lr_max": 0.1}, "lr_min"),
+        ({"num_samples": 0}, "num_samples"),
+        ({"reduction_factor": 1}, "reduction_factor"),
+        ({"weight_decays": "0.1,x"}, "weight_decays"),
+        ({"sweep_name": "a/b"}, "sweep_name"),
+    ):
+        with pytest.raises(ConfigError, match=named):
+            SweepSettings(**bad).validate_sweep()
+
+
+def test_the_printed_command_is_the_preset_plus_what_differs_and_the_best_values() -> None:
+    preset = Train()
+    sweep = Sweep(storage_path="/data/runs", epochs=3, limit_train_rows=512, bf16=True,
+                  run_name="ignored", parent_run_id="p")  # fmt: skip
+    base = train_fields(sweep, Train)
+    assert type(base) is Train and base.limit_train_rows == 512
+    command = train_command(
+        "pipe train --preset cpu", base, preset, {"lr": 0.0123456},
+        {"limit_train_rows": None, "epochs": 2}, "best",
+    )  # fmt: skip
+    assert shlex.split(command) == [
+        "pipe", "train", "--preset", "cpu", "--storage-path", "/data/runs", "--bf16",
+        "--lr", "0.01235", "--run-name", "best",
+    ]  # fmt: skip
+    # A full run that keeps a slice the preset does not have says so.
+    command = train_command("pipe train", base, preset, {}, {"limit_train_rows": 1000}, "best")
+    assert "--limit-train-rows 1000" in command
+    assert dataclasses.asdict(base)["epochs"] == 3
+
+
+def test_a_sweep_folder_belongs_to_one_pipeline(tmp_path: Path) -> None:
+    folder = resolve_storage(tmp_path / "sweeps" / "lr")
+    objective = Objective("accuracy", "max", time_attr="epoch", max_t=3)
+    claim_sweep_folder(folder, "vision", objective)
+    claim_sweep_folder(folder, "vision", objective)  # its own rerun resumes it
+    with pytest.raises(
+        ConfigError, match=r"holds a sweep of vision .* choose another --sweep-name"
+    ):
+        claim_sweep_folder(folder, "text", Objective("f1", "max", time_attr="epoch", max_t=3))
