@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import shlex
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from raytrain_common.sweep import (
     search_space,
     train_command,
     train_fields,
+    with_interpreter,
 )
 
 
@@ -73,6 +75,8 @@ def test_the_printed_command_is_the_preset_plus_what_differs_and_the_best_values
     # A full run that keeps a slice the preset does not have says so.
     command = train_command("pipe train", base, preset, {}, {"limit_train_rows": 1000}, "best")
     assert "--limit-train-rows 1000" in command
+    # The same with this interpreter, for shells where the console script is not on PATH.
+    assert shlex.split(with_interpreter(command))[:4] == [sys.executable, "-m", "pipe", "train"]
     assert dataclasses.asdict(base)["epochs"] == 3
 
 

@@ -88,6 +88,7 @@ def test_a_sweep_stops_lagging_trials_resumes_after_a_kill_and_its_best_command_
         max(float(row["best_test_accuracy"]) for row in rows), abs=1e-6
     )
     assert f"train it in full:\n  {best['command']}" in rerun.stdout
+    assert f"{sys.executable} -m mnist_resnet train --preset cpu" in rerun.stdout
 
     # One MLflow run per trial, nested under the sweep's run, in the store under the storage path.
     client = MlflowClient(f"sqlite:///{storage.resolve() / 'mlflow.db'}")

@@ -462,4 +462,14 @@ def print_outcome(outcome: Mapping[str, Any], metric: str) -> None:
     print(f"best trial {outcome['best_trial']}: {metric} {outcome[f'best_{metric}']:.4f} with "
           f"{json.dumps(outcome['best_config'])}")  # fmt: skip
     print(f"train it in full:\n  {outcome['command']}")
+    print(f"  (the same outside this environment:\n  {with_interpreter(outcome['command'])})")
     print(f"results: {outcome['results_csv']}\ncurves: {outcome['curves_png']}")
+
+
+def with_interpreter(command: str) -> str:
+    """`pipe-name train …` as `<this Python> -m pipe_name train …`: runnable from any shell, also
+    where the environment's console scripts are not on PATH (nox's environments are not)."""
+    import sys
+
+    script, *rest = shlex.split(command)
+    return shlex.join([sys.executable, "-m", script.replace("-", "_"), *rest])
