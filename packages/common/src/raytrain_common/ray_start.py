@@ -136,9 +136,9 @@ def quiet_ray_output(verbose: bool) -> None:
     data.enable_progress_bars = False
     data.print_on_execution_start = False
     data.enable_auto_log_stats = False
-    quiet = _RayInternalLines()
     for handler in logging.getLogger().handlers:
-        handler.addFilter(quiet)
+        if not any(isinstance(f, _RayInternalLines) for f in handler.filters):  # once per process
+            handler.addFilter(_RayInternalLines())
     # Ray Train's worker-side loggers (one is named by its file path, so it is found by module).
     from ray.train.v2._internal.execution import context, storage
 

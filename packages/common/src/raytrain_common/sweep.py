@@ -53,7 +53,7 @@ log = logging.getLogger(__name__)
 
 SWEEPS_FOLDER = "sweeps"
 RESULTS_FILE = "results.csv"
-CURVES_FILE = "trials.png"
+TRIALS_PICTURE = "trials.png"
 BEST_FILE = "best.json"
 SWEEP_FILE = "sweep.json"  # which pipeline's sweep the folder holds
 TRIAL_DRIVER_CPU = 0.1
@@ -100,7 +100,7 @@ class SweepSettings:
                 f"lr_min={self.lr_min}, lr_max={self.lr_max}: give 0 < lr-min <= lr-max"
             )
         for name in ("batch_sizes", "warmup_fractions", "weight_decays"):
-            _numbers(getattr(self, name), name)
+            _number_list(getattr(self, name), name)
         if "/" in self.sweep_name or not self.sweep_name:
             raise ConfigError(f"sweep_name={self.sweep_name!r}: give a folder name without '/'")
 
@@ -118,7 +118,7 @@ class Objective:
     max_t: float
 
 
-def _numbers(text: str, name: str) -> list[float]:
+def _number_list(text: str, name: str) -> list[float]:
     try:
         return [float(part) for part in text.split(",") if part.strip()]
     except ValueError:
@@ -131,9 +131,9 @@ def search_space(settings: SweepSettings) -> dict[str, Any]:
 
     space: dict[str, Any] = {"lr": tune.loguniform(settings.lr_min, settings.lr_max)}
     choices = {
-        "global_batch_size": [int(v) for v in _numbers(settings.batch_sizes, "batch_sizes")],
-        "warmup_fraction": _numbers(settings.warmup_fractions, "warmup_fractions"),
-        "weight_decay": _numbers(settings.weight_decays, "weight_decays"),
+        "global_batch_size": [int(v) for v in _number_list(settings.batch_sizes, "batch_sizes")],
+        "warmup_fraction": _number_list(settings.warmup_fractions, "warmup_fractions"),
+        "weight_decay": _number_list(settings.weight_decays, "weight_decays"),
     }
     for field, values in choices.items():
         if values:
@@ -330,7 +330,7 @@ def run_sweep(
                                   full_run)  # fmt: skip
     finish_tracked_run(
         parent,
-        artifacts=[sweep_dir.join(name) for name in (RESULTS_FILE, CURVES_FILE, BEST_FILE)],
+        artifacts=[sweep_dir.join(name) for name in (RESULTS_FILE, TRIALS_PICTURE, BEST_FILE)],
         tags={"best_trial": outcome.get("best_trial"), "best_command": outcome.get("command")},
     )
     return outcome
@@ -424,7 +424,7 @@ def write_sweep_outputs(
     if curves:
         names = sorted({key for row in curves for key in row if key != objective.time_attr})
         plot_curves(
-            sweep_dir.join(CURVES_FILE), curves, [(objective.metric, names)], x=objective.time_attr,
+            sweep_dir.join(TRIALS_PICTURE), curves, [(objective.metric, names)], x=objective.time_attr,
             title=f"sweep {settings.sweep_name}: {objective.metric} by trial",
         )  # fmt: skip
     finished = [row for row in rows if not math.isnan(row[f"best_{objective.metric}"])]
@@ -448,7 +448,7 @@ def write_sweep_outputs(
             command, base, preset, best_values, full_run, f"{settings.sweep_name}-best"
         ),
         "results_csv": sweep_dir.join(RESULTS_FILE).uri,
-        "curves_png": sweep_dir.join(CURVES_FILE).uri,
+        "curves_png": sweep_dir.join(TRIALS_PICTURE).uri,
     }
     write_summary(sweep_dir.join(BEST_FILE), outcome)
     return outcome

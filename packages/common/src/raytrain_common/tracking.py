@@ -21,6 +21,7 @@ meanwhile wait in memory (bounded) and are sent when it comes back. `metrics.csv
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from raytrain_common.metrics import CURVES_FILE, METRICS_FILE, SUMMARY_FILE, package_versions
 from raytrain_common.storage import StoragePath
 
 log = logging.getLogger(__name__)
@@ -220,7 +222,6 @@ def finish_tracked_run(
     status: str = "FINISHED",
     artifacts: Sequence[StoragePath] = (),
     tags: Mapping[str, str | None] | None = None,
-    metrics: Mapping[str, Any] | None = None,
 ) -> None:
     """Attach the run's files, tag its outcome (e.g. the best checkpoint's URI), and close it."""
     if tracked is None:
@@ -230,21 +231,13 @@ def finish_tracked_run(
         for key, value in (tags or {}).items():
             if value is not None:
                 mlflow_client.set_tag(tracked.run_id, key, str(value))
-        if metrics:
-            from mlflow.entities import Metric
-
-            now = int(time.time() * 1000)
-            finals = [Metric(k, float(v), now, 0) for k, v in _numbers(metrics).items()]
-            if finals:
-                mlflow_client.log_batch(tracked.run_id, metrics=finals)
         with tempfile.TemporaryDirectory() as scratch:
             for artifact in artifacts:
                 if not artifact.exists():
                     continue
                 local = Path(artifact.path)
-                if not artifact.is_local:
+                if not artifact.is_local:  # MLflow uploads local files: fetch the object first
                     local = Path(scratch, local.name)
-                if not artifact.is_local:
                     local.write_bytes(artifact.read_bytes())
                 mlflow_client.log_artifact(tracked.run_id, str(local))
         mlflow_client.set_terminated(tracked.run_id, status=status)
@@ -392,8 +385,6 @@ class MetricSink:
 
 def system_tags(pipeline: str, version: str, *, workers: int, device: str) -> dict[str, str]:
     """The tags every pipeline's MLflow run carries, so runs of different stacks compare."""
-    from raytrain_common.metrics import package_versions
-
     versions = package_versions("transformers", "mlflow")
     return {
         "pipeline": pipeline,
@@ -404,8 +395,9 @@ def system_tags(pipeline: str, version: str, *, workers: int, device: str) -> di
     }
 
 
-def tracked_from_loop_config(loop_config: Mapping[str, Any], rank: int) -> MetricSink:
-    """Rank 0's sink for the run the driver opened; every other rank gets one that logs nothing."""
+def rank_zero_sink(loop_config: Mapping[str, Any], rank: int) -> MetricSink:
+    """The sink of the MLflow run the driver opened (`loop_config["tracked"]`) on rank 0; every
+    other rank, and every rank of an untracked run, gets one that logs nothing."""
     tracked = loop_config.get("tracked")
     return MetricSink(TrackedRun(**tracked) if tracked and rank == 0 else None)
 
@@ -415,8 +407,6 @@ def open_for_config(
 ) -> TrackedRun | None:
     """`open_tracked_run` for a pipeline's train config (a RayTrainSettings dataclass): its fields
     as params, the system tags, the experiment named after the pipeline unless set."""
-    import dataclasses
-
     return open_tracked_run(
         tracking=config.tracking,
         tracking_uri=config.tracking_uri,
@@ -460,8 +450,6 @@ def metric_history(storage: StoragePath, experiment: str, run_dir: StoragePath, 
 def finish_for_summary(tracked: TrackedRun | None, run_dir: StoragePath, summary: Mapping) -> None:
     """The end every pipeline's run shares: its summary, metrics table and curves attached, the
     best and latest checkpoints' URIs as tags, the MLflow run closed."""
-    from raytrain_common.metrics import CURVES_FILE, METRICS_FILE, SUMMARY_FILE
-
     finish_tracked_run(
         tracked,
         artifacts=[run_dir.join(name) for name in (SUMMARY_FILE, METRICS_FILE, CURVES_FILE)],

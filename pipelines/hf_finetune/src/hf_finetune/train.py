@@ -67,6 +67,8 @@ from raytrain_common.configs import (
 )
 from raytrain_common.faults import FaultLog, write_progress
 from raytrain_common.metrics import (
+    CURVES_FILE,
+    METRICS_FILE,
     SUMMARY_FILE,
     eta,
     package_versions,
@@ -85,14 +87,12 @@ from raytrain_common.tracking import (
     failed_on_error,
     finish_for_summary,
     open_for_config,
-    tracked_from_loop_config,
+    rank_zero_sink,
 )
 
 log = logging.getLogger("hf_finetune")
 
 SCORE = "eval_f1"  # Ray keeps the best checkpoints by this; the Trainer prefixes eval metrics
-METRICS_FILE = "metrics.csv"
-CURVES_FILE = "curves.png"
 HF_CHECKPOINT = RayTrainReportCallback.CHECKPOINT_NAME  # the HF folder inside a Ray checkpoint
 RECORD_FILE = "run_record.json"  # compute dtype and faults, beside the Trainer's files
 
@@ -431,7 +431,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             world = ray.train.get_context().get_world_size()
             faults.record_restart(state["global_step"], run_dir, driver_id, checkpoint.path, world)
 
-    sink = tracked_from_loop_config(loop_config, context.get_world_rank())
+    sink = rank_zero_sink(loop_config, context.get_world_rank())
     with tempfile.TemporaryDirectory(prefix="hf-finetune-") as output_dir, closing(sink):
         trainer = LengthGroupedTrainer(
             model=model,

@@ -52,6 +52,8 @@ from raytrain_common.configs import (
 from raytrain_common.faults import FaultLog, read_progress, write_progress
 from raytrain_common.hardware import peak_bf16_flops, peak_memory_gb
 from raytrain_common.metrics import (
+    CURVES_FILE,
+    METRICS_FILE,
     SUMMARY_FILE,
     eta,
     package_versions,
@@ -66,14 +68,12 @@ from raytrain_common.tracking import (
     failed_on_error,
     finish_for_summary,
     open_for_config,
-    tracked_from_loop_config,
+    rank_zero_sink,
 )
 
 log = logging.getLogger("llm_fsdp")
 
 SCORE = "val_loss"
-METRICS_FILE = "metrics.csv"
-CURVES_FILE = "curves.png"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -406,7 +406,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             parameters, lm_config.num_hidden_layers, lm_config.hidden_size, info.seq_len
         ),
     }
-    sink = tracked_from_loop_config(loop_config, rank)
+    sink = rank_zero_sink(loop_config, rank)
     try:
         window_started, window_steps = time.perf_counter(), 0
         window_loss = torch.zeros((), device=device)

@@ -51,6 +51,8 @@ from raytrain_common.data import device_batches, read_parquet
 from raytrain_common.faults import FaultLog, read_progress, write_progress
 from raytrain_common.hardware import peak_memory_gb
 from raytrain_common.metrics import (
+    CURVES_FILE,
+    METRICS_FILE,
     SUMMARY_FILE,
     eta,
     package_versions,
@@ -68,13 +70,11 @@ from raytrain_common.tracking import (
     failed_on_error,
     finish_for_summary,
     open_for_config,
-    tracked_from_loop_config,
+    rank_zero_sink,
 )
 
 log = logging.getLogger("mnist_resnet")
 
-METRICS_FILE = "metrics.csv"
-CURVES_FILE = "curves.png"
 SCORE = "test_accuracy"
 # The score of a mid-epoch checkpoint, which is not evaluated: below any real accuracy, so Ray keeps
 # it only as the latest (Ray's checkpoint ranking takes numbers only: NaN reaches it as None).
@@ -471,7 +471,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         }
 
     upload = upload_with_retries(config.storage_path, config.storage_patience_s)
-    sink = tracked_from_loop_config(loop_config, rank)
+    sink = rank_zero_sink(loop_config, rank)
     tracked_rows = [len(step_log)]  # step_log rows already sent to the tracker (a resume's are)
     try:
         collate = ImageBatchCollate(info)
