@@ -324,3 +324,24 @@ def test_a_torn_checkpoint_is_never_loaded(
     assert again["best_checkpoint"] != str(latest)
     result = predict(str(tmp_path), "torn", count=8, output=None)
     assert result["test_accuracy"] >= 0.6  # 1,024 training rows for 2 epochs; chance is 0.10
+
+
+def test_a_loss_that_turns_nan_ends_with_one_line_naming_the_cause_and_the_fix(
+    mnist_dir: StoragePath, tmp_path: Path
+) -> None:
+    """A learning rate of 10⁶ for real: the worker stops at the first NaN interval loss, Ray Train
+    hands the driver the failure, and the command's last line says what happened and what to change,
+    under the traceback (which stays for whoever needs it)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "mnist_resnet", "train", "--preset", "cpu", "--storage-path",
+         str(tmp_path), "--data-dir", mnist_dir.uri, "--run-name", "diverges", "--lr", "1e6",
+         "--epochs", "1", "--limit-train-rows", "1024", "--limit-test-rows", "256",
+         "--global-batch-size", "128", "--log-every-steps", "2", "--tracking", "none",
+         "--max-failures", "0"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "RAY_ADDRESS": ""},
+    )  # fmt: skip
+    assert done.returncode == 1, done.stdout + done.stderr
+    lines = done.stderr.rstrip().splitlines()
+    assert lines[-1].startswith("mnist-resnet train: known failure (non-finite loss): "), lines[-5:]
+    assert "lower --lr" in lines[-1] and "--grad-clip-norm" in lines[-1]
+    assert "Traceback" in done.stderr and "FloatingPointError" in done.stderr

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+import traceback
 import types
 import typing
 from collections.abc import Mapping
@@ -139,3 +140,18 @@ def end_ray_before_error_line() -> None:
 
     if ray.is_initialized():
         ray.shutdown()
+
+
+def report_known_failure(program: str, error: BaseException) -> bool:
+    """For a failure `raytrain_common.known_errors` recognises: print the real traceback, then one
+    last line with the cause and the fix, and return True; return False for any other error (the
+    caller re-raises it). Ray is disconnected first, so no streamed worker output lands after it."""
+    from raytrain_common.known_errors import explain
+
+    hint = explain(error)
+    if hint is None:
+        return False
+    end_ray_before_error_line()
+    traceback.print_exception(error, file=sys.stderr)
+    print(f"{program}: {hint}", file=sys.stderr, flush=True)
+    return True

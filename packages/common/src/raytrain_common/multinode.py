@@ -29,11 +29,14 @@ NodeHandle = Any  # ray._private.node.Node: the processes of one node
 class MultiNodeCluster:
     """A head node plus worker nodes; the helpers below are the faults a real cluster inflicts."""
 
-    def __init__(self, *, head_cpus: float, object_store_mb: int = 300) -> None:
+    def __init__(
+        self, *, head_cpus: float, object_store_mb: int = 300, connect: bool = True
+    ) -> None:
         self.object_store_bytes = object_store_mb * 1024 * 1024
+        self.connected = connect
         self.cluster = Cluster(
             initialize_head=True,
-            connect=True,
+            connect=connect,
             head_node_args={"num_cpus": head_cpus, "object_store_memory": self.object_store_bytes},
         )
 
@@ -85,6 +88,11 @@ class MultiNodeCluster:
         subprocess.run(command, check=True, capture_output=True, text=True, timeout=60)
 
     def alive_node_ids(self) -> list[str]:
+        if not self.connected:  # asked of the GCS directly
+            from ray._raylet import GcsClient
+
+            nodes = GcsClient(address=self.address).get_all_node_info()
+            return [node_id.hex() for node_id, node in nodes.items() if node.state == 0]
         return [node["NodeID"] for node in ray.nodes() if node["Alive"]]
 
     def train_workers(self) -> dict[int, str]:
@@ -116,7 +124,8 @@ class MultiNodeCluster:
         return workers
 
     def shutdown(self) -> None:
-        ray.shutdown()
+        if self.connected:
+            ray.shutdown()
         self.cluster.shutdown()
 
 
@@ -132,16 +141,20 @@ def wait_for(condition: Callable[[], Any], timeout_s: float, what: str, poll_s: 
 
 
 @contextmanager
-def multinode_cluster(*, head_cpus: float) -> Iterator[MultiNodeCluster]:
-    """A fresh cluster (the caller adds worker nodes), shut down afterwards whatever happens."""
-    if ray.is_initialized():
+def multinode_cluster(*, head_cpus: float, connect: bool = True) -> Iterator[MultiNodeCluster]:
+    """A fresh cluster (the caller adds worker nodes), shut down afterwards whatever happens.
+
+    Unconnected (`connect=False`), it can run beside a cluster this process uses, for tests whose
+    drivers are subprocesses (`RAY_ADDRESS` set) and that only start, count and stop nodes.
+    """
+    if connect and ray.is_initialized():
         raise RuntimeError(
             "this process is already connected to a Ray cluster: run fault tests on their own "
             "(`nox -s faults`, or `pytest -m faults`)"
         )
     # The preemption watcher polls drains every 5 s by default; 1 s keeps tests short.
     os.environ.setdefault("RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S", "1")
-    harness = MultiNodeCluster(head_cpus=head_cpus)
+    harness = MultiNodeCluster(head_cpus=head_cpus, connect=connect)
     try:
         yield harness
     finally:

@@ -22,7 +22,12 @@ from llm_fsdp.config import (
 from llm_fsdp.data import DataError
 from llm_fsdp.model import SMOLLM2, SMOLLM2_FOLDER, ModelError
 from raytrain_common.checkpoint import TornCheckpointError
-from raytrain_common.cli import add_config_options, config_from_args, end_ray_before_error_line
+from raytrain_common.cli import (
+    add_config_options,
+    config_from_args,
+    end_ray_before_error_line,
+    report_known_failure,
+)
 from raytrain_common.configs import ConfigError
 from raytrain_common.metrics import SUMMARY_FILE
 from raytrain_common.pretokenize import TokenizeError
@@ -81,6 +86,12 @@ def main(argv: list[str] | None = None) -> int:
         end_ray_before_error_line()
         print(f"llm-fsdp {args.command}: error: {error}", file=sys.stderr)
         return 2
+    except Exception as error:
+        # A known cause (GPU or node out of memory, a collective timeout, a missing module, …) gets
+        # one line with its fix under the traceback; anything else propagates as it is.
+        if not report_known_failure(f"llm-fsdp {args.command}", error):
+            raise
+        return 1
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:

@@ -20,7 +20,12 @@ from mnist_resnet.config import (
 )
 from mnist_resnet.data import DataError
 from raytrain_common.checkpoint import TornCheckpointError
-from raytrain_common.cli import add_config_options, config_from_args, end_ray_before_error_line
+from raytrain_common.cli import (
+    add_config_options,
+    config_from_args,
+    end_ray_before_error_line,
+    report_known_failure,
+)
 from raytrain_common.configs import ConfigError
 from raytrain_common.metrics import SUMMARY_FILE
 from raytrain_common.ray_start import ResourceError
@@ -82,6 +87,12 @@ def main(argv: list[str] | None = None) -> int:
         end_ray_before_error_line()
         print(f"mnist-resnet {args.command}: error: {error}", file=sys.stderr)
         return 2
+    except Exception as error:
+        # A known cause (GPU or node out of memory, a collective timeout, a missing module, …) gets
+        # one line with its fix under the traceback; anything else propagates as it is.
+        if not report_known_failure(f"mnist-resnet {args.command}", error):
+            raise
+        return 1
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:

@@ -1,0 +1,85 @@
+"""The known-failure table: real errors of each cause are named with their fix, the cause is found
+under Ray's wrapping, and other errors are left alone."""
+
+from __future__ import annotations
+
+import errno
+import importlib
+import socket
+
+import pytest
+
+from raytrain_common.known_errors import KNOWN_ERRORS, explain
+
+
+def raised(action: object) -> BaseException:
+    try:
+        action()  # type: ignore[operator]
+    except BaseException as error:
+        return error
+    raise AssertionError("nothing was raised")
+
+
+def bind_twice() -> None:
+    with socket.socket() as first, socket.socket() as second:
+        first.bind(("127.0.0.1", 0))
+        first.listen()
+        second.bind(first.getsockname())
+
+
+def test_a_port_already_in_use_is_named_with_its_fix() -> None:
+    error = raised(bind_twice)
+    assert isinstance(error, OSError) and error.errno == errno.EADDRINUSE
+    line = explain(error)
+    assert line is not None and line.startswith("known failure (port in use)")
+    assert "ray stop" in line
+
+
+def test_a_missing_module_names_the_module_and_the_image() -> None:
+    line = explain(raised(lambda: importlib.import_module("no_such_module_for_the_table")))
+    assert line is not None and "module 'no_such_module_for_the_table'" in line
+    assert "deploy/Dockerfile" in line and "runtime_env" in line
+
+
+def test_a_cause_is_found_under_layers_of_wrapping() -> None:
+    """Ray Train gives the driver the worker's traceback as text inside its own exception."""
+
+    def worker() -> None:
+        raise FloatingPointError("rank 0: loss is nan at epoch 1 step 3; lower --lr")
+
+    def controller() -> None:
+        try:
+            worker()
+        except FloatingPointError as error:
+            raise RuntimeError("Training failed due to worker errors:\n" + repr(error)) from None
+
+    line = explain(raised(controller))
+    assert line is not None and line.startswith("known failure (non-finite loss)")
+    assert "--grad-clip-norm" in line
+
+
+@pytest.mark.parametrize(
+    ("text", "name"),
+    [
+        ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB", "GPU out of memory"),
+        ("ray.exceptions.OutOfMemoryError: Task was killed due to the node running low on memory.", "node out of memory"),
+        ("Worker exit detail: ... The process is killed by SIGKILL by OOM killer due to high memory usage", "node out of memory"),
+        ("[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=5, OpType=ALLREDUCE)", "collective timeout"),
+        ("torch.distributed.DistNetworkError: The client socket has timed out after 1800s", "collective timeout"),
+        ("NCCL WARN Error: failed to extend /dev/shm/nccl-abc to 9637892 bytes", "shared memory too small"),
+        ("torch.distributed.DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled system error, ncclInternalError", "NCCL error"),
+        ("OSError: When uploading part for key 'runs/x': AWS Error ACCESS_DENIED during UploadPart operation", "storage error"),
+        ("OSError: [Errno 28] No space left on device", "disk full"),
+        ("RuntimeError: Version mismatch: The cluster was started with Ray 2.60.0 but this process uses 2.59.0", "version mismatch"),
+    ],
+)  # fmt: skip
+def test_each_tabulated_message_is_named(text: str, name: str) -> None:
+    line = explain(text)
+    assert line is not None and line.startswith(f"known failure ({name})"), line
+    known = next(k for k in KNOWN_ERRORS if k.name == name)
+    assert known.fix in line
+
+
+def test_an_unknown_error_is_left_alone() -> None:
+    assert explain(raised(lambda: {}["missing key"])) is None
+    assert explain("ValueError: global_batch_size=7 does not divide evenly") is None
