@@ -5,6 +5,7 @@
 - `quick` (no Ray cluster), `tests`, `tests_gpu`, `faults`, `manifests` and `lint` (ruff and
   mypy), over every package;
 - `new_pipeline`: copy a pipeline under a new name, here or as a standalone project;
+- `doctor`: check a Ray cluster for a run before the run (`raytrain-doctor`);
 - `ui`: MLflow's UI on the local tracking store the runs write.
 
 The pins, the shared environment and the helpers the sessions use are in tools/nox_stack.py.
@@ -120,6 +121,15 @@ def manifests(session: nox.Session) -> None:
         "tests/test_manifests.py",
         *(session.posargs or ["-q"]),
     )
+
+
+@nox.session(venv_backend="none")
+def doctor(session: nox.Session) -> None:
+    """`raytrain-doctor`: check the cluster at RAY_ADDRESS (or a new local one) for a run, in under
+    a minute. Arguments go to it, e.g. `nox -s doctor -- --pipeline NAME --storage-path
+    /mnt/runs -- --preset gpu --num-workers 8` (after the second `--`: the pipeline's train flags)."""
+    python = stack_python(session)
+    run_in_stack(session, python, "-m", "raytrain_common.doctor", *session.posargs)
 
 
 @nox.session(venv_backend="none")

@@ -103,7 +103,8 @@ def test_a_node_local_storage_path_fails_and_names_the_fix(
     assert code == 1, output
     shared = rows(report, "storage shared")[0]
     assert shared["status"] == "FAIL"
-    assert "this node's own disk" in shared["fix"] and "cluster has 2 nodes" in shared["fix"]
+    assert "this node's own disk" in shared["value"] and "cluster has 2 nodes" in shared["value"]
+    assert "workers on the other nodes cannot write checkpoints there" in shared["fix"]
     assert "NFS / ReadWriteMany" in shared["fix"] and "s3://bucket/prefix" in shared["fix"]
     # Both nodes did see each other's files (one box), and the fix says what that means.
     assert "--storage-is-shared is safe" in shared["fix"]

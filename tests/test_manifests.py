@@ -49,6 +49,8 @@ PIPELINES = pipeline_commands()
 RAYJOB_FILES = sorted(
     p.stem for p in RAYJOBS.glob("*.yaml") if p.name not in {"kustomization.yaml", "pvc.yaml"}
 )
+DOCTOR = "doctor"  # deploy/rayjob/doctor.yaml: raytrain-doctor on a pipeline's cluster
+DOCTOR_COMMAND = "raytrain-doctor"
 
 
 def crd_schema() -> dict[str, Any]:
@@ -138,7 +140,7 @@ def containers(document: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any], 
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", PIPELINES)
+@pytest.mark.parametrize("name", RAYJOB_FILES)
 def test_manifest_validates_against_the_crd_and_kubernetes(name: str) -> None:
     check_rayjob(rayjobs()[name], crd_schema())
 
@@ -208,7 +210,9 @@ def test_the_overlay_changes_image_replicas_gpus_and_storage_class_in_one_place(
 def test_every_pipeline_has_one_manifest_and_the_kustomize_base_lists_them_all() -> None:
     """Found, not listed: pipelines/*/ and deploy/rayjob/*.yaml agree, and the base's resources are
     that folder (`nox -s new_pipeline` rewrites the list; this catches a hand-made copy)."""
-    assert sorted(PIPELINES) == RAYJOB_FILES, "each pipelines/<name> has deploy/rayjob/<name>.yaml"
+    assert sorted([*PIPELINES, DOCTOR]) == RAYJOB_FILES, (
+        "each pipelines/<name> has deploy/rayjob/<name>.yaml, and doctor.yaml is beside them"
+    )
     base = load(RAYJOBS / "kustomization.yaml")[0]
     assert base["resources"] == ["pvc.yaml", *(f"{name}.yaml" for name in RAYJOB_FILES)], (
         "deploy/rayjob/kustomization.yaml must list every manifest of its folder"
@@ -224,7 +228,7 @@ def test_every_pipeline_has_one_manifest_and_the_kustomize_base_lists_them_all()
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", PIPELINES)
+@pytest.mark.parametrize("name", RAYJOB_FILES)
 def test_manifest_is_what_a_platform_team_accepts(name: str) -> None:
     document = rayjobs()[name]
     spec = document["spec"]
@@ -253,7 +257,7 @@ def test_manifest_is_what_a_platform_team_accepts(name: str) -> None:
     assert not re.search(r"(?i)(secret|password|token|key)\s*[:=]\s*\S", spec["runtimeEnvYAML"])
 
 
-@pytest.mark.parametrize("name", PIPELINES)
+@pytest.mark.parametrize("name", RAYJOB_FILES)
 def test_storage_path_is_the_shared_volume_on_head_and_workers(name: str) -> None:
     document = rayjobs()[name]
     paths = set(re.findall(r"--storage-path (\S+)", document["spec"]["entrypoint"]))
@@ -279,7 +283,7 @@ def test_the_image_installs_what_the_entrypoints_run() -> None:
         assert pin in dockerfile, f"{pin} of tools/nox_stack.py is not what the image installs"
     for document in rayjobs().values():
         for command in re.findall(r"(?:^|&&)\s*([a-z0-9-]+) ", document["spec"]["entrypoint"]):
-            assert command in PIPELINES.values(), command
+            assert command in [*PIPELINES.values(), DOCTOR_COMMAND], command
 
 
 # ---------------------------------------------------------------------------------------------
@@ -336,27 +340,57 @@ def smoke_job(name: str, storage: Path) -> tuple[str, dict[str, Any]]:
     return entrypoint, runtime_env
 
 
+def submit_and_wait(
+    head: str, entrypoint: str, runtime_env: dict[str, Any], timeout_s: float
+) -> str:
+    """Submit through the Jobs API, wait for the end, assert it SUCCEEDED; return its log."""
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    client = JobSubmissionClient(head)
+    job = client.submit_job(entrypoint=entrypoint, runtime_env=runtime_env)
+    deadline = time.monotonic() + timeout_s
+    ended = {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}
+    while (status := client.get_job_status(job)) not in ended:
+        assert time.monotonic() < deadline, f"{entrypoint[:60]}… did not end in {timeout_s:.0f} s"
+        time.sleep(2)
+    logs = client.get_job_logs(job)
+    assert status == JobStatus.SUCCEEDED, logs[-3000:]
+    return logs
+
+
 @pytest.mark.parametrize("name", PIPELINES)
 def test_entrypoint_succeeds_through_the_job_submission_api(
     name: str, ray_head: str, tmp_path: Path
 ) -> None:
-    from ray.job_submission import JobStatus, JobSubmissionClient
-
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    client = JobSubmissionClient(ray_head)
     entrypoint, runtime_env = smoke_job(name, tmp_path / "runs")
-    job = client.submit_job(entrypoint=entrypoint, runtime_env=runtime_env)
-    deadline = time.monotonic() + 600
-    while (status := client.get_job_status(job)) not in {
-        JobStatus.SUCCEEDED,
-        JobStatus.FAILED,
-        JobStatus.STOPPED,
-    }:
-        assert time.monotonic() < deadline, f"{name} did not finish in 10 minutes"
-        time.sleep(2)
-    logs = client.get_job_logs(job)
-    assert status == JobStatus.SUCCEEDED, logs[-3000:]
+    submit_and_wait(ray_head, entrypoint, runtime_env, timeout_s=600)
     run_name = re.search(r"--run-name (\S+)", entrypoint).group(1)
     run_dir = tmp_path / "runs" / run_name
     assert list(run_dir.glob("checkpoint_*")), f"no checkpoint under {run_dir}"
     assert (run_dir / "summary.json").exists()
+
+
+def test_the_doctor_manifest_targets_a_pipeline_cluster_and_succeeds_through_the_jobs_api(
+    ray_head: str, tmp_path: Path
+) -> None:
+    """doctor.yaml runs raytrain-doctor for the pipeline it names, on that pipeline's cluster shape;
+    at the CPU smoke size on a local head every check passes, and the job writes its JSON table."""
+    document = rayjobs()[DOCTOR]
+    env = yaml.safe_load(document["spec"]["runtimeEnvYAML"])["env_vars"]
+    pipeline = env["PIPELINE"]
+    assert pipeline in PIPELINES
+    target = rayjobs()[pipeline]["spec"]["rayClusterSpec"]
+    assert document["spec"]["rayClusterSpec"]["workerGroupSpecs"] == target["workerGroupSpecs"]
+    assert (
+        env["NUM_WORKERS"]
+        == yaml.safe_load(rayjobs()[pipeline]["spec"]["runtimeEnvYAML"])["env_vars"]["NUM_WORKERS"]
+    )
+
+    entrypoint, runtime_env = smoke_job(DOCTOR, tmp_path / "runs")
+    logs = submit_and_wait(ray_head, entrypoint, runtime_env, timeout_s=300)
+    report = json.loads((tmp_path / "runs" / "doctor" / f"{pipeline}.json").read_text())
+    assert report["ok"] and {row["status"] for row in report["rows"]} == {"OK"}, logs[-3000:]
+    assert {"versions", "imports", "collective", "storage", "memory forecast"} <= {
+        row["check"] for row in report["rows"]
+    }

@@ -41,9 +41,11 @@ TAKEN = {
     "torch", "torchvision", "transformers", "yaml",
 }  # fmt: skip
 NAME_PATTERN = re.compile(r"[a-z][a-z0-9]*(?:_[a-z0-9]+)*")
+DOCTOR_MANIFEST = "doctor.yaml"  # raytrain-doctor's RayJob, beside the pipelines' own
 KUSTOMIZATION_HEADER = """\
-# The base: the shared volume and one RayJob per pipeline, every deploy/rayjob/*.yaml. This list is
-# written by `nox -s new_pipeline` and checked against the folder by tests/test_manifests.py.
+# The base: the shared volume, one RayJob per pipeline and raytrain-doctor's (doctor.yaml): every
+# deploy/rayjob/*.yaml. This list is written by `nox -s new_pipeline` and checked against the
+# folder by tests/test_manifests.py.
 # Adapt it in an overlay (../overlays/example).
 apiVersion: kustomize.config.k8s.io/v1beta1
 kind: Kustomization
@@ -197,6 +199,17 @@ def write_manifest(repo_from: Path, origin: str, deploy_to: Path, name: str) -> 
     )
 
 
+def write_doctor_manifest(deploy_to: Path, name: str) -> None:
+    """deploy/rayjob/doctor.yaml, its PIPELINE set to the copy (a standalone project's only one)."""
+    text = (ROOT / "deploy" / "rayjob" / DOCTOR_MANIFEST).read_text()
+    pipeline = re.search(r'PIPELINE: "(\w+)"', text)
+    if pipeline is None:
+        raise CopyError(f"deploy/rayjob/{DOCTOR_MANIFEST} sets no PIPELINE")
+    text = text.replace(pipeline.group(0), f'PIPELINE: "{name}"')
+    text = text.replace(f"deploy/rayjob/{pipeline.group(1)}.yaml", f"deploy/rayjob/{name}.yaml")
+    write_atomically(deploy_to / "rayjob" / DOCTOR_MANIFEST, text)
+
+
 def write_kustomization(rayjob_folder: Path) -> None:
     """The kustomize base lists the shared volume, then every RayJob manifest in the folder."""
     manifests = sorted(
@@ -288,6 +301,7 @@ def write_standalone(origin: str, name: str, out: Path, today: str) -> None:
                 (staging / relative).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(source, staging / relative)
         write_manifest(ROOT, origin, staging / "deploy", name)
+        write_doctor_manifest(staging / "deploy", name)
         write_kustomization(staging / "deploy" / "rayjob")
         write_overlay(staging / "deploy", PipelineNames.new(name).distribution)
         old = PipelineNames.of(ROOT / "pipelines" / origin)

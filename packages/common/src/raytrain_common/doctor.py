@@ -562,9 +562,8 @@ def check_storage(report: Report, nodes: list[dict[str, Any]]) -> None:
             if all_shared
             else "The nodes did not see each other's files: the path is node-local."
         )
-        report.add(
-            "storage shared", "cluster", FAIL, str(error).split(":", 1)[0], f"{error} {seen}"
-        )
+        problem, fix = str(error).split(": ", 1)
+        report.add("storage shared", "cluster", FAIL, problem, f"{fix} {seen}")
         return
     if len(nodes) > 1 and all_shared:
         report.add("storage shared", "cluster", OK, f"every node sees every node's files at {uri}")
@@ -735,7 +734,7 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         epilog=(
             "With --pipeline, the shape comes from that pipeline's train flags given after `--`, "
-            "e.g. `raytrain-doctor --pipeline llm_fsdp -- --preset gpu --num-workers 8`; the "
+            "e.g. `raytrain-doctor --pipeline NAME -- --preset gpu --num-workers 8`; the "
             "options here override them."
         ),
     )
@@ -883,6 +882,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.json == "-":
             sys.stdout.write(text)
         else:
+            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
             temporary = f"{args.json}.tmp-{os.getpid()}"
             with open(temporary, "w", encoding="utf-8") as stream:
                 stream.write(text)

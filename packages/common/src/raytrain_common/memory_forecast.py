@@ -7,15 +7,14 @@ backward pass: that is the activation memory, measured on the real code rather t
 formula. Parameters, gradients and optimizer state follow from the parameter count, the precision and
 the sharding (FSDP divides them by the ranks).
 
-What it does not see: torch.compile's fusions (they save fewer tensors: the llm_fsdp gpu preset peaked
-at 37.1 GiB on an H100 where this forecasts its eager run), kernels' temporary workspaces and the
-allocator's fragmentation, which the fixed and proportional overheads below stand for.
+What it does not see: torch.compile's fusions (they keep fewer tensors, so a compiled run needs
+less than forecast), kernels' temporary workspaces and the allocator's fragmentation, which the fixed
+and proportional overheads below stand for.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -207,7 +206,3 @@ def _with(step: TrainingStep, **changes: Any) -> TrainingStep:
     import dataclasses
 
     return dataclasses.replace(step, **changes)
-
-
-def per_worker_micro_batch(global_batch_size: int, workers: int, grad_accum_steps: int) -> int:
-    return max(1, math.ceil(global_batch_size / (workers * grad_accum_steps)))
