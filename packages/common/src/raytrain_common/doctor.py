@@ -38,8 +38,6 @@ COLLECTIVE_CAUSES = (
     "NCCL_IB_DISABLE=1 without it), or a rank stuck on an overloaded node"
 )
 
-log = logging.getLogger("raytrain_doctor")
-
 
 @dataclass
 class Row:
@@ -360,7 +358,7 @@ def check_versions(
     for name in ("CUDA", "NCCL"):
         if gpu_nodes:
             reference[name] = Counter(seen[name] for seen in gpu_nodes).most_common(1)[0][0]
-    report.add("versions", "driver", OK, _join({k: v for k, v in reference.items()}))
+    report.add("versions", "driver", OK, _join(reference))
     for node_id, node_facts in facts.items():
         seen = describe(node_facts)
         differ = {name: value for name, value in seen.items() if reference.get(name) != value}
@@ -864,9 +862,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     start = time.monotonic()
     try:
         report = run_checks(args)
-    except (ConfigError, SystemExit) as error:
-        if isinstance(error, SystemExit):
-            raise
+    except ConfigError as error:
         print(f"raytrain-doctor: error: {error}", file=sys.stderr)
         return 2
     seconds = time.monotonic() - start
