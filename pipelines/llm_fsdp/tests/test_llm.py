@@ -17,9 +17,10 @@ from llm_fsdp.config import TrainConfig, cpu_preset
 from llm_fsdp.data import DataError, inspect_dataset, prepare, read_blocks
 from llm_fsdp.export import choose_checkpoint, export, generate
 from llm_fsdp.model import ModelError, resolve_model
-from llm_fsdp.train import global_batch_indices, micro_batches, run
+from llm_fsdp.train import run
 from raytrain_common.configs import ConfigError
 from raytrain_common.metrics import read_metrics_csv
+from raytrain_common.order import global_batch_indices, micro_batches
 from raytrain_common.storage import StoragePath, resolve_storage
 from raytrain_common.tracking import metric_history
 

@@ -55,6 +55,16 @@ class DataLocation(StorageLocation):
 
 
 @dataclass(kw_only=True)
+class ConsoleSettings:
+    """`--verbose` for commands that start Ray without training (prepare): see ray_start."""
+
+    verbose: bool = option(
+        False,
+        "Show Ray's own progress bars and internal lines on the console, not only in its logs.",
+    )
+
+
+@dataclass(kw_only=True)
 class RunLocation(StorageLocation):
     """One run's folder under the storage path: its checkpoints, metrics and summary."""
 

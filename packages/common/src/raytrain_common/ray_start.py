@@ -11,7 +11,9 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 import time
+from typing import Any
 
 import ray
 
@@ -27,6 +29,24 @@ RUN_ENV = {
     "RAY_USAGE_STATS_ENABLED": "0",
 }
 DATA_CPUS = 2.0
+# Whether commands that start Ray leave its own lines on the console (their --verbose sets it).
+_CONSOLE = {"verbose": False}
+
+# Lines Ray's processes print that say nothing about this run, kept off the console (they stay in
+# Ray's log folder). Errors and warnings of the run itself are never among them.
+KNOWN_HARMLESS_LINES = (
+    # Ray Train's own PreemptionWatcher actor is created with max_restarts and its arguments in the
+    # object store; core_worker logs that at ERROR level on every run (ray-project/ray#53727).
+    re.compile(r"PreemptionWatcher.*constructor arguments in the object store"),
+    # Ray Train's controller and workers narrating the worker group's start-up, at INFO level.
+    re.compile(r"^(Requesting resources|Attempting to start training worker group|"
+               r"Started training worker group|Setting up process group for|- \(ip=)"),
+)  # fmt: skip
+
+
+def show_ray_output(verbose: bool) -> None:
+    """A command's --verbose: Ray's own progress bars and internal lines on the console too."""
+    _CONSOLE["verbose"] = verbose
 
 
 class ResourceError(RuntimeError):
@@ -46,6 +66,7 @@ def init_ray(train_cpus: float, *, data_cpus: float = DATA_CPUS) -> bool:
     address = os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, logging_level=logging.WARNING)
+        quiet_ray_output(_CONSOLE["verbose"])
         log.info("joined Ray cluster at %s: %s", address, _describe(ray.cluster_resources()))
         return False
     cores = os.cpu_count() or 1
@@ -59,6 +80,7 @@ def init_ray(train_cpus: float, *, data_cpus: float = DATA_CPUS) -> bool:
         runtime_env={"env_vars": dict(RUN_ENV)},
         logging_level=logging.WARNING,
     )
+    quiet_ray_output(_CONSOLE["verbose"])
     log.info("started a local Ray cluster: %s", _describe(ray.cluster_resources()))
     return True
 
@@ -69,6 +91,7 @@ def start_ray_for_run(settings: RayTrainSettings, *paths: StoragePath) -> None:
     Node-local `paths` on a multi-node cluster, and a worker group the cluster cannot hold (after
     waiting 5 minutes for autoscaled nodes on a remote cluster), each fail with what to change.
     """
+    show_ray_output(settings.verbose)
     is_local = init_ray(train_cpus=settings.num_workers * settings.cpus_per_worker)
     quiet_ray_output(settings.verbose)
     if not settings.verbose:
@@ -121,7 +144,12 @@ class _RayInternalLines(logging.Filter):
     """Passes warnings and errors, and every line that is not Ray's own."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno >= logging.WARNING or f"{os.sep}ray{os.sep}" not in record.pathname
+        if f"{os.sep}ray{os.sep}" not in record.pathname:
+            return True
+        # Ray Data warns that the progress bars are off: quiet_ray_output turned them off.
+        return record.levelno >= logging.WARNING and not record.getMessage().startswith(
+            "Progress bars disabled"
+        )
 
 
 def quiet_ray_output(verbose: bool) -> None:
@@ -144,6 +172,40 @@ def quiet_ray_output(verbose: bool) -> None:
 
     for name in (context.__file__, storage.__name__, "ray.data"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    _filter_streamed_lines()
+
+
+def _filter_streamed_lines() -> None:
+    """In the driver, drop KNOWN_HARMLESS_LINES from what Ray streams from its other processes.
+
+    Ray prints those through one handler of its stream dispatcher; it is wrapped, once, with a filter.
+    Private API: if Ray changes it, the lines simply show again.
+    """
+    try:
+        from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+    except ImportError:
+        return
+    with dispatcher._lock:
+        handlers = []
+        for name, handler in dispatcher.handlers:
+            if name == "ray_print_logs" and not getattr(handler, "_raytrain_filtered", False):
+                handler = _without_harmless_lines(handler)
+            handlers.append((name, handler))
+        dispatcher.handlers = handlers
+
+
+def _without_harmless_lines(handler: Any) -> Any:
+    def filtered(data: dict[str, Any]) -> None:
+        lines = [
+            line
+            for line in data.get("lines", [])
+            if not any(pattern.search(line) for pattern in KNOWN_HARMLESS_LINES)
+        ]
+        if lines:
+            handler({**data, "lines": lines})
+
+    filtered._raytrain_filtered = True  # type: ignore[attr-defined]
+    return filtered
 
 
 def ray_log_folder() -> str:

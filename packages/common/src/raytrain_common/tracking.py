@@ -222,12 +222,16 @@ def finish_tracked_run(
     status: str = "FINISHED",
     artifacts: Sequence[StoragePath] = (),
     tags: Mapping[str, str | None] | None = None,
+    metrics: Mapping[str, float] | None = None,
 ) -> None:
-    """Attach the run's files, tag its outcome (e.g. the best checkpoint's URI), and close it."""
+    """Attach the run's files, tag its outcome (e.g. the best checkpoint's URI), log its final
+    metrics (e.g. the chosen checkpoint's test accuracy), and close it."""
     if tracked is None:
         return
     try:
         mlflow_client = client(tracked.tracking_uri)
+        for key, number in (metrics or {}).items():
+            mlflow_client.log_metric(tracked.run_id, key, float(number))
         for key, value in (tags or {}).items():
             if value is not None:
                 mlflow_client.set_tag(tracked.run_id, key, str(value))
@@ -449,12 +453,19 @@ def metric_history(storage: StoragePath, experiment: str, run_dir: StoragePath, 
 
 def finish_for_summary(tracked: TrackedRun | None, run_dir: StoragePath, summary: Mapping) -> None:
     """The end every pipeline's run shares: its summary, metrics table and curves attached, the
-    best and latest checkpoints' URIs as tags, the MLflow run closed."""
+    best and latest checkpoints' URIs as tags, the test metrics of the chosen checkpoint (the
+    summary's "test", where a pipeline reports one) logged, the MLflow run closed."""
+    test = summary.get("test") or {}
     finish_tracked_run(
         tracked,
         artifacts=[run_dir.join(name) for name in (SUMMARY_FILE, METRICS_FILE, CURVES_FILE)],
         tags={
             "best_checkpoint": summary.get("best_checkpoint"),
             "latest_checkpoint": summary.get("latest_checkpoint"),
+        },
+        metrics={
+            key: value
+            for key, value in test.items()
+            if key.startswith("test_") and isinstance(value, (int, float))
         },
     )

@@ -32,7 +32,7 @@ from raytrain_common.cli import (
 from raytrain_common.configs import ConfigError
 from raytrain_common.metrics import SUMMARY_FILE
 from raytrain_common.pretokenize import TokenizeError
-from raytrain_common.ray_start import ResourceError
+from raytrain_common.ray_start import ResourceError, show_ray_output
 from raytrain_common.storage import StorageError, resolve_storage
 from raytrain_common.text import TextEncodingError, check_encoding, decode_text
 
@@ -108,6 +108,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     from hf_finetune.model import resolve_model
 
     config = config_from_args(args, PrepareConfig)
+    show_ray_output(config.verbose)
     config = dataclasses.replace(config, encoding=check_encoding(config.encoding))
     model = resolve_model(config.model)
     data_dir = resolve_storage(config.resolved_data_dir())

@@ -12,6 +12,7 @@ from typing import ClassVar
 from raytrain_common.cli import option
 from raytrain_common.configs import (
     ConfigError,
+    ConsoleSettings,
     DataLocation,
     RayTrainSettings,
     RunLocation,
@@ -26,7 +27,7 @@ VADER_SOURCE = "vader"
 
 
 @dataclass(kw_only=True)
-class PrepareConfig(DataLocation):
+class PrepareConfig(DataLocation, ConsoleSettings):
     data_folder: ClassVar[str] = DEFAULT_DATA_FOLDER
     dataset: str = option(
         VADER_SOURCE,

@@ -33,7 +33,6 @@ from llm_fsdp.train import (
     build_optimizer,
     dataset_info,
     flops_per_token,
-    global_batch_indices,
     learning_rate,
     run,
     stage_blocks,
@@ -42,6 +41,7 @@ from llm_fsdp.train import (
 from raytrain_common.configs import per_worker_batch_size
 from raytrain_common.hardware import mfu, peak_memory_gb
 from raytrain_common.metrics import read_metrics_csv, write_metrics_csv
+from raytrain_common.order import global_batch_indices
 from raytrain_common.storage import resolve_storage
 
 log = logging.getLogger("llm_fsdp.bench")

@@ -31,7 +31,7 @@ from raytrain_common.cli import (
 from raytrain_common.configs import ConfigError
 from raytrain_common.metrics import SUMMARY_FILE
 from raytrain_common.pretokenize import TokenizeError
-from raytrain_common.ray_start import ResourceError
+from raytrain_common.ray_start import ResourceError, show_ray_output
 from raytrain_common.storage import StorageError, join_uri, resolve_storage
 from raytrain_common.text import TextEncodingError, check_encoding
 
@@ -99,6 +99,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     from llm_fsdp.model import convert_smollm2
 
     config = config_from_args(args, PrepareConfig)
+    show_ray_output(config.verbose)
     data_dir = resolve_storage(config.resolved_data_dir())
     tokenizer = config.tokenizer
     if tokenizer == SMOLLM2:

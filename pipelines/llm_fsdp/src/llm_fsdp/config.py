@@ -15,6 +15,7 @@ from llm_fsdp.model import SMOLLM2
 from raytrain_common.cli import option
 from raytrain_common.configs import (
     ConfigError,
+    ConsoleSettings,
     DataLocation,
     RayTrainSettings,
     RunLocation,
@@ -33,7 +34,7 @@ DATA_DIR_HELP = (
 
 
 @dataclass(kw_only=True)
-class PrepareConfig(DataLocation):
+class PrepareConfig(DataLocation, ConsoleSettings):
     data_folder: ClassVar[str] = DEFAULT_DATA_FOLDER
     data_dir: str | None = option(None, DATA_DIR_HELP)
     dataset: str = option(

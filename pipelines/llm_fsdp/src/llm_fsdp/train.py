@@ -1,6 +1,6 @@
 """Train a causal LM with FSDP2 in every Ray Train worker, from packed Parquet blocks.
 
-Read top to bottom: the learning-rate schedule and FLOPs, the data order, one step, evaluation,
+Read top to bottom: the learning-rate schedule and FLOPs, one step, evaluation,
 sharded checkpoints, the per-worker loop, then the driver that checks everything and launches
 `TorchTrainer`. The model comes from `model.py` and is sharded in `parallelize.py` only.
 """
@@ -61,6 +61,7 @@ from raytrain_common.metrics import (
     write_metrics_csv,
     write_summary,
 )
+from raytrain_common.order import global_batch_indices, micro_batches
 from raytrain_common.ray_start import quiet_ray_output, start_ray_for_run
 from raytrain_common.runs import fit, locate_run, summary_header
 from raytrain_common.storage import StoragePath, resolve_storage
@@ -95,35 +96,6 @@ def learning_rate(step: int, config: TrainConfig) -> float:
 def flops_per_token(parameters: int, layers: int, hidden: int, seq_len: int) -> float:
     """Training FLOPs per token: 6N for the matmuls of weights, plus 12·L·H·T for attention."""
     return 6 * parameters + 12 * layers * hidden * seq_len
-
-
-# ---------------------------------------------------------------------------------------------
-# Data order: a seeded permutation per pass, consumed in global batches
-# ---------------------------------------------------------------------------------------------
-
-
-def global_batch_indices(
-    step: int, global_batch_size: int, num_blocks: int, seed: int
-) -> np.ndarray:
-    """The blocks of optimiser step `step`: positions [step·G, (step+1)·G) of an endless stream of
-    per-pass permutations. Depends on the step alone, so resuming on any worker count continues
-    with exactly the next blocks."""
-    positions = np.arange(step * global_batch_size, (step + 1) * global_batch_size)
-    passes, offsets = np.divmod(positions, num_blocks)
-    out = np.empty_like(positions)
-    for one_pass in np.unique(passes):
-        order = np.random.default_rng([seed, int(one_pass)]).permutation(num_blocks)
-        out[passes == one_pass] = order[offsets[passes == one_pass]]
-    return out
-
-
-def micro_batches(indices: np.ndarray, rank: int, world: int, accum: int) -> list[np.ndarray]:
-    """This rank's micro-batches of a global batch: rank-major within each accumulation step."""
-    per_micro = len(indices) // (world * accum)
-    return [
-        indices[(a * world + rank) * per_micro : (a * world + rank + 1) * per_micro]
-        for a in range(accum)
-    ]
 
 
 # ---------------------------------------------------------------------------------------------

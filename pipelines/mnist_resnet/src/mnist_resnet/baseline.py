@@ -38,10 +38,10 @@ def run_baseline(config: TrainConfig) -> dict[str, Any]:
     torch.manual_seed(config.seed)
     device = torch.device("cuda" if config.use_gpu and torch.cuda.is_available() else "cpu")
     train = read_split_arrays(data_dir, "train", config.limit_train_rows)
-    test = read_split_arrays(data_dir, "test", config.limit_test_rows)
+    val = read_split_arrays(data_dir, "val", config.limit_val_rows)
     train_images = as_nchw(train.images)
     train_labels = torch.from_numpy(train.labels)
-    steps = steps_per_epoch(len(train_labels), 1, config.global_batch_size, 1)
+    steps = steps_per_epoch(len(train_labels), config.global_batch_size)
 
     model = build_model(info.num_classes, info.channels).to(device)
     optimizer = build_optimizer(model, config)
@@ -78,15 +78,15 @@ def run_baseline(config: TrainConfig) -> dict[str, Any]:
             if steady_steps > 0
             else config.global_batch_size * steps / elapsed
         )
-        accuracy = evaluate_arrays(model, test.images, test.labels, info, device)
+        accuracy = evaluate_arrays(model, val.images, val.labels, info, device)
         row = {
             "epoch": epoch,
-            "test_accuracy": accuracy,
+            "val_accuracy": accuracy,
             "train_images_per_s": rate,
             "epoch_train_s": elapsed,
         }
         if (memory := peak_memory_gb(device)) is not None:  # on a GPU
             row["peak_memory_gb"] = memory
         history.append(row)
-        log.info("epoch %d  test accuracy %.4f  %.0f img/s", epoch, accuracy, rate)
+        log.info("epoch %d  val accuracy %.4f  %.0f img/s", epoch, accuracy, rate)
     return {"history": history, "threads": torch.get_num_threads(), "device": str(device)}

@@ -56,7 +56,7 @@ def plain_ddp_worker(rank: int, world: int, port: int, config: TrainConfig, resu
     images = torch.from_numpy(train.images[rank::world]).unsqueeze(1)
     labels = torch.from_numpy(train.labels[rank::world])
     micro = per_worker_batch_size(config.global_batch_size, world)
-    steps = steps_per_epoch(len(train.labels), world, micro, 1)
+    steps = steps_per_epoch(len(train.labels), config.global_batch_size)
     torch.manual_seed(config.seed)
     model = torch.nn.parallel.DistributedDataParallel(build_model(info.num_classes))
     optimizer = build_optimizer(model, config)
@@ -151,6 +151,7 @@ def measure(args: argparse.Namespace) -> int:
         num_workers=args.num_workers or (torch.cuda.device_count() if preset.use_gpu else 2),
         epochs=args.epochs,
         limit_train_rows=args.rows,
+        limit_val_rows=1000,
         limit_test_rows=1000,
         log_every_steps=20,
     )

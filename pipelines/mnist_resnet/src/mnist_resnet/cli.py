@@ -28,7 +28,7 @@ from raytrain_common.cli import (
 )
 from raytrain_common.configs import ConfigError
 from raytrain_common.metrics import SUMMARY_FILE
-from raytrain_common.ray_start import ResourceError
+from raytrain_common.ray_start import ResourceError, show_ray_output
 from raytrain_common.storage import StorageError, resolve_storage
 
 log = logging.getLogger("mnist_resnet")
@@ -99,6 +99,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     from mnist_resnet.data import prepare
 
     config = config_from_args(args, PrepareConfig)
+    show_ray_output(config.verbose)
     data_dir = resolve_storage(config.resolved_data_dir())
     with tempfile.TemporaryDirectory(prefix="mnist-download-") as download_root:
         info = prepare(
@@ -108,15 +109,17 @@ def cmd_prepare(args: argparse.Namespace) -> int:
             force=config.force,
             image_size=config.image_size,
             test_fraction=config.test_fraction,
+            val_fraction=config.val_fraction,
             seed=config.seed,
         )
     shape = f"{info.height}×{info.width}" + ("" if info.channels == 1 else f"×{info.channels}")
     names = info.class_names or []
     classes = f" ({', '.join(names[:10])}{', …' if len(names) > 10 else ''})" if names else ""
     print(
-        f"dataset: {info.train_rows} train + {info.test_rows} test images of {shape}, "
-        f"{info.num_classes} classes{classes}, from {info.source}"
-        + (f"\ntest split: {info.notes['test_split']}" if info.notes else "")
+        f"dataset: {info.train_rows} train + {info.val_rows} validation + {info.test_rows} test "
+        f"images of {shape}, {info.num_classes} classes{classes}, from {info.source}"
+        + (f"\ntest split: {info.notes['test_split']}" if "test_split" in info.notes else "")
+        + f"\nvalidation split: {info.notes['val_split']}"
         + f"\nwritten to {data_dir}"
     )
     return 0
@@ -138,9 +141,12 @@ def cmd_train(args: argparse.Namespace) -> int:
             f"same command without --stop-at-step to continue: {summary['latest_checkpoint']}"
         )
         return 0
+    test = summary["test"]
     print(
-        f"best test accuracy {best['test_accuracy']:.4f} at epoch {int(best['epoch'])} "
+        f"best validation accuracy {best['val_accuracy']:.4f} at epoch {int(best['epoch'])} "
         f"of {summary['epochs_done']}; training took {summary['train_time_s']:.0f} s\n"
+        f"test accuracy {test['test_accuracy']:.4f} on {test['test_rows']} images "
+        f"(that checkpoint, evaluated once)\n"
         f"metrics: {summary['metrics_csv']}\ncurves: {summary['curves_png']}\n"
         f"best checkpoint: {summary['best_checkpoint']}\n"
         f"summary: {resolve_storage(summary['run_dir']).join(SUMMARY_FILE).uri}"
@@ -163,7 +169,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         train=run,
         objective=Objective(SCORE, "max", time_attr="epoch", max_t=config.epochs),
         command=f"mnist-resnet train --preset {args.preset}",
-        full_run={"limit_train_rows": None, "limit_test_rows": None, "epochs": preset.epochs},
+        full_run={"limit_train_rows": None, "limit_val_rows": None, "epochs": preset.epochs},
     )
     print_outcome(outcome, SCORE)
     return 0

@@ -1,11 +1,15 @@
-"""MNIST, an IDX dataset or a class-per-folder image tree → Parquet, its checks, and the on-the-fly
-normalisation.
+"""MNIST, an IDX dataset or a class-per-folder image tree → Parquet, its checks, and the batches a
+worker trains on.
 
 Layout of a prepared dataset folder:
     train/part-000.parquet …   columns image (binary, H×W or H×W×3 uint8 bytes) and label (int64)
-    test/part-000.parquet …
+    val/part-000.parquet …     carved from the training data (stratified, seeded): picks checkpoints
+    test/part-000.parquet …    reported once, for the chosen checkpoint
     dataset.json               classes, shape, mean/std, row counts; written last, so it marks a
                                complete dataset
+
+Every split is written in a seeded random order, so its first N rows (`--limit-*-rows`) are a fair
+sample even when the source was sorted by class; training does not rely on it (see train.py).
 """
 
 from __future__ import annotations
@@ -28,7 +32,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
-from ray.data.collate_fn import ArrowBatchCollateFn
 
 from mnist_resnet import images as image_tree
 from mnist_resnet.config import HUB_SOURCE
@@ -38,7 +41,7 @@ log = logging.getLogger(__name__)
 
 IMAGE_SIZE = (28, 28)
 DATASET_FILE = "dataset.json"
-SPLITS = ("train", "test")
+SPLITS = ("train", "val", "test")
 ROWS_PER_FILE = 10_000
 TORCHVISION_SOURCE = "torchvision"
 
@@ -57,6 +60,7 @@ class DatasetInfo:
     std: float | list[float]
     train_rows: int
     test_rows: int
+    val_rows: int = 0  # 0: prepared by a version without a validation split (refused by train)
     channels: int = 1
     class_names: list[str] | None = None  # an image tree's folder names; MNIST's are its digits
     notes: dict[str, Any] = field(default_factory=dict)  # how an image tree was read and split
@@ -73,12 +77,14 @@ class Split:
 
 @dataclass(frozen=True)
 class Loaded:
-    """A source's splits and what describes them beyond the pixels."""
+    """A source's splits and what describes them beyond the pixels; `val` is None when the source
+    has no validation split of its own (then prepare carves one from train)."""
 
     train: Split
     test: Split
     class_names: list[str] | None = None
     notes: dict[str, Any] = field(default_factory=dict)
+    val: Split | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -218,21 +224,29 @@ def load_image_tree(
         "skipped_files": tree.skipped,
     }
     if "all" in decoded:
-        whole = decoded["all"]
-        train_rows, test_rows = image_tree.carve_test(whole.labels, test_fraction, seed)
-        notes["test_split"] = f"carved: {len(test_rows)} images, stratified by class, seed {seed}"
+        train, test = carve(decoded["all"], test_fraction, seed)
+        notes["test_split"] = f"carved: {len(test.labels)} images, stratified by class, seed {seed}"
         log.info("no train/ and test/ folders: %s", notes["test_split"])
-        train = Split(whole.images[train_rows], whole.labels[train_rows])
-        test = Split(whole.images[test_rows], whole.labels[test_rows])
     else:
         train, test = decoded["train"], decoded["test"]
-        notes["test_split"] = "the tree's own test folder"
+        notes["test_split"] = f"the tree's own {tree.folder_names['test']}/ folder"
+    if "val" in decoded:
+        notes["val_split"] = f"the tree's own {tree.folder_names['val']}/ folder"
     log.info(
         "%d classes, %d + %d images at %d×%d, %d channel(s) (modes %s); %d other files skipped",
         len(tree.class_names), len(train.labels), len(test.labels), side, side, channels,
         modes, sum(tree.skipped.values()),
     )  # fmt: skip
-    return Loaded(train, test, tree.class_names, notes)
+    return Loaded(train, test, tree.class_names, notes, decoded.get("val"))
+
+
+def carve(whole: Split, fraction: float, seed: int) -> tuple[Split, Split]:
+    """(kept, held out): a stratified, seeded share of `whole` held out (see images.held_out_rows)."""
+    kept, held_out = image_tree.carve_held_out(whole.labels, fraction, seed)
+    return (
+        Split(whole.images[kept], whole.labels[kept]),
+        Split(whole.images[held_out], whole.labels[held_out]),
+    )
 
 
 def load_source(
@@ -300,8 +314,10 @@ def to_arrow(split: Split) -> pa.Table:
     return pa.table({"image": images, "label": pa.array(split.labels, pa.int64())})
 
 
-def write_split(folder: StoragePath, split: Split) -> None:
-    table = to_arrow(split)
+def write_split(folder: StoragePath, split: Split, seed: int) -> None:
+    """The rows in a seeded random order (a sorted source's first rows would be one class)."""
+    order = np.random.default_rng([seed, len(split.labels)]).permutation(len(split.labels))
+    table = to_arrow(Split(split.images[order], split.labels[order]))
     for index, start in enumerate(range(0, table.num_rows, ROWS_PER_FILE)):
         part = table.slice(start, ROWS_PER_FILE)
         target = folder.join(f"part-{index:03d}.parquet")
@@ -316,17 +332,24 @@ def prepare(
     force: bool = False,
     image_size: int | None = None,
     test_fraction: float = 0.1,
+    val_fraction: float = 0.1,
     seed: int = 0,
 ) -> DatasetInfo:
-    """Write the source's train and test splits as Parquet; a complete folder is left as it is."""
+    """Write the source's train, validation and test splits as Parquet; a complete folder is left
+    as it is. A source without a validation split gets one carved from its training rows."""
     if image_size is not None and not 8 <= image_size <= 1024:
         raise DataError(f"--image-size={image_size}: give a side between 8 and 1024 pixels")
-    if not 0 < test_fraction < 0.5:
-        raise DataError(f"--test-fraction={test_fraction}: it must lie between 0 and 0.5")
+    for flag, fraction in (("--test-fraction", test_fraction), ("--val-fraction", val_fraction)):
+        if not 0 < fraction < 0.5:
+            raise DataError(f"{flag}={fraction}: it must lie between 0 and 0.5")
     marker = data_dir.join(DATASET_FILE)
     if marker.exists() and not force:
         info = DatasetInfo(**json.loads(marker.read_text()))
-        if info.source == _source_id(source) and image_size in (None, info.height):
+        if (
+            info.val_rows
+            and info.source == _source_id(source)
+            and image_size in (None, info.height)
+        ):
             log.info("%s is already prepared from %s; nothing to do", data_dir, info.source)
             return info
         raise DataError(
@@ -336,7 +359,14 @@ def prepare(
             + ": pass --force to replace it, or choose another --data-dir"
         )
     loaded = load_source(source, download_root, image_size, test_fraction, seed)
-    train, test = loaded.train, loaded.test
+    train, test, val = loaded.train, loaded.test, loaded.val
+    notes = dict(loaded.notes)
+    if val is None:
+        train, val = carve(train, val_fraction, seed + 1)
+        notes["val_split"] = (
+            f"carved from the training data: {len(val.labels)} images, stratified by class, "
+            f"seed {seed + 1}"
+        )
     size = train.images.shape[1:3]
     check_split("train", train, size=size if loaded.class_names else IMAGE_SIZE)
     num_classes = (
@@ -345,6 +375,7 @@ def prepare(
         else int(max(train.labels.max(), test.labels.max())) + 1
     )
     check_split("test", test, num_classes, size=size if loaded.class_names else IMAGE_SIZE)
+    check_split("val", val, num_classes, size=size if loaded.class_names else IMAGE_SIZE)
     mean, std = channel_stats(train.images)
     info = DatasetInfo(
         source=_source_id(source),
@@ -355,18 +386,19 @@ def prepare(
         std=std,
         train_rows=len(train.labels),
         test_rows=len(test.labels),
+        val_rows=len(val.labels),
         channels=1 if train.images.ndim == 3 else int(train.images.shape[3]),
         class_names=loaded.class_names,
-        notes=loaded.notes,
+        notes=notes,
     )
     if marker.exists() and not data_dir.is_local:  # rewritten in place: unmarked until complete
         marker.filesystem.delete_file(marker.path)
     with staged_folder(data_dir, DATASET_FILE) as staging:
-        for name, split in (("train", train), ("test", test)):
+        for name, split in (("train", train), ("val", val), ("test", test)):
             folder = staging.join(name)
             if folder.exists():
                 folder.filesystem.delete_dir_contents(folder.path)
-            write_split(folder, split)
+            write_split(folder, split, seed)
         staging.join(DATASET_FILE).write_text(json.dumps(asdict(info), indent=2) + "\n")
     return info
 
@@ -386,6 +418,11 @@ def inspect_dataset(data_dir: StoragePath) -> DatasetInfo:
             f"`mnist-resnet prepare --data-dir {data_dir}` first"
         )
     info = DatasetInfo(**json.loads(marker.read_text()))
+    if not info.val_rows:
+        raise DataError(
+            f"{data_dir} was prepared by an earlier version, without a validation split: rerun "
+            f"`mnist-resnet prepare --force --data-dir {data_dir}`"
+        )
     for split in SPLITS:
         folder = data_dir.join(split)
         files = folder.list_files(".parquet")
@@ -440,7 +477,7 @@ def _check_parquet_file(file: StoragePath, info: DatasetInfo) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# On the fly: bytes → normalised float tensors, in Ray Data's prefetch threads
+# Batches: bytes → normalised float tensors on the worker's device
 # ---------------------------------------------------------------------------------------------
 
 
@@ -478,34 +515,47 @@ def normalise(
     return (images.float() / 255.0 - mean_t) / std_t
 
 
-class ImageBatchCollate(ArrowBatchCollateFn):
-    """Arrow batch → {"image": normalised float (N, C, H, W), "label": int64 (N,)}."""
+def read_split_table(data_dir: StoragePath, split: str, limit: int | None = None) -> pa.Table:
+    """A split's first `limit` rows (all by default), file by file in the order prepare wrote."""
+    tables, rows = [], 0
+    for file in data_dir.join(split).list_files(".parquet"):
+        if limit is not None and rows >= limit:
+            break
+        with file.filesystem.open_input_file(file.path) as stream:
+            tables.append(pq.read_table(stream, columns=["image", "label"]))
+        rows += tables[-1].num_rows
+    table = pa.concat_tables(tables)
+    return table if limit is None else table.slice(0, limit)
 
-    def __init__(self, info: DatasetInfo) -> None:
-        super().__init__()
-        self.info = info
 
-    def __call__(self, batch: pa.Table) -> dict[str, torch.Tensor]:
-        info = self.info
-        pixels = torch.from_numpy(
-            np.ascontiguousarray(
-                decode_images(batch["image"], info.height, info.width, info.channels)
-            )
-        )
-        labels = torch.from_numpy(batch["label"].to_numpy().astype(np.int64))
-        return {"image": normalise(pixels, info.mean, info.std), "label": labels}
+@dataclass(frozen=True)
+class ImageRows:
+    """A split's images as uint8 (N, C, H, W) and its labels, cut into batches by row index."""
+
+    images: np.ndarray
+    labels: np.ndarray
+    info: DatasetInfo
+
+    @classmethod
+    def read(cls, data_dir: StoragePath, split: str, limit: int | None = None) -> ImageRows:
+        info = DatasetInfo(**json.loads(data_dir.join(DATASET_FILE).read_text()))
+        table = read_split_table(data_dir, split, limit)
+        images = decode_images(table["image"], info.height, info.width, info.channels)
+        return cls(images, table["label"].to_numpy().astype(np.int64), info)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def batch(self, rows: np.ndarray, device: torch.device) -> dict[str, torch.Tensor]:
+        """Rows `rows` as {"image": normalised float (n, C, H, W), "label": int64 (n,)} on `device`;
+        uint8 crosses to the device, a quarter of the bytes of float."""
+        pixels = torch.from_numpy(self.images[rows]).to(device, non_blocking=True)
+        labels = torch.from_numpy(self.labels[rows]).to(device, non_blocking=True)
+        return {"image": normalise(pixels, self.info.mean, self.info.std), "label": labels}
 
 
 def read_split_arrays(data_dir: StoragePath, split: str, limit: int | None = None) -> Split:
-    """A whole split in memory (single-process baseline and predict)."""
-    tables = []
-    for file in data_dir.join(split).list_files(".parquet"):
-        with file.filesystem.open_input_file(file.path) as stream:
-            tables.append(pq.read_table(stream, columns=["image", "label"]))
-    table = pa.concat_tables(tables)
-    if limit is not None:
-        table = table.slice(0, limit)
-    info = DatasetInfo(**json.loads(data_dir.join(DATASET_FILE).read_text()))
-    images = decode_images(table["image"], info.height, info.width, info.channels)
-    images = images[:, 0] if info.channels == 1 else images.transpose(0, 2, 3, 1)
-    return Split(images.copy(), table["label"].to_numpy().astype(np.int64))
+    """A whole split in memory as (N, H, W) or (N, H, W, C) images (baseline and predict)."""
+    rows = ImageRows.read(data_dir, split, limit)
+    images = rows.images[:, 0] if rows.info.channels == 1 else rows.images.transpose(0, 2, 3, 1)
+    return Split(images.copy(), rows.labels)

@@ -2,8 +2,14 @@
 and resized with Ray Data into the same arrays the MNIST sources give.
 
 Layouts (folder names are the class names, sorted; images may sit deeper inside a class folder):
-    DIR/<class>/*.png                       a test split is carved out, stratified, with a seed
-    DIR/train/<class>/…  DIR/test/<class>/… the given split (val/ or validation/ also name the test)
+    DIR/<class>/*.png                       test and validation splits are carved out, stratified,
+                                            with a seed
+    DIR/train/<class>/…  DIR/test/<class>/… the given test split (a lone val/ or validation/ is the
+                                            test split too); validation is carved from train
+    DIR/train/…  DIR/val/…  DIR/test/…      all three given
+
+Transparency: palette images with a transparent colour and images with alpha (RGBA, LA, PA) are
+composited onto white (BACKGROUND) before conversion, in prepare and predict alike.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import random
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -20,6 +27,8 @@ log = logging.getLogger(__name__)
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 TEST_FOLDERS = ("test", "val", "valid", "validation")
+VAL_FOLDERS = ("val", "valid", "validation")
+BACKGROUND = 255  # what transparent pixels become: white, in every channel
 GREY_MODES = frozenset({"1", "L", "LA", "I", "I;16", "I;16B", "I;16L", "F"})
 # The default side: the images' median shorter side, within these bounds (28: MNIST's, the least
 # ResNet's stride-32 stem handles well; 128: a CPU box still trains it; pass --image-size for 224).
@@ -36,8 +45,9 @@ class ImageFolderError(ValueError):
 @dataclass
 class ImageTree:
     class_names: list[str]
-    files: dict[str, list[tuple[str, int]]]  # split ("train", "test" or "all") → (path, class id)
+    files: dict[str, list[tuple[str, int]]]  # "train", "test", "val" or "all" → (path, class id)
     skipped: dict[str, int] = field(default_factory=dict)  # non-image files, by suffix
+    folder_names: dict[str, str] = field(default_factory=dict)  # split → its folder's own name
 
 
 def is_image_tree(folder: Path) -> bool:
@@ -54,11 +64,14 @@ def scan_tree(folder: Path) -> ImageTree:
         p.name.lower(): p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")
     }
     test_name = next((name for name in TEST_FOLDERS if name in subfolders), None)
+    val_name = next((n for n in VAL_FOLDERS if n in subfolders and n != test_name), None)
     roots = (
         {"train": subfolders["train"], "test": subfolders[test_name]}
         if "train" in subfolders and test_name
         else {"all": folder}
     )
+    if "train" in roots and val_name:
+        roots["val"] = subfolders[val_name]
     skipped: Counter[str] = Counter()
     per_split: dict[str, dict[str, list[str]]] = {}
     for split, root in roots.items():
@@ -95,19 +108,20 @@ def scan_tree(folder: Path) -> ImageTree:
             f"{where} has {found}: a classifier needs at least two class folders, each holding "
             f"images ({', '.join(IMAGE_SUFFIXES)})"
         )
-    if "test" in per_split:
-        unknown = sorted(set(per_split["test"]) - set(train_classes))
+    for held_out in ("test", "val"):
+        unknown = sorted(set(per_split.get(held_out, {})) - set(train_classes))
         if unknown:
             raise ImageFolderError(
-                f"{roots['test']} has classes {unknown} that {roots['train']} lacks: the test classes "
-                "must be among the training ones"
+                f"{roots[held_out]} has classes {unknown} that {roots['train']} lacks: the "
+                f"{held_out} classes must be among the training ones"
             )
     ids = {name: index for index, name in enumerate(train_classes)}
     files = {
         split: [(path, ids[name]) for name, paths in classes.items() for path in paths]
         for split, classes in per_split.items()
     }
-    return ImageTree(train_classes, files, dict(sorted(skipped.items())))
+    names = {split: root.name for split, root in roots.items()}
+    return ImageTree(train_classes, files, dict(sorted(skipped.items())), names)
 
 
 def choose_size_and_channels(paths: list[str], seed: int) -> tuple[int, int, dict[str, int]]:
@@ -141,9 +155,25 @@ def load_image(path: str, side: int, channels: int) -> np.ndarray:
             array = np.asarray(image, dtype=np.float64)
             span = max(float(array.max() - array.min()), 1e-9)
             image = Image.fromarray(((array - array.min()) / span * 255).astype(np.uint8))
-        converted = image.convert("L" if channels == 1 else "RGB")
+        converted = flatten_transparency(image).convert("L" if channels == 1 else "RGB")
         fitted = ImageOps.fit(converted, (side, side), method=Image.Resampling.BILINEAR)
         return np.asarray(fitted, dtype=np.uint8)
+
+
+def flatten_transparency(image: Any) -> Any:
+    """An image without transparency: alpha (or a palette's transparent colour) composited onto
+    BACKGROUND. Converting such images straight to RGB/L keeps the hidden colour under transparent
+    pixels (often black: an icon on black) and makes PIL warn once per palette file."""
+    from PIL import Image
+
+    if image.mode in ("P", "L", "RGB") and "transparency" in image.info:
+        image = image.convert("RGBA")  # a transparent colour (PNG's tRNS), made an alpha channel
+    elif image.mode in ("LA", "La", "PA"):
+        image = image.convert("RGBA")
+    if image.mode not in ("RGBA", "RGBa"):
+        return image
+    background = Image.new("RGBA", image.size, (BACKGROUND, BACKGROUND, BACKGROUND, 255))
+    return Image.alpha_composite(background, image.convert("RGBA")).convert("RGB")
 
 
 def decode_batch(batch: dict[str, np.ndarray], side: int, channels: int) -> dict[str, np.ndarray]:
@@ -194,9 +224,9 @@ def held_out_rows(rows: int, fraction: float) -> int:
     return max(round(rows * fraction), min(MIN_HELD_OUT_ROWS, int(rows * MAX_HELD_OUT_SHARE)), 1)
 
 
-def carve_test(labels: np.ndarray, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """(train, test) indices: the test split `held_out_rows` long, shared over the classes in
-    proportion (each class keeping an image for training), drawn with `seed`."""
+def carve_held_out(labels: np.ndarray, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(kept, held out) indices: the held-out split `held_out_rows` long, shared over the classes
+    in proportion (each class keeping an image for training), drawn with `seed`."""
     rng = np.random.default_rng(seed)
     target = held_out_rows(len(labels), fraction)
     train, test = [], []

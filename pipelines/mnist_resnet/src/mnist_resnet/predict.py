@@ -1,5 +1,5 @@
-"""Load a run's best checkpoint: measure test accuracy and draw test images with their predictions,
-or classify the user's own image files."""
+"""Load a run's best checkpoint (chosen on the validation split): measure its test accuracy, draw
+test images with their predictions, or classify the user's own image files."""
 
 from __future__ import annotations
 
@@ -11,7 +11,14 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from mnist_resnet.data import DataError, DatasetInfo, as_nchw, normalise, read_split_arrays
+from mnist_resnet.data import (
+    DataError,
+    DatasetInfo,
+    ImageRows,
+    as_nchw,
+    normalise,
+    read_split_arrays,
+)
 from mnist_resnet.images import IMAGE_SUFFIXES, load_image
 from mnist_resnet.model import build_model
 from raytrain_common.checkpoint import load_model_weights, load_remote_state
@@ -47,11 +54,36 @@ def evaluate_arrays(
     return float((predict_labels(model, images, info, device) == labels).mean())
 
 
+def checkpoint_test_metrics(checkpoint_uri: str, limit: int | None = None) -> dict[str, Any]:
+    """Test loss and accuracy of one checkpoint, on this process's GPU if it has one: what train
+    reports once for the checkpoint chosen on the validation split (run in a Ray task there)."""
+    from mnist_resnet.train import evaluate
+
+    state = load_remote_state(resolve_storage(checkpoint_uri))
+    info = DatasetInfo(**state["dataset"])
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = build_model(info.num_classes, info.channels)
+    load_model_weights(model, state["model"])
+    model.to(device)
+    rows = ImageRows.read(resolve_storage(state["config"]["data_dir"]), "test", limit)
+    batches = (
+        rows.batch(np.arange(i, min(i + 512, len(rows))), device) for i in range(0, len(rows), 512)
+    )
+    bf16 = bool(state["config"].get("bf16")) and device.type == "cuda"
+    metrics = evaluate(model, batches, device, bf16, split="test")
+    return {
+        **metrics,
+        "test_rows": len(rows),
+        "checkpoint": checkpoint_uri,
+        "epoch": state["epochs_done"],
+    }
+
+
 def load_best_model(
     run_dir: StoragePath, which: Literal["best", "latest"] = "best"
 ) -> tuple[torch.nn.Module, dict[str, Any]]:
-    """The model of the run's best checkpoint (by test accuracy) or its latest, on the CPU, in eval
-    mode; a torn checkpoint (files not matching its manifest) is refused with one line."""
+    """The model of the run's best checkpoint (by validation accuracy) or its latest, on the CPU,
+    in eval mode; a torn checkpoint (files not matching its manifest) is refused with one line."""
     summary_file = run_dir.join(SUMMARY_FILE)
     if not summary_file.exists():
         raise FileNotFoundError(

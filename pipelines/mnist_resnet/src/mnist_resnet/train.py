@@ -1,7 +1,14 @@
 """Data-parallel training of ResNet18 on MNIST with Ray Train.
 
 Read top to bottom: the optimiser and schedule, one epoch, evaluation, the per-worker loop, then the
-driver that checks the inputs and launches `TorchTrainer`.
+driver that checks the inputs, launches `TorchTrainer`, and reports the chosen checkpoint's test
+accuracy.
+
+Data order: every epoch reads the training rows in a fresh permutation drawn from (seed, epoch), cut
+into global batches, each split over the workers (raytrain_common.order). Over an epoch every worker
+trains on a uniform sample of the whole split whatever order it was written in, and the order does
+not depend on the worker count, so a resume mid-epoch (same or another worker count) is exact.
+Checkpoints are ranked by validation accuracy; the test split is evaluated once, on the chosen one.
 """
 
 from __future__ import annotations
@@ -12,25 +19,26 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import ray.data
+import numpy as np
+import ray
 import ray.train
 import ray.train.torch
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F  # noqa: N812
-from ray.data import ExecutionOptions
-from ray.train import DataConfig, UserCallback
+from ray.train import UserCallback
 from ray.train.torch import TorchTrainer
 from torch import nn
 
 from mnist_resnet import __version__
 from mnist_resnet.config import TrainConfig
-from mnist_resnet.data import DatasetInfo, ImageBatchCollate, inspect_dataset
+from mnist_resnet.data import DatasetInfo, ImageRows, inspect_dataset
 from mnist_resnet.model import build_model
+from mnist_resnet.predict import checkpoint_test_metrics
 from raytrain_common.checkpoint import (
     best_complete_checkpoint,
     latest_state,
@@ -47,7 +55,6 @@ from raytrain_common.configs import (
     build_torch_config,
     per_worker_batch_size,
 )
-from raytrain_common.data import device_batches, read_parquet
 from raytrain_common.faults import FaultLog, read_progress, write_progress
 from raytrain_common.hardware import peak_memory_gb
 from raytrain_common.metrics import (
@@ -60,6 +67,7 @@ from raytrain_common.metrics import (
     write_metrics_csv,
     write_summary,
 )
+from raytrain_common.order import epoch_batch_indices, micro_batches, pass_permutation
 from raytrain_common.ray_start import quiet_ray_output, start_ray_for_run
 from raytrain_common.runs import fit, locate_run, summary_header
 from raytrain_common.storage import (
@@ -75,11 +83,11 @@ from raytrain_common.tracking import (
 
 log = logging.getLogger("mnist_resnet")
 
-SCORE = "test_accuracy"
+SCORE = "val_accuracy"  # checkpoints, sweeps and early stopping choose by it; never by test
 # The score of a mid-epoch checkpoint, which is not evaluated: below any real accuracy, so Ray keeps
 # it only as the latest (Ray's checkpoint ranking takes numbers only: NaN reaches it as None).
 NOT_EVALUATED = -1.0
-# The first steps of an epoch include Ray Data's pipeline start; throughput skips them.
+# The first steps of an epoch include warm-up (allocator, kernels); throughput skips them.
 THROUGHPUT_SKIP_STEPS = 5
 
 
@@ -120,9 +128,10 @@ def warmup_cosine(total_steps: int, warmup_fraction: float) -> Callable[[int], f
     return factor
 
 
-def steps_per_epoch(train_rows: int, workers: int, micro_batch: int, grad_accum_steps: int) -> int:
-    """Optimiser steps each rank takes per epoch: the shard is split equally, partial batches dropped."""
-    return (train_rows // workers) // micro_batch // grad_accum_steps
+def steps_per_epoch(train_rows: int, global_batch_size: int) -> int:
+    """Optimiser steps per epoch, the same on any worker count: the rows past the last full global
+    batch are left for another epoch (each epoch's order leaves out other ones)."""
+    return train_rows // global_batch_size
 
 
 def autocast(device: torch.device, enabled: bool) -> contextlib.AbstractContextManager[Any]:
@@ -138,9 +147,9 @@ def autocast(device: torch.device, enabled: bool) -> contextlib.AbstractContextM
 class EpochPosition:
     """Where a run is inside an epoch, saved with every checkpoint so a resume continues exactly there.
 
-    The data order is a pure function of (seed, epoch, rank, worker count), see `run`, so the
-    position is just the optimiser steps already taken; the sums (over all ranks) make the epoch's
-    training loss and accuracy the same as an uninterrupted epoch's.
+    The data order is a pure function of (seed, epoch) (see the module's docstring), so the position
+    is just the optimiser steps already taken; the sums (over all ranks) make the epoch's training
+    loss and accuracy the same as an uninterrupted epoch's.
     """
 
     step: int = 0
@@ -169,11 +178,10 @@ def train_one_epoch(
     start: EpochPosition | None = None,
     after_step: AfterStep | None = None,
 ) -> tuple[dict[str, float], str]:
-    """Train one epoch of exactly `steps` optimiser steps; return loss, accuracy and images/s, and
-    the dtype the forward pass computed in (bfloat16 when autocast is in effect).
+    """Train the epoch's steps from `start` (a resumed epoch) up to `steps`; return loss, accuracy
+    and images/s, and the dtype the forward pass computed in (bfloat16 when autocast is in effect).
 
-    From `start` (a resumed epoch) the micro-batches of the steps already taken are read and dropped,
-    so the rest of the epoch sees exactly the batches an uninterrupted run would. Rank 0 appends the
+    `batches` are this rank's micro-batches from that step on (`epoch_batches`). Rank 0 appends the
     mean loss of every `log_every_steps` interval to `step_log` (for the curves).
     """
     model.train()
@@ -201,8 +209,6 @@ def train_one_epoch(
         return EpochPosition(step, loss_total, correct_total, seen_total, elapsed)
 
     for micro_step, batch in enumerate(batches):
-        if micro_step < start.step * accum or step >= steps:
-            continue  # already trained before the resume / drained so every rank ends together
         labels = batch["label"]
         is_last_micro = (micro_step + 1) % accum == 0
         logits, loss = forward_backward(model, batch, config, device, sync=is_last_micro)
@@ -243,11 +249,6 @@ def train_one_epoch(
             )
         if after_step is not None:
             after_step(step, position)
-    if step < steps:
-        raise RuntimeError(
-            f"rank {rank}: epoch {epoch} ended after {step} of {steps} steps: the data shard was "
-            "shorter than expected"
-        )
     trained = steps - start.step
     if trained > THROUGHPUT_SKIP_STEPS:
         images_per_s = (
@@ -315,11 +316,36 @@ def epoch_row(
     return row
 
 
+def epoch_batches(
+    rows: ImageRows,
+    epoch: int,
+    first_step: int,
+    steps: int,
+    config: TrainConfig,
+    device: torch.device,
+) -> Iterator[dict[str, torch.Tensor]]:
+    """This rank's micro-batches of the epoch's steps `first_step`..`steps - 1`, in the epoch's order."""
+    rank, world = dist.get_rank() if dist.is_initialized() else 0, _world()
+    order = pass_permutation(len(rows), config.seed, epoch - 1)
+    for step in range(first_step, steps):
+        indices = epoch_batch_indices(order, step, config.global_batch_size)
+        for part in micro_batches(indices, rank, world, config.grad_accum_steps):
+            yield rows.batch(part, device)
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
 @torch.no_grad()
 def evaluate(
-    model: nn.Module, batches: Iterable[dict[str, torch.Tensor]], device: torch.device, bf16: bool
+    model: nn.Module,
+    batches: Iterable[dict[str, torch.Tensor]],
+    device: torch.device,
+    bf16: bool,
+    split: str = "val",
 ) -> dict[str, float]:
-    """Loss and accuracy over every rank's test shard (summed across ranks, shards may differ)."""
+    """`<split>_loss` and `<split>_accuracy` over every rank's rows (summed across ranks)."""
     plain = unwrap(model)  # the DDP wrapper's forward would issue collectives; shards may be uneven
     plain.eval()
     totals = torch.zeros(3, device=device)
@@ -332,8 +358,8 @@ def evaluate(
     if dist.is_initialized():
         dist.all_reduce(totals)
     return {
-        "test_loss": (totals[0] / totals[2]).item(),
-        "test_accuracy": (totals[1] / totals[2]).item(),
+        f"{split}_loss": (totals[0] / totals[2]).item(),
+        f"{split}_accuracy": (totals[1] / totals[2]).item(),
     }
 
 
@@ -346,16 +372,13 @@ class StopAtStepReached(Exception):  # noqa: N818 (a signal, not an error)
     """`--stop-at-step` reached: the checkpoint is written, every rank leaves the loop together."""
 
 
-def test_metrics(
-    model: nn.Module,
-    test_shard: ray.data.DataIterator,
-    collate: ImageBatchCollate,
-    device: torch.device,
-    bf16: bool,
+def val_metrics(
+    model: nn.Module, val: ImageRows, device: torch.device, bf16: bool
 ) -> dict[str, float]:
-    """Test loss and accuracy over this worker's shard, reduced over every worker, and the time."""
+    """Validation loss and accuracy: each rank its rows rank, rank + world, …, reduced over all."""
     started = time.perf_counter()
-    batches = device_batches(test_shard, batch_size=512, collate_fn=collate, drop_last=False)
+    mine = np.arange(dist.get_rank() if dist.is_initialized() else 0, len(val), _world())
+    batches = (val.batch(mine[i : i + 512], device) for i in range(0, len(mine), 512))
     return {**evaluate(model, batches, device, bf16), "epoch_eval_s": time.perf_counter() - started}
 
 
@@ -384,20 +407,6 @@ def restore_progress(
         history, step_log, epochs_done = state["history"], state["step_log"], state["epochs_done"]
         position = EpochPosition(**state["position"]) if state.get("position") else None
         faults = FaultLog(**state.get("faults", {}))
-        if state.get("world_size", world) != world and position is not None and rank == 0:
-            # An elastic resize mid-epoch. Steps per epoch, the global batch and the schedule do
-            # not depend on the worker count (the batch splits evenly over every allowed count),
-            # so the run goes on at the same step; but the split of the epoch's rows over workers
-            # does, so the rest of this epoch is drawn from the new split: the right number of
-            # rows, not exactly the rows the old split had left. Later epochs are exact again.
-            log.warning(
-                "resuming epoch %d at step %d on %d worker(s); it was written by %d: the rest of "
-                "this epoch comes from the new split of its rows",
-                epochs_done + 1,
-                position.step,
-                world,
-                state["world_size"],
-            )
         finished = epochs_done >= epochs
         if not finished:
             faults.record_restart(
@@ -424,20 +433,17 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     config = TrainConfig(**loop_config["config"])
     quiet_ray_output(config.verbose)
     info = DatasetInfo(**loop_config["dataset"])
-    train_rows: int = loop_config["train_rows"]
     driver_id: str = loop_config["driver_id"]
     context = ray.train.get_context()
     rank, world = context.get_world_rank(), context.get_world_size()
     device = ray.train.torch.get_device()
     torch.manual_seed(config.seed)
 
-    micro_batch = per_worker_batch_size(config.global_batch_size, world, config.grad_accum_steps)
-    steps = steps_per_epoch(train_rows, world, micro_batch, config.grad_accum_steps)
-    if steps < 1:
-        raise ValueError(
-            f"rank {rank}: {train_rows} training rows over {world} workers make no full batch of "
-            f"{micro_batch}; use more rows or a smaller --global-batch-size"
-        )
+    per_worker_batch_size(config.global_batch_size, world, config.grad_accum_steps)  # checks it
+    data_dir = resolve_storage(config.resolved_data_dir())
+    train_rows = ImageRows.read(data_dir, "train", config.limit_train_rows)
+    val_rows = ImageRows.read(data_dir, "val", config.limit_val_rows)
+    steps = steps_per_epoch(len(train_rows), config.global_batch_size)
 
     run_dir = resolve_storage(config.storage_path).join(config.run_name)
     model = build_model(info.num_classes, info.channels)
@@ -474,9 +480,6 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     sink = rank_zero_sink(loop_config, rank)
     tracked_rows = [len(step_log)]  # step_log rows already sent to the tracker (a resume's are)
     try:
-        collate = ImageBatchCollate(info)
-        train_shard = ray.train.get_dataset_shard("train")
-        test_shard = ray.train.get_dataset_shard("test")
         compute_dtype: str | None = state.get("compute_dtype") if state else None
         stop_at = config.stop_at_step
         if state is not None and stop_at is not None and state["global_step"] >= stop_at:
@@ -525,14 +528,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                 if "stop" in reasons:
                     raise StopAtStepReached
 
-            batches = device_batches(
-                train_shard,
-                batch_size=micro_batch,
-                collate_fn=collate,
-                drop_last=True,
-                shuffle_buffer_rows=config.shuffle_buffer_rows or None,
-                seed=config.seed * 10_000 + epoch * 100 + rank,
-            )
+            first_step = position.step if position else 0
+            batches = epoch_batches(train_rows, epoch, first_step, steps, config, device)
             row: dict[str, float] = {"epoch": epoch}
             try:
                 trained, compute_dtype = train_one_epoch(
@@ -554,18 +551,18 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                 return
             position = None
             row |= trained
-            row |= test_metrics(model, test_shard, collate, device, config.bf16)
+            row |= val_metrics(model, val_rows, device, config.bf16)
             row["lr"] = scheduler.get_last_lr()[0]
             history.append(row)
             sink.log(row, step=epoch * steps)
             if rank == 0:
                 log.info(
-                    "epoch %d/%d  train loss %.4f  test loss %.4f  test accuracy %.4f  %.0f img/s",
+                    "epoch %d/%d  train loss %.4f  val loss %.4f  val accuracy %.4f  %.0f img/s",
                     epoch,
                     config.epochs,
                     row["train_loss"],
-                    row["test_loss"],
-                    row["test_accuracy"],
+                    row["val_loss"],
+                    row["val_accuracy"],
                     row["train_images_per_s"],
                 )
             report_checkpoint(
@@ -597,11 +594,9 @@ def run(config: TrainConfig, callbacks: Sequence[UserCallback] = ()) -> dict[str
     storage, data_dir = locate_run(config)
     info = inspect_dataset(data_dir)
     train_rows = min(info.train_rows, config.limit_train_rows or info.train_rows)
-    workers = config.num_workers
-    micro_batch = per_worker_batch_size(config.global_batch_size, workers, config.grad_accum_steps)
-    if steps_per_epoch(train_rows, workers, micro_batch, config.grad_accum_steps) < 1:
+    if steps_per_epoch(train_rows, config.global_batch_size) < 1:
         raise ConfigError(
-            f"{train_rows} training rows over {workers} workers make no full batch of {micro_batch}: "
+            f"{train_rows} training rows make no full global batch of {config.global_batch_size}: "
             "use more rows or a smaller --global-batch-size"
         )
     config = dataclasses.replace(config, storage_path=storage.uri, data_dir=data_dir.uri)
@@ -609,30 +604,11 @@ def run(config: TrainConfig, callbacks: Sequence[UserCallback] = ()) -> dict[str
     start_ray_for_run(config, storage, data_dir)
     tracked = open_for_config(config, storage, pipeline="mnist_resnet", version=__version__)
 
-    # Deterministic reads: the same rows in the same order on every run (and `limit` takes the
-    # same rows), the basis of the data order a resumed epoch relies on.
-    ray.data.DataContext.get_current().execution_options.preserve_order = True
-    train_data = read_parquet(data_dir.join("train"))
-    test_data = read_parquet(data_dir.join("test"))
-    if config.limit_train_rows is not None:
-        train_data = train_data.limit(config.limit_train_rows)
-    if config.limit_test_rows is not None:
-        test_data = test_data.limit(config.limit_test_rows)
-    # MNIST is ~50 MB: read it once into Ray's object store instead of re-reading Parquet every
-    # epoch (that costs ~10 s per epoch here). For data larger than the cluster's memory, drop this.
-    train_data, test_data = train_data.materialize(), test_data.materialize()
-    # The data order is a pure function of the seed, the epoch, the rank and the worker count, so a
-    # run resumed mid-epoch sees exactly the batches it had not seen (none repeated, none skipped):
-    # blocks in one seeded order, split across workers in order (preserve_order makes Ray Data's
-    # streaming split deterministic), rows mixed by each worker's buffer seeded per epoch and rank.
-    train_data = train_data.randomize_block_order(seed=config.seed)
-
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={
             "config": dataclasses.asdict(config),
             "dataset": dataclasses.asdict(info),
-            "train_rows": train_rows,
             "driver_id": uuid.uuid4().hex,  # tells a worker restart from a rerun of the command
             "tracked": dataclasses.asdict(tracked) if tracked else None,
         },
@@ -641,10 +617,6 @@ def run(config: TrainConfig, callbacks: Sequence[UserCallback] = ()) -> dict[str
             config, score_attribute=SCORE, score_order="max", callbacks=callbacks
         ),
         torch_config=build_torch_config(config),
-        datasets={"train": train_data, "test": test_data},
-        dataset_config=DataConfig(
-            datasets_to_split="all", execution_options=ExecutionOptions(preserve_order=True)
-        ),
     )
     log.info(
         "training %s on %d worker(s) for %d epoch(s); run folder %s",
@@ -659,6 +631,22 @@ def run(config: TrainConfig, callbacks: Sequence[UserCallback] = ()) -> dict[str
     run_dir = storage.join(config.run_name)
     finish_for_summary(tracked, run_dir, summary)
     return summary
+
+
+def test_once(checkpoint_uri: str, config: TrainConfig) -> dict[str, Any]:
+    """The chosen checkpoint's test loss and accuracy, in a Ray task on a worker's resources (a GPU
+    if the run had them; the driver may sit on a CPU-only head node)."""
+    started = time.perf_counter()
+    task = ray.remote(checkpoint_test_metrics).options(
+        num_cpus=config.cpus_per_worker, num_gpus=1 if config.use_gpu else 0
+    )
+    result: dict[str, Any] = ray.get(task.remote(checkpoint_uri, config.limit_test_rows))
+    result["test_s"] = time.perf_counter() - started
+    log.info(
+        "test accuracy %.4f on %d images, checkpoint of epoch %d (chosen by %s)",
+        result["test_accuracy"], result["test_rows"], result["epoch"], SCORE,
+    )  # fmt: skip
+    return result
 
 
 def write_run_outputs(
@@ -694,20 +682,28 @@ def write_run_outputs(
         run_dir.join(CURVES_FILE),
         sorted(state["step_log"] + history, key=lambda row: row["epoch"]),
         [
-            ("loss", ["train_loss_interval", "test_loss"]),
-            ("accuracy", ["train_accuracy", "test_accuracy"]),
+            ("loss", ["train_loss_interval", "val_loss"]),
+            ("accuracy", ["train_accuracy", "val_accuracy"]),
         ],
         title=f"{config.run_name}: ResNet18 on {info.source}",
         log_y=["loss"],
     )
-    best_row = max(history, key=lambda row: row[SCORE])
+    if best is None:
+        raise RuntimeError(
+            f"run {config.run_name} has no complete evaluated checkpoint in {run_dir}"
+        )
+    # The history row of the chosen checkpoint's epoch (a torn best one is passed over for the next).
+    chosen = next(m["epoch"] for c, m in result.best_checkpoints if c.path == best.path)
+    best_row = next(row for row in history if row["epoch"] == chosen)
+    best_uri = run_dir.uri_for(best.path)
     summary = {
         **summary_header("mnist_resnet", __version__, config.run_name, run_dir),
         "epochs_done": len(history),
         **progress,
         "final": history[-1],
         "best": best_row,
-        "best_checkpoint": run_dir.uri_for(best.path) if best else None,
+        "best_checkpoint": best_uri,
+        "test": test_once(best_uri, config),
         "latest_checkpoint": run_dir.uri_for(result.checkpoint.path),
         "metrics_csv": run_dir.join(METRICS_FILE).uri,
         "curves_png": run_dir.join(CURVES_FILE).uri,
