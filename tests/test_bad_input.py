@@ -277,10 +277,10 @@ def not_an_image_tree(root: Path) -> Path:
 def corrupt_mnist_data(root: Path) -> Path:
     data = root / "data"
     info = {"source": "x", "num_classes": 10, "height": 28, "width": 28, "mean": 0.1,
-            "std": 0.3, "train_rows": 5, "test_rows": 5}  # fmt: skip
+            "std": 0.3, "train_rows": 5, "val_rows": 5, "test_rows": 5}  # fmt: skip
     text(data / "dataset.json", json.dumps(info))
-    text(data / "train" / "part-000.parquet", b"PAR1 not really parquet")
-    text(data / "test" / "part-000.parquet", b"PAR1 not really parquet")
+    for split in ("train", "val", "test"):
+        text(data / split / "part-000.parquet", b"PAR1 not really parquet")
     return data
 
 

@@ -32,7 +32,7 @@ def train_command(storage: Path, data_dir: StoragePath, run_name: str) -> list[s
         sys.executable, "-m", "hf_finetune", "train",
         "--storage-path", str(storage), "--storage-is-shared", "--data-dir", data_dir.uri,
         "--run-name", run_name, "--epochs", "2", "--limit-train-rows", "1024",
-        "--limit-eval-rows", "384", "--log-every-steps", "1", "--preemption-check-steps", "1",
+        "--limit-val-rows", "384", "--log-every-steps", "1", "--preemption-check-steps", "1",
         "--placement-strategy", "SPREAD",
     ]  # fmt: skip
 
@@ -84,4 +84,4 @@ def test_a_preempted_node_makes_the_trainer_save_at_once_and_the_run_resumes_the
     assert summary["global_step"] == 64
     epochs = [row["epoch"] for row in read_metrics_csv(resolve_storage(run_dir / "metrics.csv"))]
     assert epochs[-1] == pytest.approx(2.0)
-    assert summary["final"]["eval_f1"] >= 0.6  # as an uninterrupted run of this size
+    assert summary["final"]["val_f1"] >= 0.6  # as an uninterrupted run of this size

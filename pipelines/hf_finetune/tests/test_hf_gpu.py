@@ -39,7 +39,7 @@ def test_gpu_preset_learns_in_bf16_and_resumes(
         run_name="gpu",
         epochs=1,
         limit_train_rows=4096,
-        limit_eval_rows=1024,
+        limit_val_rows=1024,
         log_every_steps=10,
     )
     assert config.bf16
@@ -50,6 +50,6 @@ def test_gpu_preset_learns_in_bf16_and_resumes(
 
     rows = read_metrics_csv(resolve_storage(tmp_path / "gpu" / "metrics.csv"))
     assert [int(row["epoch"]) for row in rows] == [1, 2]
-    assert all(math.isfinite(row["eval_loss"]) for row in rows)
-    assert resumed["best"]["eval_accuracy"] >= 0.70  # the majority class is 0.54
+    assert all(math.isfinite(row["val_loss"]) for row in rows)
+    assert resumed["best"]["val_accuracy"] >= 0.70  # the majority class is 0.54
     assert resumed["compute_dtype"] == "bfloat16"  # the Trainer's bf16 autocast really in effect

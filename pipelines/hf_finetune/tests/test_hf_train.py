@@ -36,7 +36,7 @@ def small_config(storage: Path, data_dir: StoragePath, **changes: Any) -> TrainC
         data_dir=data_dir.uri,
         epochs=2,
         limit_train_rows=1024,
-        limit_eval_rows=384,
+        limit_val_rows=384,
         log_every_steps=8,
         tracking="none",  # MLflow is checked by the tests that turn it on
     )
@@ -77,16 +77,16 @@ def test_two_workers_learn_survive_a_lost_worker_and_the_checkpoint_predicts(
     assert "pid" in seen, "the worker was never killed"
     rows = read_metrics_csv(resolve_storage(run_dir / "metrics.csv"))
     assert [row["epoch"] for row in rows] == [1, 2]
-    epoch1_eval = next(r for r in seen["epoch1"] if "eval_loss" in r)
-    assert rows[0]["eval_loss"] == pytest.approx(epoch1_eval["eval_loss"], rel=1e-5)
+    epoch1_eval = next(r for r in seen["epoch1"] if "val_loss" in r)
+    assert rows[0]["val_loss"] == pytest.approx(epoch1_eval["val_loss"], rel=1e-5)
     assert summary["global_step"] == 64
     assert summary["compute_dtype"] == "float32"  # the CPU preset: no autocast
 
     # Learns: far above always answering the majority class, on held-out validation rows.
     best = summary["best"]
-    assert best["eval_accuracy"] >= 0.72
-    assert best["eval_accuracy"] >= summary["majority_share_validation"] + 0.15
-    assert rows[1]["eval_loss"] < rows[0]["eval_loss"] + 0.05
+    assert best["val_accuracy"] >= 0.72
+    assert best["val_accuracy"] >= summary["majority_share_validation"] + 0.15
+    assert rows[1]["val_loss"] < rows[0]["val_loss"] + 0.05
 
     # The best checkpoint is a plain Hugging Face folder that reloads and predicts.
     from transformers import AutoModelForSequenceClassification
@@ -158,7 +158,7 @@ def test_a_run_stopped_mid_epoch_resumes_with_the_steps_it_had_not_taken(
     step's loss matches an uninterrupted run's to 1e-5 relative (measured: identical; a resumed
     epoch drawn in the wrong order was 5-50 % off)."""
     common = {"log_every_steps": 1, "checkpoint_every_steps": 6, "limit_train_rows": 512,
-              "limit_eval_rows": 128, "tracking": "mlflow"}  # fmt: skip
+              "limit_val_rows": 128, "tracking": "mlflow"}  # fmt: skip
     whole = run(small_config(tmp_path, vader_dir, run_name="whole", **common))
     stopped = run(small_config(tmp_path, vader_dir, run_name="cut", stop_at_step=20, **common))
     assert stopped["global_step"] == 20
@@ -173,7 +173,7 @@ def test_a_run_stopped_mid_epoch_resumes_with_the_steps_it_had_not_taken(
     assert sorted(got) == list(range(1, 33))
     for step in range(1, 33):
         assert got[step] == pytest.approx(expected[step], rel=1e-5), step
-    assert resumed["final"]["eval_f1"] == pytest.approx(whole["final"]["eval_f1"], abs=1e-6)
+    assert resumed["final"]["val_f1"] == pytest.approx(whole["final"]["val_f1"], abs=1e-6)
     assert [r["cause"] for r in resumed["restarts"]] == ["rerun"]
     assert resumed["restarts"][0]["resumed_at_step"] == 20
     # MLflow (on by default): the stopped run and its rerun are one MLflow run, every step once.
@@ -181,5 +181,5 @@ def test_a_run_stopped_mid_epoch_resumes_with_the_steps_it_had_not_taken(
     tracked = metric_history(storage, "hf_finetune", storage.join("cut"), "loss")
     assert len(tracked["runs"]) == 1 and tracked["runs"][0].info.status == "FINISHED"
     assert [step for step, _ in tracked["steps"]] == list(range(1, 33))
-    f1 = metric_history(storage, "hf_finetune", storage.join("cut"), "eval_f1")["steps"]
-    assert f1[-1][1] == pytest.approx(resumed["final"]["eval_f1"], abs=1e-6)
+    f1 = metric_history(storage, "hf_finetune", storage.join("cut"), "val_f1")["steps"]
+    assert f1[-1][1] == pytest.approx(resumed["final"]["val_f1"], abs=1e-6)

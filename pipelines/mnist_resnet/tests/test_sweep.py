@@ -26,7 +26,8 @@ def sweep_command(storage: Path, data_dir: StoragePath) -> list[str]:
     return [
         sys.executable, "-m", "mnist_resnet", "sweep", "--storage-path", str(storage),
         "--data-dir", data_dir.uri, "--sweep-name", "small", "--num-samples", "4",
-        "--max-concurrent-trials", "2", "--limit-train-rows", "512", "--limit-test-rows", "256",
+        "--max-concurrent-trials", "2", "--limit-train-rows", "512", "--limit-val-rows", "256",
+        "--limit-test-rows", "256",
         "--epochs", "2", "--batch-sizes", "128", "--lr-min", "1e-5", "--lr-max", "0.3",
         "--warmup-fractions", "0.1", "--weight-decays", "0.0005", "--log-every-steps", "4",
     ]  # fmt: skip
@@ -84,8 +85,8 @@ def test_a_sweep_stops_lagging_trials_resumes_after_a_kill_and_its_best_command_
     best = json.loads((sweep_dir / "best.json").read_text())
     finished = [row for row in rows if row["stopped_early"] == "False"]
     assert best["best_trial"] in {row["trial_id"] for row in finished}
-    assert best["best_test_accuracy"] == pytest.approx(
-        max(float(row["best_test_accuracy"]) for row in rows), abs=1e-6
+    assert best["best_val_accuracy"] == pytest.approx(
+        max(float(row["best_val_accuracy"]) for row in rows), abs=1e-6
     )
     assert f"train it in full:\n  {best['command']}" in rerun.stdout
     assert f"{sys.executable} -m mnist_resnet train --preset cpu" in rerun.stdout
@@ -98,7 +99,7 @@ def test_a_sweep_stops_lagging_trials_resumes_after_a_kill_and_its_best_command_
     assert len(parents) == 1
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id]
     assert sorted(run.info.run_name for run in children) == sorted(row["trial_id"] for row in rows)
-    assert all(client.get_metric_history(run.info.run_id, "test_accuracy") for run in children)
+    assert all(client.get_metric_history(run.info.run_id, "val_accuracy") for run in children)
 
     # The printed command trains (cut to one epoch of a slice here: the flags after it win).
     words = shlex.split(best["command"])
@@ -106,7 +107,8 @@ def test_a_sweep_stops_lagging_trials_resumes_after_a_kill_and_its_best_command_
     assert "--lr" in words and "--run-name" in words
     trained = subprocess.run(
         [sys.executable, "-m", "mnist_resnet", *words[1:], "--epochs", "1", "--limit-train-rows",
-         "512", "--limit-test-rows", "256", "--num-workers", "1", "--tracking", "none"],
+         "512", "--limit-val-rows", "256", "--limit-test-rows", "256", "--num-workers", "1",
+         "--tracking", "none"],
         env=env, capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     assert trained.returncode == 0, trained.stderr[-3000:]

@@ -128,7 +128,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     summary = run(config_from_args(args, TrainConfig, PRESETS))
     best = summary["best"]
     print(
-        f"best validation F1 {best['eval_f1']:.4f} (accuracy {best['eval_accuracy']:.4f}) at epoch "
+        f"best validation F1 {best['val_f1']:.4f} (accuracy {best['val_accuracy']:.4f}) at epoch "
         f"{int(best['epoch'])} of {summary['epochs_done']}; majority class: "
         f"{summary['majority_share_validation']:.4f}\n"
         f"metrics: {summary['metrics_csv']}\ncurves: {summary['curves_png']}\n"
@@ -153,7 +153,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         train=run,
         objective=Objective(SCORE, "max", time_attr="epoch", max_t=config.epochs),
         command=f"hf-finetune train --preset {args.preset}",
-        full_run={"limit_train_rows": None, "limit_eval_rows": None, "epochs": preset.epochs},
+        full_run={"limit_train_rows": None, "limit_val_rows": None, "epochs": preset.epochs},
     )
     print_outcome(outcome, SCORE)
     return 0

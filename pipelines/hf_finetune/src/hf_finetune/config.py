@@ -96,7 +96,7 @@ class TrainConfig(RayTrainSettings, DataLocation):
     limit_train_rows: int | None = option(
         None, "Train on the first N rows only (smoke runs, tests)."
     )
-    limit_eval_rows: int | None = option(None, "Evaluate on the first N validation rows only.")
+    limit_val_rows: int | None = option(None, "Evaluate on the first N validation rows only.")
     log_every_steps: int = option(50, "Progress line every N optimiser steps (rank 0).")
     checkpoint_every_steps: int = option(
         0,
@@ -140,7 +140,7 @@ class TrainConfig(RayTrainSettings, DataLocation):
             raise ConfigError(
                 f"lr_schedule={self.lr_schedule!r}: choose linear, cosine or constant"
             )
-        for name in ("limit_train_rows", "limit_eval_rows"):
+        for name in ("limit_train_rows", "limit_val_rows"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"{name}={value}: give a positive row count or none")
@@ -181,7 +181,7 @@ def cpu_sweep_preset() -> SweepConfig:
     compares validation F1 after each): ~10 minutes on a 2-core box."""
     return SweepConfig(
         **dataclasses.asdict(cpu_preset()) | {"epochs": 3, "limit_train_rows": 1024,
-                                              "limit_eval_rows": 512},
+                                              "limit_val_rows": 512},
         sweep_name=SWEEP_NAME,
         num_samples=6, max_concurrent_trials=2, workers_per_trial=1, lr_min=1e-6, lr_max=5e-4,
         batch_sizes="16,32", warmup_fractions="0,0.1", weight_decays="0,0.01",

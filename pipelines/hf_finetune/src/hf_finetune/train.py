@@ -92,7 +92,10 @@ from raytrain_common.tracking import (
 
 log = logging.getLogger("hf_finetune")
 
-SCORE = "eval_f1"  # Ray keeps the best checkpoints by this; the Trainer prefixes eval metrics
+SCORE = "val_f1"  # Ray keeps the best checkpoints by this (and a sweep ranks trials by it)
+# The prefix of the validation metrics the Trainer logs (its own default is "eval"): `val_*` names
+# the split that chooses checkpoints in every pipeline, `test_*` the one reported once.
+VAL_PREFIX = "val"
 HF_CHECKPOINT = RayTrainReportCallback.CHECKPOINT_NAME  # the HF folder inside a Ray checkpoint
 RECORD_FILE = "run_record.json"  # compute dtype and faults, beside the Trainer's files
 
@@ -170,6 +173,7 @@ class LengthGroupedTrainer(Trainer):
         # a preemption) would resume with another dropout stream. Evaluation leaves it untouched.
         cpu_state = torch.get_rng_state()
         cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+        kwargs.setdefault("metric_key_prefix", VAL_PREFIX)
         try:
             return super().evaluate(*args, **kwargs)
         finally:
@@ -248,11 +252,11 @@ class ProgressLog(TrainerCallback):
                 logs.get("learning_rate", float("nan")), rate,
                 eta(state.max_steps - state.global_step, (now - self.last[0]) / steps),
             )  # fmt: skip
-        elif "eval_loss" in logs:
+        elif "val_loss" in logs:
             log.info(
                 "epoch %.0f  eval loss %.4f  eval accuracy %.4f  eval F1 %.4f",
-                state.epoch or 0.0, logs["eval_loss"], logs.get("eval_accuracy", float("nan")),
-                logs.get("eval_f1", float("nan")),
+                state.epoch or 0.0, logs["val_loss"], logs.get("val_accuracy", float("nan")),
+                logs.get("val_f1", float("nan")),
             )  # fmt: skip
         self.last = (now, state.global_step)
 
@@ -410,7 +414,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         read_split(data_dir, "train", config.limit_train_rows), info.max_length
     )
     eval_set = TokenizedSplit(
-        read_split(data_dir, "validation", config.limit_eval_rows), info.max_length
+        read_split(data_dir, "validation", config.limit_val_rows), info.max_length
     )
     transformers.utils.logging.disable_progress_bar()  # bars from every worker garble the log
     transformers.utils.logging.set_verbosity_error()  # e.g. the load report naming the new head
@@ -540,7 +544,7 @@ def epoch_history(
     ]
     history: list[dict[str, float]] = []
     for row in trainer_state["log_history"]:
-        if "eval_loss" not in row:
+        if "val_loss" not in row:
             continue
         since = history[-1]["step"] if history else 0
         losses = [r["train_loss_interval"] for r in step_log if since < r["step"] <= row["step"]]
@@ -550,10 +554,10 @@ def epoch_history(
                 "epoch": round(epoch) if abs(epoch - round(epoch)) < 1e-6 else round(epoch, 4),
                 "step": row["step"],
                 "train_loss": float(np.mean(losses)) if losses else float("nan"),
-                "eval_loss": row["eval_loss"],
-                "eval_accuracy": row["eval_accuracy"],
-                "eval_f1": row["eval_f1"],
-                "eval_runtime_s": row["eval_runtime"],
+                "val_loss": row["val_loss"],
+                "val_accuracy": row["val_accuracy"],
+                "val_f1": row["val_f1"],
+                "val_runtime_s": row["val_runtime"],
             }
         )
     return history, step_log
@@ -588,7 +592,7 @@ def write_run_outputs(
     plot_curves(
         run_dir.join(CURVES_FILE),
         sorted(step_log + history, key=lambda row: row["epoch"]),
-        [("loss", ["train_loss_interval", "eval_loss"]), ("score", ["eval_accuracy", "eval_f1"])],
+        [("loss", ["train_loss_interval", "val_loss"]), ("score", ["val_accuracy", "val_f1"])],
         title=f"{config.run_name}: {display_name(config.model or '')} on {info.source}",
         log_y=["loss"],
     )

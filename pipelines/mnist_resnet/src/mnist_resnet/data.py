@@ -169,7 +169,7 @@ def load_idx_folder(folder: Path) -> tuple[Split, Split]:
             )
         arrays[key] = read_idx(found[0])
     splits = []
-    for split in SPLITS:
+    for split in ("train", "test"):
         images, labels = arrays[(split, "images")], arrays[(split, "labels")]
         if images.ndim != 3 or labels.ndim != 1:
             raise DataError(

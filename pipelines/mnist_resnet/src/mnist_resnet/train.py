@@ -319,15 +319,15 @@ def epoch_row(
 def epoch_batches(
     rows: ImageRows,
     epoch: int,
-    first_step: int,
-    steps: int,
+    steps: range,
     config: TrainConfig,
+    rank: int,
+    world: int,
     device: torch.device,
 ) -> Iterator[dict[str, torch.Tensor]]:
-    """This rank's micro-batches of the epoch's steps `first_step`..`steps - 1`, in the epoch's order."""
-    rank, world = dist.get_rank() if dist.is_initialized() else 0, _world()
+    """Rank `rank`'s micro-batches of the epoch's `steps` (0-based), in the epoch's order."""
     order = pass_permutation(len(rows), config.seed, epoch - 1)
-    for step in range(first_step, steps):
+    for step in steps:
         indices = epoch_batch_indices(order, step, config.global_batch_size)
         for part in micro_batches(indices, rank, world, config.grad_accum_steps):
             yield rows.batch(part, device)
@@ -529,7 +529,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                     raise StopAtStepReached
 
             first_step = position.step if position else 0
-            batches = epoch_batches(train_rows, epoch, first_step, steps, config, device)
+            batches = epoch_batches(
+                train_rows, epoch, range(first_step, steps), config, rank, world, device
+            )
             row: dict[str, float] = {"epoch": epoch}
             try:
                 trained, compute_dtype = train_one_epoch(
