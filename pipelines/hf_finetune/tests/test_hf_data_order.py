@@ -34,9 +34,7 @@ def label_sorted_split(rows: int = 2400) -> TokenizedSplit:
 def labels_of_worker(split: TokenizedSplit, epoch: int, rank: int) -> np.ndarray:
     """The rows rank `rank` trains on in `epoch`: the pipeline's sampler, batched and sharded over
     the workers as the Trainer's accelerate DataLoader does it."""
-    sampler = EpochSeededLengthGroupedSampler(
-        BATCH, dataset=split, lengths=split.lengths, seed=0
-    )
+    sampler = EpochSeededLengthGroupedSampler(BATCH, dataset=split, lengths=split.lengths, seed=0)
     sampler.set_epoch(epoch)
     shard = BatchSamplerShard(
         BatchSampler(sampler, BATCH, drop_last=False), num_processes=WORKERS, process_index=rank

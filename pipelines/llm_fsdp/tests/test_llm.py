@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 

@@ -47,11 +47,11 @@ def test_two_workers_learn_choose_on_validation_and_test_that_checkpoint_once(
     # Chosen on validation: the best row is the epoch of highest val_accuracy, and its checkpoint
     # is the one tested; the test split appears nowhere in the per-epoch history.
     assert summary["best"]["val_accuracy"] == pytest.approx(max(r["val_accuracy"] for r in rows))
-    test = summary["test"]
-    assert test["checkpoint"] == summary["best_checkpoint"]
-    assert test["epoch"] == summary["best"]["epoch"] and test["test_rows"] == 1000
+    tested = summary["test"]
+    assert tested["checkpoint"] == summary["best_checkpoint"]
+    assert tested["epoch"] == summary["best"]["epoch"] and tested["test_rows"] == 1000
     assert not any(key.startswith("test_") for row in rows for key in row)
-    assert test["test_accuracy"] >= 0.93  # chance is 0.10
+    assert tested["test_accuracy"] >= 0.93  # chance is 0.10
     assert (run_dir / "curves.png").read_bytes()[:4] == b"\x89PNG"
     assert (
         json.loads((run_dir / "summary.json").read_text())["best_checkpoint"]
@@ -63,7 +63,7 @@ def test_two_workers_learn_choose_on_validation_and_test_that_checkpoint_once(
     info = DatasetInfo(**state["dataset"])
     test = read_split_arrays(mnist_dir, "test", limit=1000)
     accuracy = evaluate_arrays(model, test.images, test.labels, info, torch.device("cpu"))
-    assert accuracy == pytest.approx(test["test_accuracy"], abs=0.003)
+    assert accuracy == pytest.approx(tested["test_accuracy"], abs=0.003)
 
     result = predict(str(tmp_path), "learn", count=16, output=None)
     assert result["test_accuracy"] >= 0.93  # on the full 10k test set

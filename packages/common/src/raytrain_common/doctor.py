@@ -147,9 +147,71 @@ def probe_node(
         if existing and os.stat(existing).st_dev not in devices:  # one row per disk
             devices.add(os.stat(existing).st_dev)
             facts["disk_free"][path] = shutil.disk_usage(existing).free
+    facts["auth_mode"] = _auth_mode()
     facts["shm_total"] = shutil.disk_usage("/dev/shm").total if os.path.exists("/dev/shm") else None
     facts["memory_total"], facts["memory_available"] = _memory()
     return facts
+
+
+def _auth_mode() -> str | None:
+    """This process's Ray authentication mode ("token" or "disabled"): a task's is its node's, as
+    a worker inherits its raylet's environment."""
+    try:
+        from ray._private.authentication.authentication_utils import get_authentication_mode_name
+        from ray._raylet import get_authentication_mode
+
+        return str(get_authentication_mode_name(get_authentication_mode()))
+    except ImportError:  # a Ray without token authentication (< 2.52)
+        return None
+
+
+def dashboard_address() -> str | None:
+    """host:port the cluster's dashboard (and Jobs API) serves on, as it registered in the GCS: a
+    loopback host when it listens on loopback only, else the node's address."""
+    from ray._private import ray_constants
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    value = _internal_kv_get(
+        ray_constants.DASHBOARD_ADDRESS, namespace=ray_constants.KV_NAMESPACE_DASHBOARD
+    )
+    return value.decode() if value else None
+
+
+def _is_loopback(address: str) -> bool:
+    host = address.rsplit(":", 1)[0].strip("[]")
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+AUTH_FIX = (
+    "start every node with token authentication: `ray get-auth-token --generate` once, then the "
+    "same token on every node and client (RAY_AUTH_MODE=token with RAY_AUTH_TOKEN, or "
+    "RAY_AUTH_TOKEN_PATH); on KubeRay set spec.rayClusterSpec.authOptions.mode: token (every "
+    "deploy/rayjob/*.yaml does). Without it anyone who reaches the GCS (6379), dashboard (8265) "
+    "or client port (10001) can run code with the cluster's credentials"
+)
+
+
+def check_auth(report: Report, facts: dict[str, dict[str, Any]]) -> None:
+    """Token authentication: OK on every node; WARN off on one node that serves on loopback only;
+    FAIL off on a multi-node cluster, or with the dashboard reachable beyond loopback."""
+    modes = {node_id: f.get("auth_mode") for node_id, f in facts.items()}
+    dashboard = dashboard_address()
+    where = f"dashboard at {dashboard}" if dashboard else "no dashboard"
+    off = sorted(short(node_id) for node_id, mode in modes.items() if mode != "token")
+    if not off:
+        report.add("authentication", "cluster", OK, f"token on all {len(modes)} node(s); {where}")
+        return
+    value = f"{'off' if len(off) == len(modes) else 'off on ' + ', '.join(off)} ({len(modes)} node(s)); {where}"
+    exposed = dashboard is not None and not _is_loopback(dashboard)
+    if len(modes) > 1 or exposed:
+        reason = (
+            "other machines reach this cluster"
+            if len(modes) > 1
+            else "the dashboard listens beyond loopback"
+        )
+        report.add("authentication", "cluster", FAIL, f"{value}: {reason}", AUTH_FIX)
+    else:
+        report.add("authentication", "cluster", WARN, value, AUTH_FIX)
 
 
 def _memory() -> tuple[int, int]:
@@ -817,6 +879,7 @@ def run_checks(args: argparse.Namespace) -> Report:
     check_versions(report, facts, driver)
     check_imports(report, facts, modules)
     check_resources(report, nodes, args.autoscaling)
+    check_auth(report, facts)
     check_system(report, facts)
     check_storage(report, nodes)
     if not any(row.check == "resources" and row.status == FAIL for row in report.rows):

@@ -6,11 +6,16 @@ folder that every node of this cluster really shares (they are one machine), so 
 `--storage-is-shared`. A pipeline's driver runs as a subprocess with `RAY_ADDRESS` set, as in a
 RayJob, so tests can kill it too; this process keeps a connection to the cluster to watch the run
 and to inject faults (drain a node through the GCS, remove it, add one back).
+
+Token authentication is on, with a token made for the cluster (never whatever ~/.ray/auth_token
+holds): every node, driver and CLI call started from here gets it through RAY_AUTH_MODE=token and
+RAY_AUTH_TOKEN, and a node or client without it is refused, as on a real cluster of ours.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -34,6 +39,7 @@ class MultiNodeCluster:
     ) -> None:
         self.object_store_bytes = object_store_mb * 1024 * 1024
         self.connected = connect
+        self.auth_token: str | None = None
         self.cluster = Cluster(
             initialize_head=True,
             connect=connect,
@@ -140,9 +146,34 @@ def wait_for(condition: Callable[[], Any], timeout_s: float, what: str, poll_s: 
     raise TimeoutError(f"waited {timeout_s:.0f} s for {what}")
 
 
+AUTH_VARIABLES = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+
+
+def new_auth_token() -> str:
+    """A random token of the kind `ray get-auth-token --generate` writes (hex, 256 bits)."""
+    return secrets.token_hex(32)
+
+
+@contextmanager
+def token_auth(token: str) -> Iterator[str]:
+    """This process and every process it starts use token auth with `token`; restored afterwards."""
+    saved = {name: os.environ.get(name) for name in AUTH_VARIABLES}
+    os.environ.pop("RAY_AUTH_TOKEN_PATH", None)
+    os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)
+    try:
+        yield token
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 @contextmanager
 def multinode_cluster(*, head_cpus: float, connect: bool = True) -> Iterator[MultiNodeCluster]:
-    """A fresh cluster (the caller adds worker nodes), shut down afterwards whatever happens.
+    """A fresh cluster with token auth (the caller adds worker nodes), shut down afterwards
+    whatever happens. `cluster.auth_token` is its token.
 
     Unconnected (`connect=False`), it can run beside a cluster this process uses, for tests whose
     drivers are subprocesses (`RAY_ADDRESS` set) and that only start, count and stop nodes.
@@ -154,11 +185,13 @@ def multinode_cluster(*, head_cpus: float, connect: bool = True) -> Iterator[Mul
         )
     # The preemption watcher polls drains every 5 s by default; 1 s keeps tests short.
     os.environ.setdefault("RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S", "1")
-    harness = MultiNodeCluster(head_cpus=head_cpus, connect=connect)
-    try:
-        yield harness
-    finally:
-        harness.shutdown()
+    with token_auth(new_auth_token()) as token:
+        harness = MultiNodeCluster(head_cpus=head_cpus, connect=connect)
+        harness.auth_token = token
+        try:
+            yield harness
+        finally:
+            harness.shutdown()
 
 
 class Driver:

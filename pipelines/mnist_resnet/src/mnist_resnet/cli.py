@@ -169,7 +169,12 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         train=run,
         objective=Objective(SCORE, "max", time_attr="epoch", max_t=config.epochs),
         command=f"mnist-resnet train --preset {args.preset}",
-        full_run={"limit_train_rows": None, "limit_val_rows": None, "epochs": preset.epochs},
+        full_run={
+            "limit_train_rows": None,
+            "limit_val_rows": None,
+            "limit_test_rows": None,
+            "epochs": preset.epochs,
+        },
     )
     print_outcome(outcome, SCORE)
     return 0

@@ -345,11 +345,12 @@ def prepare(
     marker = data_dir.join(DATASET_FILE)
     if marker.exists() and not force:
         info = DatasetInfo(**json.loads(marker.read_text()))
-        if (
-            info.val_rows
-            and info.source == _source_id(source)
-            and image_size in (None, info.height)
-        ):
+        if not info.val_rows:
+            raise DataError(
+                f"{data_dir} was prepared by an earlier version, without a validation split: "
+                "pass --force to prepare it again"
+            )
+        if info.source == _source_id(source) and image_size in (None, info.height):
             log.info("%s is already prepared from %s; nothing to do", data_dir, info.source)
             return info
         raise DataError(

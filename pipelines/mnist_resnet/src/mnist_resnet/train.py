@@ -640,7 +640,11 @@ def test_once(checkpoint_uri: str, config: TrainConfig) -> dict[str, Any]:
     if the run had them; the driver may sit on a CPU-only head node)."""
     started = time.perf_counter()
     task = ray.remote(checkpoint_test_metrics).options(
-        num_cpus=config.cpus_per_worker, num_gpus=1 if config.use_gpu else 0
+        num_cpus=config.cpus_per_worker,
+        num_gpus=1 if config.use_gpu else 0,
+        # Not inside the caller's placement group (a sweep trial's holds a tenth of a CPU): the
+        # run's workers have ended, their resources are free in the cluster.
+        scheduling_strategy="DEFAULT",
     )
     result: dict[str, Any] = ray.get(task.remote(checkpoint_uri, config.limit_test_rows))
     result["test_s"] = time.perf_counter() - started
