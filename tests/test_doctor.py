@@ -18,7 +18,13 @@ from typing import Any
 
 import pytest
 
-from raytrain_common.multinode import MultiNodeCluster, multinode_cluster, wait_for
+from raytrain_common.local_cluster import stop
+from raytrain_common.multinode import (
+    AUTH_VARIABLES,
+    MultiNodeCluster,
+    multinode_cluster,
+    wait_for,
+)
 
 pytestmark = pytest.mark.ray
 DOCTOR = str(Path(sys.executable).with_name("raytrain-doctor"))
@@ -83,7 +89,8 @@ def test_a_healthy_two_node_cluster_passes_every_check_in_under_a_minute(
     assert {row["status"] for row in report["rows"]} == {"OK"}, output
     checks = {row["check"] for row in report["rows"]}
     assert {"versions", "imports", "resources", "/dev/shm", "memory", "storage", "storage shared",
-            "collective", "memory forecast"} <= checks  # fmt: skip
+            "collective", "memory forecast", "authentication"} <= checks  # fmt: skip
+    assert rows(report, "authentication")[0]["value"].startswith("token on all 2 node(s)")
     assert len(rows(report, "imports")) == 2  # one per node
     assert len(rows(report, "storage")) == 2
     collective = rows(report, "collective")[0]["value"]
@@ -211,3 +218,27 @@ def test_storage_a_module_and_a_version_that_differ_on_one_node_each_fail_with_t
         assert "sees no file from node(s)" in row["value"]
         assert "this path is not shared" in row["fix"] and "ReadWriteMany" in row["fix"]
     assert ("collective", "cluster") not in failed  # the network itself is fine
+
+
+def test_a_node_without_the_cluster_token_cannot_join(
+    two_nodes: MultiNodeCluster, tmp_path: Path
+) -> None:
+    """The harness's cluster runs with token auth: `ray start` of a third node without the token
+    (and no ~/.ray/auth_token to fall back on) is refused by the GCS, and the cluster stays at 2."""
+    import tempfile
+
+    temp = tempfile.mkdtemp(prefix="ray-join-", dir="/tmp")  # Ray's socket paths stay short
+    env = {name: value for name, value in os.environ.items() if name not in AUTH_VARIABLES}
+    env.update(HOME=str(tmp_path), RAY_AUTH_MODE="disabled")
+    try:
+        done = subprocess.run(
+            [str(Path(sys.executable).with_name("ray")), "start", f"--address={two_nodes.address}",
+             "--num-cpus=1", f"--temp-dir={temp}", "--disable-usage-stats"],
+            env=env, capture_output=True, text=True, timeout=180,
+        )  # fmt: skip
+        assert done.returncode != 0, done.stdout + done.stderr
+        assert "InvalidAuthToken" in done.stdout + done.stderr
+        assert len(two_nodes.alive_node_ids()) == 2
+    finally:
+        stop(temp)  # whatever it started, and nothing of the cluster it tried to join
+        shutil.rmtree(temp, ignore_errors=True)

@@ -16,9 +16,13 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import tomllib
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -125,6 +129,14 @@ def rayjobs() -> dict[str, dict[str, Any]]:
     return {name: load(RAYJOBS / f"{name}.yaml")[0] for name in RAYJOB_FILES}
 
 
+def network_policies() -> dict[str, dict[str, Any]]:
+    """Each RayJob file's NetworkPolicy (the document after the RayJob), by file."""
+    return {
+        name: next(d for d in load(RAYJOBS / f"{name}.yaml") if d["kind"] == "NetworkPolicy")
+        for name in RAYJOB_FILES
+    }
+
+
 def containers(document: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any], dict[str, Any]]]:
     cluster = document["spec"]["rayClusterSpec"]
     for role, group in [("head", cluster["headGroupSpec"])] + [
@@ -143,6 +155,32 @@ def containers(document: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any], 
 @pytest.mark.parametrize("name", RAYJOB_FILES)
 def test_manifest_validates_against_the_crd_and_kubernetes(name: str) -> None:
     check_rayjob(rayjobs()[name], crd_schema())
+    kubernetes_validate.validate(network_policies()[name], K8S_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("name", RAYJOB_FILES)
+def test_the_cluster_runs_with_token_auth_and_admits_only_its_own_pods(name: str) -> None:
+    """authOptions.mode token (an empty authOptions leaves auth off) with the rayVersion the operator
+    needs; the NetworkPolicy selects exactly the RayJob's head and worker pods and lets in only
+    them and the RayJob's submitter (the Job KubeRay names after the RayJob)."""
+    document = rayjobs()[name]
+    cluster = document["spec"]["rayClusterSpec"]
+    assert cluster["authOptions"]["mode"] == "token"
+    assert tuple(map(int, cluster["rayVersion"].split(".")[:2])) >= (2, 52)
+    policy = network_policies()[name]["spec"]
+    selector = policy["podSelector"]["matchLabels"]
+    templates = [cluster["headGroupSpec"]["template"]] + [
+        group["template"] for group in cluster["workerGroupSpecs"]
+    ]
+    for template in templates:
+        labels = template["metadata"]["labels"]
+        assert selector.items() <= labels.items(), (selector, labels)
+    assert policy["policyTypes"] == ["Ingress"]
+    [rule] = policy["ingress"]
+    assert "ports" not in rule  # every Ray port between the job's own pods
+    allowed = [peer["podSelector"]["matchLabels"] for peer in rule["from"]]
+    assert allowed == [selector, {"batch.kubernetes.io/job-name": document["metadata"]["name"]}]
+    assert all(set(peer) == {"podSelector"} for peer in rule["from"])  # no namespace-wide hole
 
 
 def test_the_validation_rejects_what_the_api_server_would() -> None:
@@ -187,7 +225,9 @@ def test_every_kustomize_output_validates(folder: Path) -> None:
     schema = crd_schema()
     documents = kustomize(folder)
     kinds = sorted(doc["kind"] for doc in documents)
-    assert kinds == ["PersistentVolumeClaim"] + ["RayJob"] * len(RAYJOB_FILES)
+    assert kinds == sorted(
+        ["PersistentVolumeClaim"] + ["RayJob", "NetworkPolicy"] * len(RAYJOB_FILES)
+    )
     for document in documents:
         if document["kind"] == "RayJob":
             check_rayjob(document, schema)
@@ -205,6 +245,11 @@ def test_the_overlay_changes_image_replicas_gpus_and_storage_class_in_one_place(
     env = yaml.safe_load(spec["runtimeEnvYAML"])["env_vars"]
     assert int(env["NUM_WORKERS"]) == worker["replicas"] * gpus  # one Ray Train worker per GPU
     assert rendered["raytrain-runs"]["spec"]["storageClassName"]
+    # Your own token Secret instead of the operator's: token mode kept, the Secret named.
+    assert spec["rayClusterSpec"]["authOptions"] == {
+        "mode": "token",
+        "secretName": "llm-fsdp-ray-token",
+    }
 
 
 def test_every_pipeline_has_one_manifest_and_the_kustomize_base_lists_them_all() -> None:
@@ -236,6 +281,7 @@ def test_manifest_is_what_a_platform_team_accepts(name: str) -> None:
     assert spec["shutdownAfterJobFinishes"] is True and spec["ttlSecondsAfterFinished"] > 0
     assert spec["activeDeadlineSeconds"] > 0 and spec["backoffLimit"] >= 0
     assert spec["rayClusterSpec"]["rayVersion"] == "2.60.0"
+    assert spec["rayClusterSpec"]["authOptions"] == {"mode": "token"}
     head_params = spec["rayClusterSpec"]["headGroupSpec"]["rayStartParams"]
     assert head_params["num-gpus"] == "0"
     for role, pod, container in containers(document):
@@ -297,17 +343,31 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+@dataclass(frozen=True)
+class Head:
+    url: str  # the dashboard: the Jobs API
+    token: str
+    temp: Path
+
+
 @pytest.fixture(scope="module")
-def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A real `ray start --head` with its dashboard (the Jobs API), as deploy/README.md starts one."""
-    temp = tmp_path_factory.mktemp("ray-head")
+def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Head]:
+    """A real `ray start --head` with token authentication and its dashboard (the Jobs API), as
+    deploy/README.md starts one; stopped by its own processes, never `ray stop` (which ends every
+    Ray process of the user on the machine)."""
+    from raytrain_common.local_cluster import stop
+    from raytrain_common.multinode import AUTH_VARIABLES, new_auth_token
+
+    temp = Path(tempfile.mkdtemp(prefix="ray-head-", dir="/tmp"))  # Ray's socket paths stay short
     port, dashboard = free_port(), free_port()
-    env = {
-        **os.environ,
-        "RAY_AUTH_MODE": "disabled",
-        "RAY_USAGE_STATS_ENABLED": "0",
-        "RAY_TMPDIR": str(temp),
-    }
+    token = new_auth_token()
+    env = {name: value for name, value in os.environ.items() if name not in AUTH_VARIABLES}
+    env.update(
+        RAY_AUTH_MODE="token",
+        RAY_AUTH_TOKEN=token,
+        RAY_USAGE_STATS_ENABLED="0",
+        RAY_TMPDIR=str(temp),
+    )
     env.pop("RAY_ADDRESS", None)
     # The job driver finds the pipelines' commands on PATH, as in the image.
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
@@ -318,9 +378,10 @@ def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         check=True, env=env, capture_output=True, text=True,
     )  # fmt: skip
     try:
-        yield f"http://127.0.0.1:{dashboard}"
+        yield Head(f"http://127.0.0.1:{dashboard}", token, temp)
     finally:
-        subprocess.run([ray, "stop", "--force"], env=env, check=False, capture_output=True)
+        stop(temp)
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 def smoke_job(name: str, storage: Path) -> tuple[str, dict[str, Any]]:
@@ -341,13 +402,16 @@ def smoke_job(name: str, storage: Path) -> tuple[str, dict[str, Any]]:
 
 
 def submit_and_wait(
-    head: str, entrypoint: str, runtime_env: dict[str, Any], timeout_s: float
+    head: Head, entrypoint: str, runtime_env: dict[str, Any], timeout_s: float
 ) -> str:
-    """Submit through the Jobs API, wait for the end, assert it SUCCEEDED; return its log."""
+    """Submit through the Jobs API with the cluster's token, as KubeRay's submitter does; wait for
+    the end, assert it SUCCEEDED; return its log. The job's driver inherits the token from the
+    head, so the pipeline's CLI joins the token-protected cluster through RAY_ADDRESS."""
     from ray.job_submission import JobStatus, JobSubmissionClient
 
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    client = JobSubmissionClient(head)
+    os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=head.token)
+    os.environ.pop("RAY_AUTH_TOKEN_PATH", None)
+    client = JobSubmissionClient(head.url, headers={"Authorization": f"Bearer {head.token}"})
     job = client.submit_job(entrypoint=entrypoint, runtime_env=runtime_env)
     deadline = time.monotonic() + timeout_s
     ended = {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}
@@ -359,9 +423,44 @@ def submit_and_wait(
     return logs
 
 
+def test_a_submission_without_the_token_is_refused(ray_head: Head, tmp_path: Path) -> None:
+    """What anyone who reaches the dashboard port would try: the Jobs API answers 401 to a
+    request without the token or with another one, `ray job submit` fails naming the token, and no
+    job was created."""
+    from raytrain_common.multinode import AUTH_VARIABLES, new_auth_token
+
+    body = json.dumps({"entrypoint": "echo pwned"}).encode()
+    for headers in ({}, {"Authorization": f"Bearer {new_auth_token()}"}):
+        request = urllib.request.Request(
+            f"{ray_head.url}/api/jobs/", data=body, method="POST",
+            headers={"Content-Type": "application/json", **headers},
+        )  # fmt: skip
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=30)
+        assert refused.value.code == 401, headers
+
+    env = {name: value for name, value in os.environ.items() if name not in AUTH_VARIABLES}
+    env.update(HOME=str(tmp_path))  # no ~/.ray/auth_token to fall back on
+    done = subprocess.run(
+        [str(Path(sys.executable).parent / "ray"), "job", "submit", "--address", ray_head.url,
+         "--", "echo", "pwned"],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode != 0
+    assert "AuthenticationError" in done.stderr + done.stdout
+    assert "RAY_AUTH_TOKEN" in done.stderr + done.stdout
+
+    listing = urllib.request.Request(
+        f"{ray_head.url}/api/jobs/", headers={"Authorization": f"Bearer {ray_head.token}"}
+    )
+    with urllib.request.urlopen(listing, timeout=30) as answer:
+        jobs = json.loads(answer.read())
+    assert not any("pwned" in job.get("entrypoint", "") for job in jobs)
+
+
 @pytest.mark.parametrize("name", PIPELINES)
 def test_entrypoint_succeeds_through_the_job_submission_api(
-    name: str, ray_head: str, tmp_path: Path
+    name: str, ray_head: Head, tmp_path: Path
 ) -> None:
     entrypoint, runtime_env = smoke_job(name, tmp_path / "runs")
     submit_and_wait(ray_head, entrypoint, runtime_env, timeout_s=600)
@@ -372,7 +471,7 @@ def test_entrypoint_succeeds_through_the_job_submission_api(
 
 
 def test_the_doctor_manifest_targets_a_pipeline_cluster_and_succeeds_through_the_jobs_api(
-    ray_head: str, tmp_path: Path
+    ray_head: Head, tmp_path: Path
 ) -> None:
     """doctor.yaml runs raytrain-doctor for the pipeline it names, on that pipeline's cluster shape;
     at the CPU smoke size on a local head every check passes, and the job writes its JSON table."""

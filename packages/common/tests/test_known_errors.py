@@ -71,6 +71,9 @@ def test_a_cause_is_found_under_layers_of_wrapping() -> None:
         ("OSError: When uploading part for key 'runs/x': AWS Error ACCESS_DENIED during UploadPart operation", "storage error"),
         ("OSError: [Errno 28] No space left on device", "disk full"),
         ("RuntimeError: Version mismatch: The cluster was started with Ray 2.60.0 but this process uses 2.59.0", "version mismatch"),
+        # What ray.init prints joining a token cluster without the token (Ray 2.60, measured).
+        ("ray.exceptions.AuthenticationError: RPC error: InvalidAuthToken: Authentication token is missing or incorrect.", "Ray authentication"),
+        ("ConnectionError: Failed to connect to Ray cluster at 10.0.0.5:6379 ... Unauthorized: Missing authentication token", "Ray authentication"),
     ],
 )  # fmt: skip
 def test_each_tabulated_message_is_named(text: str, name: str) -> None:
@@ -83,3 +86,12 @@ def test_each_tabulated_message_is_named(text: str, name: str) -> None:
 def test_an_unknown_error_is_left_alone() -> None:
     assert explain(raised(lambda: {}["missing key"])) is None
     assert explain("ValueError: global_batch_size=7 does not divide evenly") is None
+
+
+def test_the_authentication_line_names_the_token_variables() -> None:
+    line = explain(
+        "ray.exceptions.AuthenticationError: Authentication token is missing or incorrect"
+    )
+    assert line is not None
+    for variable in ("RAY_AUTH_MODE=token", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        assert variable in line

@@ -191,11 +191,10 @@ AUTH_FIX = (
 )
 
 
-def check_auth(report: Report, facts: dict[str, dict[str, Any]]) -> None:
+def check_auth(report: Report, facts: dict[str, dict[str, Any]], dashboard: str | None) -> None:
     """Token authentication: OK on every node; WARN off on one node that serves on loopback only;
-    FAIL off on a multi-node cluster, or with the dashboard reachable beyond loopback."""
+    FAIL off on a multi-node cluster, or with the dashboard (`host:port`) beyond loopback."""
     modes = {node_id: f.get("auth_mode") for node_id, f in facts.items()}
-    dashboard = dashboard_address()
     where = f"dashboard at {dashboard}" if dashboard else "no dashboard"
     off = sorted(short(node_id) for node_id, mode in modes.items() if mode != "token")
     if not off:
@@ -879,7 +878,7 @@ def run_checks(args: argparse.Namespace) -> Report:
     check_versions(report, facts, driver)
     check_imports(report, facts, modules)
     check_resources(report, nodes, args.autoscaling)
-    check_auth(report, facts)
+    check_auth(report, facts, dashboard_address())
     check_system(report, facts)
     check_storage(report, nodes)
     if not any(row.check == "resources" and row.status == FAIL for row in report.rows):

@@ -36,6 +36,17 @@ def _known(name: str, pattern: str, cause: str, fix: str) -> KnownError:
 
 KNOWN_ERRORS: tuple[KnownError, ...] = (
     _known(
+        "Ray authentication",
+        r"InvalidAuthToken|Authentication token is missing or incorrect"
+        r"|Unauthorized: Missing authentication token|ray\.exceptions\.AuthenticationError",
+        "the Ray cluster requires token authentication, and this process had no token or "
+        "another one",
+        "set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN to the cluster's token (or RAY_AUTH_TOKEN_PATH "
+        "to a file holding it), the same on every node and client; on KubeRay the operator's "
+        "Secret holds it (`kubectl get secret <cluster>` or authOptions.secretName), and a "
+        "RayJob's own submitter and pods get it without a change",
+    ),
+    _known(
         "GPU out of memory",
         r"CUDA out of memory|torch\.OutOfMemoryError|CUBLAS_STATUS_ALLOC_FAILED"
         r"|HIP out of memory|CUDA error: out of memory",

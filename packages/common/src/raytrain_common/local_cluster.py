@@ -1,0 +1,92 @@
+"""Stop the Ray cluster you started, and no other: `python -m raytrain_common.local_cluster stop DIR`.
+
+`ray stop` (with or without --force) ends every Ray process of the user on the machine: another
+person's training run, a test's cluster, a notebook's. A cluster started with
+`ray start --head --temp-dir DIR` (and nodes joined with the same --temp-dir) is found instead by
+its own processes: those whose command line names DIR (GCS, raylet, dashboard, monitors), and
+every process they started (workers, agents, job drivers), which carry only `ray::…` titles.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def cluster_processes(temp_dir: str | Path) -> list:
+    """The processes of the cluster whose --temp-dir is `temp_dir`: its daemons and their descendants."""
+    import psutil
+
+    marker = str(Path(temp_dir).resolve())
+    spared = {psutil.Process().pid, *(p.pid for p in psutil.Process().parents())}
+    roots = []
+    for process in psutil.process_iter(["cmdline"]):
+        try:
+            if process.pid not in spared and _is_ray_daemon_of(process.info["cmdline"], marker):
+                roots.append(process)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    found = {process.pid: process for process in roots}
+    for root in roots:
+        try:
+            found.update({child.pid: child for child in root.children(recursive=True)})
+        except psutil.NoSuchProcess:
+            continue
+    return list(found.values())
+
+
+def _is_ray_daemon_of(cmdline: list[str] | None, marker: str) -> bool:
+    """A program of Ray's own (under its package) given a folder of `marker` as a flag's value: not a
+    shell or an editor whose command line merely mentions the folder, nor this process."""
+    if not cmdline:
+        return False
+    program = " ".join(cmdline[:3])
+    if f"{os.sep}ray{os.sep}" not in program:
+        return False
+    inside = re.compile(re.escape(marker) + r"(/|$)")  # /tmp/ray names no file of /tmp/ray2
+    return any(part.startswith("--") and inside.search(part) for part in cmdline[1:])
+
+
+def stop(temp_dir: str | Path, timeout_s: float = 15.0) -> int:
+    """SIGTERM the cluster's processes, SIGKILL what is left after `timeout_s`; how many ended."""
+    import psutil
+
+    processes = cluster_processes(temp_dir)
+    for process in processes:
+        try:
+            process.terminate()
+        except psutil.NoSuchProcess:
+            continue
+    _, alive = psutil.wait_procs(processes, timeout=timeout_s)
+    for process in alive:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            continue
+    psutil.wait_procs(alive, timeout=timeout_s)
+    return len(processes)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m raytrain_common.local_cluster",
+        description="Stop only the Ray cluster started with --temp-dir DIR (ray stop stops all).",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    stopping = commands.add_parser("stop", help="end the processes of the cluster of DIR")
+    stopping.add_argument("temp_dir", help="the --temp-dir the cluster's nodes were started with")
+    args = parser.parse_args(argv)
+    if not Path(args.temp_dir).is_dir():
+        print(f"{args.temp_dir}: no such folder (the cluster's --temp-dir)", file=sys.stderr)
+        return 2
+    ended = stop(args.temp_dir)
+    print(f"stopped {ended} process(es) of the Ray cluster in {args.temp_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
