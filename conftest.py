@@ -4,6 +4,7 @@ skipped where there is no CUDA GPU."""
 from __future__ import annotations
 
 import os
+import secrets
 from collections.abc import Iterator
 
 import pytest
@@ -11,6 +12,12 @@ import pytest
 os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Every Ray cluster of this test session (local ones, the multi-node harness's, the manifests'
+# head) runs with token authentication and this session's own token, never with whatever
+# ~/.ray/auth_token holds; the tests that check refusals start their clients without it.
+os.environ["RAY_AUTH_MODE"] = "token"
+os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+os.environ.pop("RAY_AUTH_TOKEN_PATH", None)
 
 
 @pytest.hookimpl(trylast=True)  # after `-m` has deselected: `items` is what will run

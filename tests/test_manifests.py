@@ -356,11 +356,11 @@ def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Head]:
     deploy/README.md starts one; stopped by its own processes, never `ray stop` (which ends every
     Ray process of the user on the machine)."""
     from raytrain_common.local_cluster import stop
-    from raytrain_common.multinode import AUTH_VARIABLES, new_auth_token
+    from raytrain_common.multinode import AUTH_VARIABLES, new_auth_token, process_token
 
     temp = Path(tempfile.mkdtemp(prefix="ray-head-", dir="/tmp"))  # Ray's socket paths stay short
     port, dashboard = free_port(), free_port()
-    token = new_auth_token()
+    token = process_token() or new_auth_token()  # the test session's (conftest.py)
     env = {name: value for name, value in os.environ.items() if name not in AUTH_VARIABLES}
     env.update(
         RAY_AUTH_MODE="token",

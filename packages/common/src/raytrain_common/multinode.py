@@ -154,12 +154,31 @@ def new_auth_token() -> str:
     return secrets.token_hex(32)
 
 
+def process_token() -> str | None:
+    """The token this process was given explicitly (RAY_AUTH_MODE=token with RAY_AUTH_TOKEN)."""
+    if os.environ.get("RAY_AUTH_MODE") == "token" and os.environ.get("RAY_AUTH_TOKEN"):
+        return os.environ["RAY_AUTH_TOKEN"]
+    return None
+
+
 @contextmanager
 def token_auth(token: str) -> Iterator[str]:
-    """This process and every process it starts use token auth with `token`; restored afterwards."""
+    """This process and every process it starts use token auth with `token`; restored afterwards.
+
+    Ray caches the mode and token per process: they are reloaded when they change, which is safe
+    only while this process is connected to no other cluster (then it must already hold `token`).
+    """
     saved = {name: os.environ.get(name) for name in AUTH_VARIABLES}
+    changed = process_token() != token or saved["RAY_AUTH_TOKEN_PATH"] is not None
+    if changed and ray.is_initialized():
+        raise RuntimeError(
+            "this process is connected to a Ray cluster with another token: give the new cluster "
+            "the same one (RAY_AUTH_MODE=token, RAY_AUTH_TOKEN) or run it from another process"
+        )
     os.environ.pop("RAY_AUTH_TOKEN_PATH", None)
     os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)
+    if changed:
+        _reload_auth()
     try:
         yield token
     finally:
@@ -168,6 +187,16 @@ def token_auth(token: str) -> Iterator[str]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+        if changed and not ray.is_initialized():
+            _reload_auth()
+
+
+def _reload_auth() -> None:
+    """Make Ray's per-process config and token cache read the environment again."""
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
 
 
 @contextmanager
@@ -185,7 +214,9 @@ def multinode_cluster(*, head_cpus: float, connect: bool = True) -> Iterator[Mul
         )
     # The preemption watcher polls drains every 5 s by default; 1 s keeps tests short.
     os.environ.setdefault("RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S", "1")
-    with token_auth(new_auth_token()) as token:
+    # The process's own token when it was given one (so a process that already uses a cluster
+    # with it can start this one too), else a new one: never whatever ~/.ray/auth_token holds.
+    with token_auth(process_token() or new_auth_token()) as token:
         harness = MultiNodeCluster(head_cpus=head_cpus, connect=connect)
         harness.auth_token = token
         try:
