@@ -71,6 +71,15 @@ def resolve_model(name: str, storage_path: str) -> ModelSpec:
     return ModelSpec(name, None, str(local.resolve()) if local.exists() else name)
 
 
+def meta_model(spec: ModelSpec, *, vocab_size: int, seq_len: int, eos_id: int) -> PreTrainedModel:
+    """The model's modules on the meta device (no weights, no memory): its shape, for the checks
+    a driver makes before any worker starts."""
+    with torch.device("meta"):
+        if spec.preset is not None:
+            return build_model(spec, vocab_size=vocab_size, seq_len=seq_len, eos_id=eos_id)
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(spec.path))
+
+
 def max_positions(spec: ModelSpec) -> int | None:
     """The longest sequence the model supports (None: a preset, sized to the data)."""
     if spec.preset is not None:

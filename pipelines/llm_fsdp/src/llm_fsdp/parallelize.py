@@ -14,13 +14,42 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from llm_fsdp.loss import NextTokenLoss
 
+# Where Hugging Face causal LMs keep their repeated blocks: Llama, Mistral, Qwen, Gemma, SmolLM2
+# (model.layers); GPT-2, Bloom, GPT-J (transformer.h); Pythia / GPT-NeoX; OPT.
+BLOCK_PATHS = ("model.layers", "transformer.h", "gpt_neox.layers", "model.decoder.layers")
+
+
+class UnsupportedModelError(TypeError):
+    """A model whose blocks this file does not know how to find: one line naming what it needs."""
+
 
 def decoder_blocks(model: torch.nn.Module) -> torch.nn.ModuleList:
-    """The repeated transformer blocks of a Hugging Face causal LM (Llama, Mistral, Qwen, ...)."""
-    blocks = getattr(getattr(model, "model", None), "layers", None)
-    if not isinstance(blocks, torch.nn.ModuleList):
-        raise TypeError(f"{type(model).__name__} has no model.layers: name its blocks here")
-    return blocks
+    """The repeated transformer blocks of a Hugging Face causal LM: each is sharded (and compiled,
+    and checkpointed) on its own."""
+    for path in BLOCK_PATHS:
+        found: object = model
+        for name in path.split("."):
+            found = getattr(found, name, None)
+        if isinstance(found, torch.nn.ModuleList) and len(found) > 0:
+            return found
+    raise UnsupportedModelError(
+        f"{type(model).__name__} keeps its decoder blocks at none of {', '.join(BLOCK_PATHS)}: "
+        "add where they are to BLOCK_PATHS in llm_fsdp/parallelize.py (the blocks must be an "
+        "nn.ModuleList), or train a model of a family listed there"
+    )
+
+
+def check_parallelizable(model: torch.nn.Module) -> None:
+    """What the loss and the sharding need of a model, checked before any worker starts (on a
+    meta-device copy): decoder blocks, a decoder that returns hidden states, an output head."""
+    decoder_blocks(model)
+    for method in ("get_decoder", "get_output_embeddings"):
+        part = getattr(model, method, lambda: None)()
+        if part is None:
+            raise UnsupportedModelError(
+                f"{type(model).__name__}.{method}() gives nothing: the chunked loss (llm_fsdp/"
+                "loss.py) needs the decoder's hidden states and the output head's weight"
+            )
 
 
 def compile_model(model: NextTokenLoss) -> None:

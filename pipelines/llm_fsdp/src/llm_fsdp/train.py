@@ -30,13 +30,15 @@ from llm_fsdp.data import DataError, DatasetInfo, inspect_dataset, read_blocks
 from llm_fsdp.loss import NextTokenLoss
 from llm_fsdp.model import (
     SMOLLM2,
+    ModelError,
     ModelSpec,
     build_model,
     max_positions,
+    meta_model,
     parameter_count,
     resolve_model,
 )
-from llm_fsdp.parallelize import parallelize
+from llm_fsdp.parallelize import UnsupportedModelError, check_parallelizable, parallelize
 from raytrain_common.checkpoint import (
     best_complete_checkpoint,
     resume_checkpoint,
@@ -449,6 +451,14 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
 
 
 def check_model_fits_data(spec: ModelSpec, info: DatasetInfo) -> None:
+    """The model can be sharded and trained on this data: its blocks and loss head are where
+    parallelize.py and loss.py look (on a meta-device copy), and the blocks fit its positions."""
+    try:
+        check_parallelizable(
+            meta_model(spec, vocab_size=info.vocab_size, seq_len=info.seq_len, eos_id=info.eos_id)
+        )
+    except UnsupportedModelError as error:
+        raise ModelError(f"{spec.name}: {error}") from error
     limit = max_positions(spec)
     if limit is not None and info.seq_len > limit:
         raise ConfigError(
