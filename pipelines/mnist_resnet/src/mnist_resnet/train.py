@@ -333,10 +333,6 @@ def epoch_batches(
             yield rows.batch(part, device)
 
 
-def _world() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
 @torch.no_grad()
 def evaluate(
     model: nn.Module,
@@ -377,7 +373,8 @@ def val_metrics(
 ) -> dict[str, float]:
     """Validation loss and accuracy: each rank its rows rank, rank + world, …, reduced over all."""
     started = time.perf_counter()
-    mine = np.arange(dist.get_rank() if dist.is_initialized() else 0, len(val), _world())
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    mine = np.arange(rank, len(val), world)
     batches = (val.batch(mine[i : i + 512], device) for i in range(0, len(mine), 512))
     return {**evaluate(model, batches, device, bf16), "epoch_eval_s": time.perf_counter() - started}
 
@@ -439,7 +436,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     device = ray.train.torch.get_device()
     torch.manual_seed(config.seed)
 
-    per_worker_batch_size(config.global_batch_size, world, config.grad_accum_steps)  # checks it
+    # Raises, naming the fix, if the global batch does not split over this worker count (elastic).
+    per_worker_batch_size(config.global_batch_size, world, config.grad_accum_steps)
     data_dir = resolve_storage(config.resolved_data_dir())
     train_rows = ImageRows.read(data_dir, "train", config.limit_train_rows)
     val_rows = ImageRows.read(data_dir, "val", config.limit_val_rows)
