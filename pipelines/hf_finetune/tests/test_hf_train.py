@@ -102,11 +102,11 @@ def test_two_workers_learn_survive_a_lost_worker_and_the_checkpoint_predicts(
     assert all(0.5 < probability <= 1 for _, probability, _ in predicted)
 
     result = evaluate(str(tmp_path), "vader")
-    assert result["rows"] == 2_370
-    assert result["accuracy"] >= 0.72
+    assert result["test_rows"] == 2_370
+    assert result["test_accuracy"] >= 0.72
     assert (run_dir / "confusion_matrix.png").stat().st_size > 1000
     written = json.loads((run_dir / "summary.json").read_text())
-    assert written["test"]["accuracy"] == result["accuracy"]
+    assert written["test"]["test_accuracy"] == result["test_accuracy"]
 
 
 def test_a_users_csv_trains_with_flags_alone(
@@ -137,7 +137,7 @@ def test_a_users_csv_trains_with_flags_alone(
     assert [line.split("\t")[0] for line in lines] == ["great", "bad"]
     summary = json.loads((tmp_path / "reviews" / "summary.json").read_text())
     assert summary["labels"] == ["bad", "great", "okay"]
-    assert summary["test"]["accuracy"] == 1.0  # three templates: an easy, exact task
+    assert summary["test"]["test_accuracy"] == 1.0  # three templates: an easy, exact task
 
 
 def test_bad_settings_fail_before_training(

@@ -165,8 +165,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     config = config_from_args(args, EvaluateConfig)
     result = evaluate(config.storage_path, config.run_name, config.checkpoint)
     print(
-        f"test accuracy {result['accuracy']:.4f}, macro F1 {result['f1']:.4f} on {result['rows']} "
-        f"rows (majority class {result['majority_share']:.4f})\n"
+        f"test accuracy {result['test_accuracy']:.4f}, macro F1 {result['test_f1']:.4f} on "
+        f"{result['test_rows']} rows (majority class {result['test_majority_share']:.4f})\n"
         f"confusion matrix: {result['confusion_png']}\nchecked checkpoint: {result['checkpoint']}"
     )
     return 0

@@ -79,16 +79,23 @@ def evaluate(
     labels = table.column("label").to_numpy()
     predictions = predict_ids(model, tokenizer, table.column("input_ids").to_pylist()).argmax(-1)
     matrix = confusion_matrix(labels, predictions, info.num_labels)
+    # The same words as every pipeline: test_* for the split reported, val_* for the one choosing.
+    prefix = {"validation": "val"}.get(split, split)
+    scores = classification_scores(labels, predictions, info.num_labels)
+    majority = float(np.bincount(labels, minlength=info.num_labels).max() / len(labels))
     result = {
         "split": split,
-        "rows": len(labels),
+        f"{prefix}_rows": len(labels),
         "checkpoint": checkpoint,
-        **classification_scores(labels, predictions, info.num_labels),
-        "majority_share": float(np.bincount(labels, minlength=info.num_labels).max() / len(labels)),
+        **{f"{prefix}_{name}": value for name, value in scores.items()},
+        f"{prefix}_majority_share": majority,
         "confusion_matrix": matrix.tolist(),
         "confusion_png": run_dir.join(CONFUSION_FILE).uri,
     }
-    draw_confusion(run_dir.join(CONFUSION_FILE), matrix, info.labels, result, run_name)
+    draw_confusion(
+        run_dir.join(CONFUSION_FILE), matrix, info.labels, scores["accuracy"], scores["f1"],
+        f"{run_name} on {split}",
+    )  # fmt: skip
     write_summary(run_dir.join(SUMMARY_FILE), {**summary, split: result})
     return result
 
@@ -97,8 +104,9 @@ def draw_confusion(
     target: StoragePath,
     matrix: np.ndarray,
     labels: list[str],
-    result: dict[str, Any],
-    run_name: str,
+    accuracy: float,
+    macro_f1: float,
+    title: str,
 ) -> None:
     import matplotlib
 
@@ -117,8 +125,7 @@ def draw_confusion(
     axes.set_xlabel("predicted")
     axes.set_ylabel("true")
     axes.set_title(
-        f"{run_name} on {result['split']}: accuracy {result['accuracy']:.3f}, "
-        f"macro F1 {result['f1']:.3f}",
+        f"{title}: accuracy {accuracy:.3f}, macro F1 {macro_f1:.3f}",
         fontsize=9,
     )
     figure.colorbar(image, ax=axes, label="share of the true class")
