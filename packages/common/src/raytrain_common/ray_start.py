@@ -144,12 +144,14 @@ class _RayInternalLines(logging.Filter):
     """Passes warnings and errors, and every line that is not Ray's own."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if f"{os.sep}ray{os.sep}" not in record.pathname:
-            return True
-        # Ray Data warns that the progress bars are off: quiet_ray_output turned them off.
-        return record.levelno >= logging.WARNING and not record.getMessage().startswith(
-            "Progress bars disabled"
-        )
+        return record.levelno >= logging.WARNING or f"{os.sep}ray{os.sep}" not in record.pathname
+
+
+class _ProgressBarsOff(logging.Filter):
+    """Ray Data warns that its progress bars are off: quiet_ray_output turned them off."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "progress bars" not in record.getMessage().lower()
 
 
 def quiet_ray_output(verbose: bool) -> None:
@@ -172,6 +174,9 @@ def quiet_ray_output(verbose: bool) -> None:
 
     for name in (context.__file__, storage.__name__, "ray.data"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    progress = logging.getLogger("ray.data._internal.progress")  # Ray's own handler, not root's
+    if not any(isinstance(f, _ProgressBarsOff) for f in progress.filters):
+        progress.addFilter(_ProgressBarsOff())
     _filter_streamed_lines()
 
 
