@@ -633,7 +633,7 @@ def run(config: TrainConfig, callbacks: Sequence[UserCallback] = ()) -> dict[str
     return summary
 
 
-def test_once(checkpoint_uri: str, config: TrainConfig) -> dict[str, Any]:
+def evaluate_test_split_once(checkpoint_uri: str, config: TrainConfig) -> dict[str, Any]:
     """The chosen checkpoint's test loss and accuracy, in a Ray task on a worker's resources (a GPU
     if the run had them; the driver may sit on a CPU-only head node)."""
     started = time.perf_counter()
@@ -707,7 +707,7 @@ def write_run_outputs(
         "final": history[-1],
         "best": best_row,
         "best_checkpoint": best_uri,
-        "test": test_once(best_uri, config),
+        "test": evaluate_test_split_once(best_uri, config),
         "latest_checkpoint": run_dir.uri_for(result.checkpoint.path),
         "metrics_csv": run_dir.join(METRICS_FILE).uri,
         "curves_png": run_dir.join(CURVES_FILE).uri,
