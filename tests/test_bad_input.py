@@ -82,6 +82,14 @@ def idx_folder(root: Path, truncated: bool) -> Path:
     return root
 
 
+def tiny_split_tree(root: Path) -> Path:
+    """train/ and test/ with one image per class: nothing left to validate on."""
+    for split in ("train", "test"):
+        for label in ("cat", "dog"):
+            image(root / split / label / f"{split}.png")
+    return root
+
+
 def storage(root: Path) -> list[str]:
     return ["--storage-path", str(root / "runs")]
 
@@ -120,6 +128,9 @@ CASES = [
          lambda r: ["prepare", "--source", str(image(r / "pets" / "cat" / "a.png").parents[1]),
                     *storage(r)],
          r"pets has one class \('cat'\): a classifier needs at least two class folders"),
+    Case("too few images to validate on", "mnist-resnet",
+         lambda r: ["prepare", "--source", str(tiny_split_tree(r / "tiny")), *storage(r)],
+         r"the training data has 2 images: too few to hold out a validation split"),
     Case("images without class folders", "mnist-resnet",
          lambda r: ["prepare", "--source", str(image(r / "flat" / "sub" / "a.png").parent),
                     *storage(r)],

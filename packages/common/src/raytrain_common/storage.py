@@ -267,6 +267,15 @@ def restart_marked_folder(folder: StoragePath, marker: str) -> StoragePath:
     return marker_path
 
 
+def check_output_folder(target: StoragePath, marker: str) -> None:
+    """Refuse a folder of the user's own files (no `marker`) as an output, before any work is done."""
+    if target.is_dir() and target.walk_files() and not target.join(marker).exists():
+        raise StorageError(
+            f"{target.uri} holds files but no {marker}, so it is not an output of this command: "
+            "choose a new or empty folder to write to"
+        )
+
+
 @contextlib.contextmanager
 def staged_folder(target: StoragePath, marker: str) -> Iterator[StoragePath]:
     """A folder to write a whole output into, which becomes `target` only if the block completes.
@@ -279,11 +288,7 @@ def staged_folder(target: StoragePath, marker: str) -> Iterator[StoragePath]:
     user's folder as it was. Object stores have no rename: there the writes go to `target` itself,
     and the marker file its writer puts last is what tells a complete output from a partial one.
     """
-    if target.is_dir() and target.walk_files() and not target.join(marker).exists():
-        raise StorageError(
-            f"{target.uri} holds files but no {marker}, so it is not an output of this command: "
-            "choose a new or empty folder to write to"
-        )
+    check_output_folder(target, marker)
     if not target.is_local:
         yield target
         return

@@ -35,7 +35,12 @@ import torch
 
 from mnist_resnet import images as image_tree
 from mnist_resnet.config import HUB_SOURCE
-from raytrain_common.storage import StoragePath, staged_folder, write_atomic
+from raytrain_common.storage import (
+    StoragePath,
+    check_output_folder,
+    staged_folder,
+    write_atomic,
+)
 
 log = logging.getLogger(__name__)
 
@@ -359,11 +364,18 @@ def prepare(
             + (f" at {image_size}×{image_size}" if image_size else "")
             + ": pass --force to replace it, or choose another --data-dir"
         )
+    check_output_folder(data_dir, DATASET_FILE)  # the user's own files: refused before any work
     loaded = load_source(source, download_root, image_size, test_fraction, seed)
     train, test, val = loaded.train, loaded.test, loaded.val
     notes = dict(loaded.notes)
     if val is None:
         train, val = carve(train, val_fraction, seed + 1)
+        if len(val.labels) == 0:
+            raise DataError(
+                f"the training data has {len(train.labels)} images: too few to hold out a "
+                "validation split (each class keeps at least one image to train on); give more "
+                "images per class, or a val/ folder beside train/ and test/"
+            )
         notes["val_split"] = (
             f"carved from the training data: {len(val.labels)} images, stratified by class, "
             f"seed {seed + 1}"
