@@ -55,6 +55,9 @@ def test_a_run_logs_into_the_sqlite_store_under_the_storage_path_and_a_rerun_con
     sink = MetricSink(first)
     for step in range(1, 6):
         sink.log({"loss": 1.0 / step, "not_a_number": "x", "nan": float("nan")}, step)
+    # flush: sent by the time it returns (before the thread is closed), as a sweep's report needs.
+    assert sink.flush(timeout_s=30)
+    assert [step for step, _ in history(first, "loss")] == [1, 2, 3, 4, 5]
     sink.close()
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "summary.json").write_text("{}")

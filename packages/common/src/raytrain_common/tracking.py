@@ -278,12 +278,16 @@ class MetricSink:
     """Rank 0's metric logger: `log` never blocks training and never raises.
 
     A background thread sends the values; while the store is away they wait (at most
-    PENDING_LIMIT values) and are retried every RETRY_EVERY_S seconds.
+    PENDING_LIMIT values) and are retried every RETRY_EVERY_S seconds. `flush` waits, briefly, for
+    what is queued to be sent: before an evaluation is reported to Ray, so a sweep that stops the
+    trial on that report (ASHA) cannot kill it before the evaluation reached the store.
     """
 
     def __init__(self, tracked: TrackedRun | None) -> None:
         self.tracked = tracked
-        self._queue: queue.Queue[tuple[dict[str, float], int, int] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[dict[str, float], int, int] | threading.Event | None] = (
+            queue.Queue()
+        )
         self._last_step: dict[str, int] | None = None
         self._thread: threading.Thread | None = None
         if tracked is not None:
@@ -296,6 +300,15 @@ class MetricSink:
         values = _numbers(metrics)
         if values:
             self._queue.put((values, int(step), int(time.time() * 1000)))
+
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        """Wait at most `timeout_s` for what was logged so far to be sent (at once when the store is
+        away: its values wait in memory as always); True if it was."""
+        if self._thread is None:
+            return True
+        sent = threading.Event()
+        self._queue.put(sent)
+        return sent.wait(timeout_s)
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Send what is queued (waiting at most `timeout_s`), then stop the thread."""
@@ -316,6 +329,7 @@ class MetricSink:
 
         assert self.tracked is not None
         pending: list[Any] = []
+        flushes: list[threading.Event] = []  # set once what came before them was tried
         mlflow_client = None
         failing_since: float | None = None
         closing = False
@@ -325,18 +339,17 @@ class MetricSink:
                 item: object = self._queue.get(timeout=timeout)
             except queue.Empty:
                 item = _RETRY
-            if item is None:
-                closing = True
-            elif isinstance(item, tuple):
-                values, step, stamp = item
-                pending.extend(Metric(k, v, stamp, step) for k, v in values.items())
-            while not closing and not self._queue.empty():  # take what else is waiting
-                more = self._queue.get()
-                if more is None:
+            while True:  # this item, then what else is waiting
+                if item is None:
                     closing = True
+                elif isinstance(item, threading.Event):
+                    flushes.append(item)
+                elif isinstance(item, tuple):
+                    values, step, stamp = item
+                    pending.extend(Metric(k, v, stamp, step) for k, v in values.items())
+                if closing or self._queue.empty():
                     break
-                values, step, stamp = more
-                pending.extend(Metric(k, v, stamp, step) for k, v in values.items())
+                item = self._queue.get()
             if len(pending) > PENDING_LIMIT:
                 pending = pending[-PENDING_LIMIT:]
             try:
@@ -370,8 +383,9 @@ class MetricSink:
                         self.tracked.tracking_uri,
                         type(error).__name__,
                     )
-                if closing:
-                    return
+            for flushed in flushes:
+                flushed.set()
+            flushes = []
             if closing:
                 return
 

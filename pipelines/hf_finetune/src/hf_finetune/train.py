@@ -278,6 +278,8 @@ class TrackerLog(TrainerCallback):
     ) -> None:
         if state.is_world_process_zero and logs:
             self.sink.log({**logs, "epoch": state.epoch or 0.0}, state.global_step)
+            if SCORE in logs:  # an evaluation: in the store before its checkpoint is reported
+                self.sink.flush()
 
 
 class FaultTolerance(TrainerCallback):

@@ -414,6 +414,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             if row is not None:
                 history.append(row)
                 sink.log(row, step)
+                if "val_loss" in row:  # in the store before the checkpoint reports it (sweeps)
+                    sink.flush()
             every = config.preemption_check_steps  # a barrier: every rank asks at the same steps
             preempted = every > 0 and step % every == 0 and faults.check_preemption(step)
             if rank == 0 and (step % config.log_every_steps == 0 or preempted):

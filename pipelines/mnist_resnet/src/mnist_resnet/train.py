@@ -555,6 +555,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             row["lr"] = scheduler.get_last_lr()[0]
             history.append(row)
             sink.log(row, step=epoch * steps)
+            sink.flush()  # in the store before the report: a sweep may stop the trial on it
             if rank == 0:
                 log.info(
                     "epoch %d/%d  train loss %.4f  val loss %.4f  val accuracy %.4f  %.0f img/s",
