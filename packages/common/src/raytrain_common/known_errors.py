@@ -62,8 +62,8 @@ KNOWN_ERRORS: tuple[KnownError, ...] = (
         "a worker was killed because its node ran out of host memory (Ray's memory monitor or "
         "the kernel's OOM killer)",
         "give each worker more memory (fewer workers or --cpus-per-worker higher per node, a "
-        "larger pod memory limit), or lower what a worker holds: a smaller batch; each worker "
-        "also holds its training split in memory (mnist_resnet, llm_fsdp)",
+        "larger pod memory limit), or lower what a worker holds: a smaller batch, or a smaller "
+        "training split (workers that read their split into memory hold all of it)",
     ),
     _known(
         "shared memory too small",
