@@ -20,7 +20,7 @@ def test_a_preemption_is_the_cause_only_of_the_restart_that_replaced_the_attempt
     run_dir = resolve_storage(tmp_path)
     # The attempt that got the notice checkpointed at step 30 and reached step 31 before its node went.
     (tmp_path / PROGRESS_FILE).write_text(
-        json.dumps({"global_step": 31, "driver_id": "d1", "attempt": 0, "world_size": 2})
+        json.dumps({"step": 31, "driver_id": "d1", "attempt": 0, "world_size": 2})
     )
     saved = {"preemptions": [notice(0, 30)], "restarts": []}
     after_preemption = FaultLog(**json.loads(json.dumps(saved)))

@@ -40,7 +40,7 @@ def train_command(storage: Path, data_dir: StoragePath, run_name: str, *extra: s
 
 def progress_step(run_dir: Path) -> int:
     try:
-        return json.loads((run_dir / "progress.json").read_text())["global_step"]
+        return json.loads((run_dir / "progress.json").read_text())["step"]
     except (FileNotFoundError, json.JSONDecodeError):
         return 0
 

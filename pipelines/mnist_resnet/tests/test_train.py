@@ -208,13 +208,13 @@ def test_a_killed_worker_is_replaced_and_the_run_goes_on_from_its_checkpoint(
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline:
             progress = read_progress(resolve_storage(run_dir))
-            if progress and progress["global_step"] > 24:
+            if progress and progress["step"] > 24:
                 workers = list_actors(
                     filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")]
                 )
                 os.kill(workers[0].pid, signal.SIGKILL)
                 seen_before_kill["pid"] = workers[0].pid
-                seen_before_kill["step"] = progress["global_step"]
+                seen_before_kill["step"] = progress["step"]
                 seen_before_kill["rows"] = read_metrics_csv(
                     resolve_storage(run_dir / "metrics.csv")
                 )
@@ -265,7 +265,7 @@ def test_a_run_stopped_mid_epoch_resumes_with_exactly_the_batches_it_had_not_see
     common = {"epochs": 2, "limit_train_rows": 2048, "log_every_steps": 1}
     whole = run(small_config(tmp_path, mnist_dir, run_name="whole", **common))
     stopped = run(small_config(tmp_path, mnist_dir, run_name="cut", stop_at_step=21, **common))
-    assert stopped["global_step"] == 21 and stopped["stopped_mid_epoch"]
+    assert stopped["steps_done"] == 21 and stopped["stopped_mid_epoch"]
     metrics_csv = resolve_storage(tmp_path / "cut" / "metrics.csv")
     first = read_metrics_csv(metrics_csv)
     assert [row["epoch"] for row in first] == [1]

@@ -40,7 +40,7 @@ class FaultLog:
         whether the attempt it replaces is the one that received the notice."""
         return len(self.restarts)
 
-    def check_preemption(self, global_step: int) -> bool:
+    def check_preemption(self, step: int) -> bool:
         """Ask Ray whether a node of the run is being preempted; True (and recorded) the first time
         a notice is seen, so the caller checkpoints once per notice.
 
@@ -55,7 +55,7 @@ class FaultLog:
         deadline_s = None if notice.deadline_ms is None else notice.deadline_ms / 1000 - time.time()
         self.preemptions.append(
             {
-                "checkpoint_step": global_step,
+                "checkpoint_step": step,
                 "attempt": self.attempt,
                 "node_ids": nodes,
                 "ranks": notice.preempted_ranks,
@@ -67,7 +67,7 @@ class FaultLog:
                 "preemption announced for rank(s) %s (deadline in %s s): checkpointing at step %d",
                 notice.preempted_ranks,
                 "?" if deadline_s is None else f"{deadline_s:.0f}",
-                global_step,
+                step,
             )
         return True
 
@@ -83,7 +83,7 @@ class FaultLog:
         worker counts before and after (an elastic run shrinks after a loss and grows back)."""
         progress = read_progress(run_dir) or {}
         before = progress.get("world_size")
-        last = max(resumed_at, progress.get("global_step", resumed_at))
+        last = max(resumed_at, progress.get("step", resumed_at))
         # A notice saved in this checkpoint that no restart has followed yet. It caused this restart
         # only if the lost attempt is the one that received it: a checkpoint keeps the notice as it
         # was when written, so a later attempt (or a rerun) resuming from the same checkpoint finds
@@ -128,7 +128,7 @@ def read_progress(run_dir: StoragePath) -> dict[str, Any] | None:
 
 def write_progress(
     run_dir: StoragePath,
-    global_step: int,
+    step: int,
     driver_id: str,
     world_size: int | None = None,
     attempt: int | None = None,
@@ -142,7 +142,7 @@ def write_progress(
     if time.monotonic() < _progress_paused_until:
         return
     progress = {
-        "global_step": global_step,
+        "step": step,
         "driver_id": driver_id,
         "attempt": attempt,
         "world_size": world_size,

@@ -11,15 +11,13 @@ import time
 from typing import Any
 
 import torch
-import torch.nn.functional as F  # noqa: N812
 
 from mnist_resnet.config import TrainConfig
 from mnist_resnet.data import as_nchw, inspect_dataset, normalise, read_split_arrays
-from mnist_resnet.model import build_model
 from mnist_resnet.predict import evaluate_arrays
+from mnist_resnet.task import autocast, build_model, loss_fn
 from mnist_resnet.train import (
     THROUGHPUT_SKIP_STEPS,
-    autocast,
     build_optimizer,
     steps_per_epoch,
     warmup_cosine,
@@ -60,7 +58,7 @@ def run_baseline(config: TrainConfig) -> dict[str, Any]:
             images = normalise(train_images[index], info.mean, info.std).to(device)
             labels = train_labels[index].to(device)
             with autocast(device, config.bf16):
-                loss = F.cross_entropy(model(images), labels)
+                loss = loss_fn(model(images), labels)
             loss.backward()
             if config.grad_clip_norm is not None:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip_norm)

@@ -22,13 +22,12 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn.functional as F  # noqa: N812
 
 from mnist_resnet.baseline import run_baseline
 from mnist_resnet.cli import USER_ERRORS
 from mnist_resnet.config import PRESETS, TrainConfig
 from mnist_resnet.data import inspect_dataset, normalise, read_split_arrays
-from mnist_resnet.model import build_model
+from mnist_resnet.task import build_model, loss_fn
 from mnist_resnet.train import (
     THROUGHPUT_SKIP_STEPS,
     build_optimizer,
@@ -68,7 +67,7 @@ def plain_ddp_worker(rank: int, world: int, port: int, config: TrainConfig, resu
         if step == THROUGHPUT_SKIP_STEPS + 1:
             steady_start = time.perf_counter()
         index = order[(step - 1) * micro : step * micro]
-        loss = F.cross_entropy(model(normalise(images[index], info.mean, info.std)), labels[index])
+        loss = loss_fn(model(normalise(images[index], info.mean, info.std)), labels[index])
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -103,7 +102,7 @@ def training_flops_per_image(num_classes: int, height: int, width: int) -> float
     model = build_model(num_classes)
     counter = FlopCounterMode(display=False)
     with counter:
-        F.cross_entropy(model(torch.randn(2, 1, height, width)), torch.tensor([0, 1])).backward()
+        loss_fn(model(torch.randn(2, 1, height, width)), torch.tensor([0, 1])).backward()
     return counter.get_total_flops() / 2
 
 

@@ -137,7 +137,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         )
     if best is None:
         print(
-            f"stopped at step {summary['global_step']}, before the first epoch ended; rerun the "
+            f"stopped at step {summary['steps_done']}, before the first epoch ended; rerun the "
             f"same command without --stop-at-step to continue: {summary['latest_checkpoint']}"
         )
         return 0

@@ -20,7 +20,7 @@ from mnist_resnet.data import (
     read_split_arrays,
 )
 from mnist_resnet.images import IMAGE_SUFFIXES, load_image
-from mnist_resnet.model import build_model
+from mnist_resnet.task import build_model, evaluate
 from raytrain_common.checkpoint import load_model_weights, load_remote_state
 from raytrain_common.metrics import SUMMARY_FILE
 from raytrain_common.storage import StoragePath, resolve_storage
@@ -57,8 +57,6 @@ def evaluate_arrays(
 def checkpoint_test_metrics(checkpoint_uri: str, limit: int | None = None) -> dict[str, Any]:
     """Test loss and accuracy of one checkpoint, on this process's GPU if it has one: what train
     reports once for the checkpoint chosen on the validation split (run in a Ray task there)."""
-    from mnist_resnet.train import evaluate
-
     state = load_remote_state(resolve_storage(checkpoint_uri))
     info = DatasetInfo(**state["dataset"])
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -75,7 +73,8 @@ def checkpoint_test_metrics(checkpoint_uri: str, limit: int | None = None) -> di
         **metrics,
         "test_rows": len(rows),
         "checkpoint": checkpoint_uri,
-        "epoch": state["epochs_done"],
+        "epoch": state["history"][-1]["epoch"] if state["history"] else 0,
+        "step": state["step"],
     }
 
 
@@ -146,7 +145,7 @@ def predict(storage_path: str, run_name: str, count: int, output: str | None) ->
     return {
         "test_accuracy": accuracy,
         "test_rows": len(test.labels),
-        "epochs_done": state["epochs_done"],
+        "epochs_done": state["history"][-1]["epoch"] if state["history"] else 0,
         "picture": picture.uri,
     }
 

@@ -45,9 +45,8 @@ def image_shape(config: Any) -> dict[str, int]:
 
 def training_step(config: Any) -> Any:
     import torch
-    import torch.nn.functional as F  # noqa: N812
 
-    from mnist_resnet.model import build_model
+    from mnist_resnet.task import build_model, loss_fn
     from raytrain_common.configs import per_worker_batch_size
     from raytrain_common.memory_forecast import TrainingStep
 
@@ -59,7 +58,7 @@ def training_step(config: Any) -> Any:
 
     def loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         image = batch["image"].to(next(model.parameters()).dtype)
-        return F.cross_entropy(model(image), batch["label"])
+        return loss_fn(model(image), batch["label"])
 
     return TrainingStep(
         build_model=lambda: build_model(shape["num_classes"], shape["channels"]),

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +30,6 @@ import ray.train
 import ray.train.torch
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F  # noqa: N812
 from ray.train import UserCallback
 from ray.train.torch import TorchTrainer
 from torch import nn
@@ -37,8 +37,8 @@ from torch import nn
 from mnist_resnet import __version__
 from mnist_resnet.config import TrainConfig
 from mnist_resnet.data import DatasetInfo, ImageRows, inspect_dataset
-from mnist_resnet.model import build_model
 from mnist_resnet.predict import checkpoint_test_metrics
+from mnist_resnet.task import autocast, build_model, evaluate, loss_fn
 from raytrain_common.checkpoint import (
     best_complete_checkpoint,
     latest_state,
@@ -55,8 +55,9 @@ from raytrain_common.configs import (
     build_torch_config,
     per_worker_batch_size,
 )
-from raytrain_common.faults import FaultLog, read_progress, write_progress
+from raytrain_common.faults import FaultLog, read_progress
 from raytrain_common.hardware import peak_memory_gb
+from raytrain_common.loop import CheckpointPolicy, ProgressNotes, ThroughputMeter
 from raytrain_common.metrics import (
     CURVES_FILE,
     METRICS_FILE,
@@ -89,6 +90,7 @@ SCORE = "val_accuracy"  # checkpoints, sweeps and early stopping choose by it; n
 NOT_EVALUATED = -1.0
 # The first steps of an epoch include warm-up (allocator, kernels); throughput skips them.
 THROUGHPUT_SKIP_STEPS = 5
+VAL_BATCH_ROWS = 512
 
 
 # ---------------------------------------------------------------------------------------------
@@ -134,186 +136,34 @@ def steps_per_epoch(train_rows: int, global_batch_size: int) -> int:
     return train_rows // global_batch_size
 
 
-def autocast(device: torch.device, enabled: bool) -> contextlib.AbstractContextManager[Any]:
-    return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=enabled)
-
-
 # ---------------------------------------------------------------------------------------------
-# One epoch, evaluation
+# The data order, one step, the epoch's sums
 # ---------------------------------------------------------------------------------------------
 
 
-@dataclass
-class EpochPosition:
-    """Where a run is inside an epoch, saved with every checkpoint so a resume continues exactly there.
-
-    The data order is a pure function of (seed, epoch) (see the module's docstring), so the position
-    is just the optimiser steps already taken; the sums (over all ranks) make the epoch's training
-    loss and accuracy the same as an uninterrupted epoch's.
-    """
-
-    step: int = 0
-    loss_sum: float = 0.0
-    correct: float = 0.0
-    seen: float = 0.0
-    train_s: float = 0.0
+@functools.lru_cache(maxsize=2)
+def epoch_order(num_rows: int, seed: int, epoch: int) -> np.ndarray:
+    """The rows of epoch `epoch` (1-based) in its order: a pure function of (seed, epoch)."""
+    return pass_permutation(num_rows, seed, epoch - 1)
 
 
-# Called after every optimiser step on every rank, with the step within the epoch and a function
-# that returns the epoch's position so far (a collective: call it on every rank or on none).
-AfterStep = Callable[[int, Callable[[], EpochPosition]], None]
-
-
-def train_one_epoch(
-    model: nn.Module,
-    batches: Iterable[dict[str, torch.Tensor]],
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-    config: TrainConfig,
-    *,
-    epoch: int,
+def step_batches(
+    rows: ImageRows,
+    step: int,
     steps: int,
-    device: torch.device,
-    step_log: list[dict[str, float]],
-    start: EpochPosition | None = None,
-    after_step: AfterStep | None = None,
-) -> tuple[dict[str, float], str]:
-    """Train the epoch's steps from `start` (a resumed epoch) up to `steps`; return loss, accuracy
-    and images/s, and the dtype the forward pass computed in (bfloat16 when autocast is in effect).
-
-    `batches` are this rank's micro-batches from that step on (`epoch_batches`). Rank 0 appends the
-    mean loss of every `log_every_steps` interval to `step_log` (for the curves).
-    """
-    model.train()
-    start = start or EpochPosition()
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    accum = config.grad_accum_steps
-    # Sums carried over from before a resume live on rank 0 only, so the all-reduce counts them once.
-    carried = rank == 0
-    loss_sum = torch.tensor(start.loss_sum if carried else 0.0, device=device)
-    correct = torch.tensor(start.correct if carried else 0.0, device=device)
-    seen = torch.tensor(start.seen if carried else 0.0, device=device)
-    interval_loss = torch.zeros((), device=device)
-    interval_batches = 0
-    step = start.step
-    started = steady_start = time.perf_counter()
-    compute_dtype = torch.float32
-
-    def position() -> EpochPosition:
-        totals = torch.stack([loss_sum, correct, seen])
-        if dist.is_initialized():
-            dist.all_reduce(totals)
-        elapsed = start.train_s + time.perf_counter() - started
-        loss_total, correct_total, seen_total = (float(value) for value in totals.tolist())
-        return EpochPosition(step, loss_total, correct_total, seen_total, elapsed)
-
-    for micro_step, batch in enumerate(batches):
-        labels = batch["label"]
-        is_last_micro = (micro_step + 1) % accum == 0
-        logits, loss = forward_backward(model, batch, config, device, sync=is_last_micro)
-        compute_dtype = logits.dtype  # bf16 when autocast is really in effect
-        loss_sum += loss.detach() * len(labels)
-        interval_loss += loss.detach()
-        interval_batches += 1
-        correct += (logits.argmax(dim=1) == labels).sum()
-        seen += len(labels)
-        if not is_last_micro:
-            continue
-        optimizer_step(model, optimizer, scheduler, config)
-        step += 1
-        if step - start.step == THROUGHPUT_SKIP_STEPS:
-            steady_start = time.perf_counter()
-        if rank == 0 and (step % config.log_every_steps == 0 or step == steps):
-            loss_value = interval_loss.item() / interval_batches
-            interval_loss.zero_()
-            interval_batches = 0
-            if not math.isfinite(loss_value):
-                raise FloatingPointError(
-                    f"rank {rank}: loss is {loss_value} at epoch {epoch} step {step}; lower --lr, "
-                    "or set --grad-clip-norm"
-                )
-            step_log.append({"epoch": epoch - 1 + step / steps, "train_loss_interval": loss_value})
-            trained = step - start.step
-            rate = len(labels) * accum * world * trained / (time.perf_counter() - started)
-            seconds_per_step = (time.perf_counter() - started) / trained
-            log.info(
-                "epoch %d step %d/%d  loss %.4f  lr %.4g  %.0f img/s  %s",
-                epoch,
-                step,
-                steps,
-                loss_value,
-                scheduler.get_last_lr()[0],
-                rate,
-                eta((config.epochs - epoch) * steps + steps - step, seconds_per_step),
-            )
-        if after_step is not None:
-            after_step(step, position)
-    trained = steps - start.step
-    if trained > THROUGHPUT_SKIP_STEPS:
-        images_per_s = (
-            config.global_batch_size
-            * (trained - THROUGHPUT_SKIP_STEPS)
-            / (time.perf_counter() - steady_start)
-        )
-    else:
-        images_per_s = config.global_batch_size * trained / (time.perf_counter() - started)
-    row = epoch_row(position(), images_per_s, device, epoch)
-    return row, str(compute_dtype).removeprefix("torch.")
-
-
-def forward_backward(
-    model: nn.Module,
-    batch: dict[str, torch.Tensor],
     config: TrainConfig,
+    rank: int,
+    world: int,
     device: torch.device,
-    *,
-    sync: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One micro-batch's logits and loss, its gradient accumulated (scaled by the accumulation)."""
-    # Between micro-batches, gradients stay local; DDP all-reduces once per optimiser step.
-    no_sync = getattr(model, "no_sync", None)
-    context = contextlib.nullcontext() if sync or no_sync is None else no_sync()
-    with context:
-        with autocast(device, config.bf16):
-            logits = model(batch["image"])
-            loss = F.cross_entropy(logits, batch["label"])
-        (loss / config.grad_accum_steps).backward()
-    return logits, loss
-
-
-def optimizer_step(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-    config: TrainConfig,
-) -> None:
-    if config.grad_clip_norm is not None:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip_norm)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    scheduler.step()
-
-
-def epoch_row(
-    final: EpochPosition, images_per_s: float, device: torch.device, epoch: int
-) -> dict[str, float]:
-    """The epoch's training metrics from the sums over every rank (the same on each)."""
-    train_loss = final.loss_sum / final.seen
-    if not math.isfinite(train_loss):  # every rank sees the same reduced value and stops alike
-        raise FloatingPointError(
-            f"rank {dist.get_rank() if dist.is_initialized() else 0}: mean training loss of epoch "
-            f"{epoch} is {train_loss}; lower --lr, or set --grad-clip-norm"
-        )
-    row = {
-        "train_loss": train_loss,
-        "train_accuracy": final.correct / final.seen,
-        "train_images_per_s": images_per_s,
-        "epoch_train_s": final.train_s,
-    }
-    if (memory := peak_memory_gb(device)) is not None:  # on a GPU
-        row["peak_memory_gb"] = memory
-    return row
+) -> list[dict[str, torch.Tensor]]:
+    """Rank `rank`'s micro-batches of the run's step `step` (1-based; `steps` per epoch)."""
+    epoch, in_epoch = divmod(step - 1, steps)
+    order = epoch_order(len(rows), config.seed, epoch + 1)
+    indices = epoch_batch_indices(order, in_epoch, config.global_batch_size)
+    return [
+        rows.batch(part, device)
+        for part in micro_batches(indices, rank, world, config.grad_accum_steps)
+    ]
 
 
 def epoch_batches(
@@ -325,47 +175,92 @@ def epoch_batches(
     world: int,
     device: torch.device,
 ) -> Iterator[dict[str, torch.Tensor]]:
-    """Rank `rank`'s micro-batches of the epoch's `steps` (0-based), in the epoch's order."""
-    order = pass_permutation(len(rows), config.seed, epoch - 1)
+    """Rank `rank`'s micro-batches of the epoch's `steps` (0-based within the epoch), in order."""
+    per_epoch = steps_per_epoch(len(rows), config.global_batch_size)
     for step in steps:
-        indices = epoch_batch_indices(order, step, config.global_batch_size)
-        for part in micro_batches(indices, rank, world, config.grad_accum_steps):
-            yield rows.batch(part, device)
+        yield from step_batches(rows, (epoch - 1) * per_epoch + step + 1, per_epoch, config, rank, world, device)  # fmt: skip
 
 
-@torch.no_grad()
-def evaluate(
+@dataclass
+class EpochPosition:
+    """Where a run is inside an epoch, saved with every mid-epoch checkpoint so a resume continues
+    exactly there: the steps taken in the epoch, and the epoch's sums over all ranks so far (its
+    training loss and accuracy then equal an uninterrupted epoch's)."""
+
+    step: int = 0
+    loss_sum: float = 0.0
+    correct: float = 0.0
+    seen: float = 0.0
+    train_s: float = 0.0
+
+
+class EpochTotals:
+    """This rank's running sums of the epoch (loss, correct, images) and of the logging interval,
+    kept on the device: reading them makes the host wait, so they are read when a line is logged."""
+
+    def __init__(self, device: torch.device, rank: int, carried: EpochPosition | None) -> None:
+        carried = carried or EpochPosition()
+        # Sums from before a resume live on rank 0 only, so the all-reduce counts them once.
+        on_this_rank = carried if rank == 0 else EpochPosition()
+        self.sums = torch.tensor(
+            [on_this_rank.loss_sum, on_this_rank.correct, on_this_rank.seen], device=device
+        )
+        self.interval = torch.zeros(2, device=device)  # summed micro-batch losses, micro-batches
+        self.train_s_before = carried.train_s
+        self.started = time.perf_counter()
+
+    def add(self, logits: torch.Tensor, loss: torch.Tensor, labels: torch.Tensor) -> None:
+        detached = loss.detach().float()
+        self.sums += torch.stack(
+            [detached * len(labels), (logits.argmax(dim=1) == labels).sum().float(),
+             torch.tensor(float(len(labels)), device=labels.device)]
+        )  # fmt: skip
+        self.interval += torch.stack([detached, torch.ones_like(detached)])
+
+    def interval_loss(self) -> float:
+        """Mean micro-batch loss since the last call, on this rank."""
+        loss_sum, batches = self.interval.tolist()
+        self.interval.zero_()
+        return loss_sum / max(batches, 1)
+
+    def position(self, step_in_epoch: int) -> EpochPosition:
+        """The epoch's sums over every rank (a collective: every rank calls it)."""
+        totals = self.sums.clone()
+        if dist.is_initialized():
+            dist.all_reduce(totals)
+        loss_sum, correct, seen = totals.tolist()
+        train_s = self.train_s_before + time.perf_counter() - self.started
+        return EpochPosition(step_in_epoch, loss_sum, correct, seen, train_s)
+
+
+def train_step(
     model: nn.Module,
-    batches: Iterable[dict[str, torch.Tensor]],
-    device: torch.device,
-    bf16: bool,
-    split: str = "val",
-) -> dict[str, float]:
-    """`<split>_loss` and `<split>_accuracy` over every rank's rows (summed across ranks)."""
-    plain = unwrap(model)  # the DDP wrapper's forward would issue collectives; shards may be uneven
-    plain.eval()
-    totals = torch.zeros(3, device=device)
-    for batch in batches:
-        with autocast(device, bf16):
-            logits = plain(batch["image"])
-        totals[0] += F.cross_entropy(logits.float(), batch["label"], reduction="sum")
-        totals[1] += (logits.argmax(dim=1) == batch["label"]).sum()
-        totals[2] += len(batch["label"])
-    if dist.is_initialized():
-        dist.all_reduce(totals)
-    return {
-        f"{split}_loss": (totals[0] / totals[2]).item(),
-        f"{split}_accuracy": (totals[1] / totals[2]).item(),
-    }
-
-
-# ---------------------------------------------------------------------------------------------
-# The per-worker loop
-# ---------------------------------------------------------------------------------------------
-
-
-class StopAtStepReached(Exception):  # noqa: N818 (a signal, not an error)
-    """`--stop-at-step` reached: the checkpoint is written, every rank leaves the loop together."""
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    batches: list[dict[str, torch.Tensor]],
+    config: TrainConfig,
+    totals: EpochTotals,
+) -> str:
+    """One optimiser step over this rank's micro-batches; returns the dtype the forward pass
+    computed in (bfloat16 when autocast is really in effect)."""
+    model.train()
+    logits = torch.empty(0)
+    for index, batch in enumerate(batches):
+        # Between micro-batches, gradients stay local; DDP all-reduces once per optimiser step.
+        last = index == len(batches) - 1
+        no_sync = getattr(model, "no_sync", None)
+        with contextlib.nullcontext() if last or no_sync is None else no_sync():
+            with autocast(batch["image"].device, config.bf16):
+                logits = model(batch["image"])
+                loss = loss_fn(logits, batch["label"])
+            (loss / len(batches)).backward()
+        totals.add(logits, loss, batch["label"])
+    if config.grad_clip_norm is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    scheduler.step()
+    return str(logits.dtype).removeprefix("torch.")
 
 
 def val_metrics(
@@ -375,57 +270,178 @@ def val_metrics(
     started = time.perf_counter()
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     mine = np.arange(rank, len(val), world)
-    batches = (val.batch(mine[i : i + 512], device) for i in range(0, len(mine), 512))
-    return {**evaluate(model, batches, device, bf16), "epoch_eval_s": time.perf_counter() - started}
+    batches = (
+        val.batch(mine[i : i + VAL_BATCH_ROWS], device) for i in range(0, len(mine), VAL_BATCH_ROWS)
+    )
+    metrics = evaluate(model, batches, device, bf16, split="val")
+    return {**metrics, "epoch_eval_s": time.perf_counter() - started}
 
 
-def restore_progress(
-    state: dict[str, Any] | None,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-    run_dir: StoragePath,
-    driver_id: str,
-    steps: int,
-    epochs: int,
-) -> tuple[list[dict[str, float]], list[dict[str, float]], int, EpochPosition | None, FaultLog]:
-    """The optimiser, schedule, metrics and data position of the checkpoint being resumed (the
-    model's weights are loaded before DDP wraps it), and the restart recorded with its cause; or a
-    fresh start. Returns (history, step_log, epochs_done, position in the epoch, fault log)."""
-    context = ray.train.get_context()
-    rank, world = context.get_world_rank(), context.get_world_size()
-    history: list[dict[str, float]] = []
-    step_log: list[dict[str, float]] = []
-    epochs_done = 0
+# ---------------------------------------------------------------------------------------------
+# What a checkpoint holds besides the weights, and the steps that write one
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RunState:
+    """The run's record, saved in every checkpoint: steps done, one row per epoch, the interval
+    losses (curves), the position inside an epoch, faults survived, and timing."""
+
+    step: int = 0
+    history: list[dict[str, float]] = dataclasses.field(default_factory=list)
+    step_log: list[dict[str, float]] = dataclasses.field(default_factory=list)
     position: EpochPosition | None = None
-    faults = FaultLog()
+    faults: FaultLog = dataclasses.field(default_factory=FaultLog)
+    compute_dtype: str | None = None
+    startup_s: float | None = None
+
+
+def build_training(
+    info: DatasetInfo, config: TrainConfig, steps: int, state: dict[str, Any] | None
+) -> tuple[nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    """The model (the checkpoint's weights loaded before DDP wraps it), optimiser and schedule."""
+    torch.manual_seed(config.seed)
+    model = build_model(info.num_classes, info.channels)
+    if state is not None:
+        load_model_weights(model, state["model"])
+    model = ray.train.torch.prepare_model(model)  # moves to the device, wraps in DDP if world > 1
+    optimizer = build_optimizer(model, config)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, warmup_cosine(steps * config.epochs, config.warmup_fraction)
+    )
     if state is not None:
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
-        history, step_log, epochs_done = state["history"], state["step_log"], state["epochs_done"]
-        position = EpochPosition(**state["position"]) if state.get("position") else None
-        faults = FaultLog(**state.get("faults", {}))
-        finished = epochs_done >= epochs
-        if not finished:
-            faults.record_restart(
-                state["global_step"], run_dir, driver_id, state.get("resumed_from"), world
-            )
-        if rank == 0 and finished:
-            log.info("the run already has its %d epochs: nothing to train", epochs_done)
-        elif rank == 0:
-            log.info(
-                "resuming at epoch %d step %d of %d (%s)",
-                epochs_done + 1,
-                position.step if position else 0,
-                steps,
-                faults.restarts[-1]["cause"],
-            )
-    elif read_progress(run_dir) is not None:  # lost before its first checkpoint: starts over
-        faults.record_restart(0, run_dir, driver_id, None, world)
-    return history, step_log, epochs_done, position, faults
+    return model, optimizer, scheduler
+
+
+def restore_run(
+    state: dict[str, Any] | None,
+    run_dir: StoragePath,
+    driver_id: str,
+    world: int,
+    checkpoints: CheckpointPolicy,
+) -> RunState:
+    """The record of the checkpoint being resumed, with this restart noted and its cause; or a
+    fresh record (a restart that lost its run before the first checkpoint is noted too)."""
+    if state is None:
+        run = RunState()
+        if read_progress(run_dir) is not None:  # lost before its first checkpoint: starts over
+            run.faults.record_restart(0, run_dir, driver_id, None, world)
+        return run
+    run = RunState(
+        step=state["step"],
+        history=state["history"],
+        step_log=state["step_log"],
+        position=EpochPosition(**state["position"]) if state.get("position") else None,
+        faults=FaultLog(**state.get("faults", {})),
+        compute_dtype=state.get("compute_dtype"),
+        startup_s=state.get("startup_s"),
+    )
+    if checkpoints.already_done(run.step):
+        log.info("the run is already at step %d: nothing to train", run.step)
+    else:
+        restart = run.faults.record_restart(
+            run.step, run_dir, driver_id, state.get("resumed_from"), world
+        )
+        log.info("resuming at step %d (%s)", run.step, restart["cause"])
+        if restart["cause"] == "rerun":  # this command's own start-up is measured anew
+            run.startup_s = None
+    return run
+
+
+def checkpoint_state(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    run: RunState,
+    loop_config: dict[str, Any],
+) -> dict[str, Any]:
+    return {
+        "model": unwrap(model).state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        **dataclasses.asdict(run),
+        "world_size": ray.train.get_context().get_world_size(),
+        "config": loop_config["config"],
+        "dataset": loop_config["dataset"],
+    }
+
+
+def log_interval(
+    run: RunState,
+    totals: EpochTotals,
+    meter: ThroughputMeter,
+    lr: float,
+    step: int,
+    steps: int,
+    config: TrainConfig,
+) -> dict[str, float]:
+    """Rank 0's progress line and curve point for the steps since the last one."""
+    loss = totals.interval_loss()
+    if not math.isfinite(loss):
+        raise FloatingPointError(
+            f"rank 0: loss is {loss} at step {step}; lower --lr, or set --grad-clip-norm"
+        )
+    rate = meter.window()
+    run.step_log.append({"epoch": step / steps, "train_loss_interval": loss})
+    log.info(
+        "epoch %d step %d/%d  loss %.4f  lr %.4g  %.0f img/s  %s",
+        (step - 1) // steps + 1, (step - 1) % steps + 1, steps, loss, lr, rate.items_per_s,
+        eta(config.epochs * steps - step, rate.seconds_per_step),
+    )  # fmt: skip
+    return {"train_loss_interval": loss, "lr": lr}
+
+
+def end_epoch(
+    model: nn.Module,
+    val: ImageRows,
+    totals: EpochTotals,
+    meter: ThroughputMeter,
+    lr: float,
+    step: int,
+    steps: int,
+    config: TrainConfig,
+    device: torch.device,
+) -> dict[str, float]:
+    """The epoch's row of metrics.csv: training sums over every rank, then validation."""
+    epoch = step // steps
+    final = totals.position(steps)
+    train_loss = final.loss_sum / final.seen
+    if not math.isfinite(train_loss):  # every rank sees the same reduced value and stops alike
+        raise FloatingPointError(
+            f"mean training loss of epoch {epoch} is {train_loss}; lower --lr, or set "
+            "--grad-clip-norm"
+        )
+    row = {
+        "epoch": epoch,
+        "step": step,
+        "train_loss": train_loss,
+        "train_accuracy": final.correct / final.seen,
+        "train_images_per_s": meter.steady().items_per_s,
+        "epoch_train_s": final.train_s,
+        **val_metrics(model, val, device, config.bf16),
+        "lr": lr,
+    }
+    if (memory := peak_memory_gb(device)) is not None:
+        row["peak_memory_gb"] = memory  # on a GPU
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        log.info(
+            "epoch %d/%d  train loss %.4f  val loss %.4f  val accuracy %.4f  %.0f img/s",
+            epoch, config.epochs, row["train_loss"], row["val_loss"], row["val_accuracy"],
+            row["train_images_per_s"],
+        )  # fmt: skip
+    return row
+
+
+# ---------------------------------------------------------------------------------------------
+# The per-worker loop
+# ---------------------------------------------------------------------------------------------
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
-    """Runs on every worker: build, restore if the run has a checkpoint, train, evaluate, report."""
+    """Runs on every worker: build, restore, then for each step: train, log, and at epoch ends
+    validate and checkpoint (mid-epoch checkpoints: every N steps, preemption, --stop-at-step)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     config = TrainConfig(**loop_config["config"])
     quiet_ray_output(config.verbose)
@@ -434,151 +450,78 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     context = ray.train.get_context()
     rank, world = context.get_world_rank(), context.get_world_size()
     device = ray.train.torch.get_device()
-    torch.manual_seed(config.seed)
-
     # Raises, naming the fix, if the global batch does not split over this worker count (elastic).
     per_worker_batch_size(config.global_batch_size, world, config.grad_accum_steps)
+
     data_dir = resolve_storage(config.resolved_data_dir())
     train_rows = ImageRows.read(data_dir, "train", config.limit_train_rows)
     val_rows = ImageRows.read(data_dir, "val", config.limit_val_rows)
     steps = steps_per_epoch(len(train_rows), config.global_batch_size)
-
     run_dir = resolve_storage(config.storage_path).join(config.run_name)
-    model = build_model(info.num_classes, info.channels)
     state = latest_state(run_dir)
-    if state is not None:
-        load_model_weights(model, state["model"])
-    model = ray.train.torch.prepare_model(model)  # moves to the device, wraps in DDP if world > 1
-    optimizer = build_optimizer(model, config)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, warmup_cosine(steps * config.epochs, config.warmup_fraction)
+    model, optimizer, scheduler = build_training(info, config, steps, state)
+    checkpoints = CheckpointPolicy(
+        every_steps=config.checkpoint_every_steps,
+        last_step=steps * config.epochs,
+        epoch_steps=steps,
+        stop_at_step=config.stop_at_step,
+        preemption_check_steps=config.preemption_check_steps,
     )
-    history, step_log, epochs_done, position, faults = restore_progress(
-        state, optimizer, scheduler, run_dir, driver_id, steps, config.epochs
-    )
-
-    def checkpoint_state(epochs: int, at: EpochPosition | None, dtype: str | None) -> dict:
-        return {
-            "model": unwrap(model).state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
-            "epochs_done": epochs,
-            "position": dataclasses.asdict(at) if at else None,
-            "global_step": epochs * steps + (at.step if at else 0),
-            "world_size": world,
-            "compute_dtype": dtype,
-            "history": history,
-            "step_log": step_log,
-            "faults": dataclasses.asdict(faults),
-            "config": dataclasses.asdict(config),
-            "dataset": dataclasses.asdict(info),
-        }
-
+    run = restore_run(state, run_dir, driver_id, world, checkpoints)
+    progress = ProgressNotes(run_dir, driver_id, world, config.log_every_steps, rank)
     upload = upload_with_retries(config.storage_path, config.storage_patience_s)
+    meter = ThroughputMeter(config.global_batch_size, warmup_steps=THROUGHPUT_SKIP_STEPS)
+    totals = EpochTotals(device, rank, run.position)
     sink = rank_zero_sink(loop_config, rank)
-    tracked_rows = [len(step_log)]  # step_log rows already sent to the tracker (a resume's are)
     try:
-        compute_dtype: str | None = state.get("compute_dtype") if state else None
-        stop_at = config.stop_at_step
-        if state is not None and stop_at is not None and state["global_step"] >= stop_at:
-            if rank == 0:
-                log.info("the run is already at step %d (--stop-at-step)", state["global_step"])
-            return
-        for epoch in range(epochs_done + 1, config.epochs + 1):
-
-            def after_step(
-                step: int,
-                current: Callable[[], EpochPosition],
-                epoch: int = epoch,
-                dtype: str | None = compute_dtype,
-            ) -> None:
-                """Mid-epoch checkpoints: every N steps, at a preemption notice, at --stop-at-step."""
-                global_step = (epoch - 1) * steps + step
-                if rank == 0 and len(step_log) > tracked_rows[0]:  # a new interval loss to log
-                    tracked_rows[0] = len(step_log)
-                    interval = {"train_loss_interval": step_log[-1]["train_loss_interval"]}
-                    sink.log(interval | {"lr": scheduler.get_last_lr()[0]}, global_step)
-                reasons = []
+        for step in range(run.step + 1, checkpoints.last_step + 1):
+            batches = step_batches(train_rows, step, steps, config, rank, world, device)
+            run.compute_dtype = train_step(model, optimizer, scheduler, batches, config, totals)
+            meter.step()
+            run.step, lr = step, scheduler.get_last_lr()[0]
+            if run.startup_s is None:
+                run.startup_s = first_step_note(loop_config["launched_at"], rank)
+            due = checkpoints.due(step, run.faults)  # on every rank: may ask Ray (a barrier)
+            if rank == 0 and (step % config.log_every_steps == 0 or due.at_epoch_end):
+                sink.log(log_interval(run, totals, meter, lr, step, steps, config), step)
+            progress.note(step, run.faults, checkpointing=bool(due))
+            if due.at_epoch_end:
+                with meter.paused():
+                    row = end_epoch(model, val_rows, totals, meter, lr, step, steps, config, device)
+                    run.history.append(row)
+                    sink.log(row, step)
+                    sink.flush()  # in the store before the report: a sweep may stop the trial on it
+                    run.position = None
+                    state = checkpoint_state(model, optimizer, scheduler, run, loop_config)
+                    report_checkpoint(row, state, upload)
                 if (
-                    config.checkpoint_every_steps
-                    and global_step % config.checkpoint_every_steps == 0
-                ):
-                    reasons.append("every")
-                every = config.preemption_check_steps
-                if every and global_step % every == 0 and faults.check_preemption(global_step):
-                    reasons.append("preemption")
-                if config.stop_at_step == global_step:
-                    reasons.append("stop")
-                if rank == 0 and (global_step % config.log_every_steps == 0 or reasons):
-                    write_progress(run_dir, global_step, driver_id, world, faults.attempt)
-                if step == steps or not reasons:
-                    return  # the epoch's own checkpoint follows at its end
-                at = current()
-                report_checkpoint(
-                    {
-                        "epoch": epoch - 1 + step / steps,
-                        "global_step": global_step,
-                        SCORE: NOT_EVALUATED,
-                    },
-                    checkpoint_state(epoch - 1, at, dtype),
-                    upload,
-                )
-                if "stop" in reasons:
-                    raise StopAtStepReached
-
-            first_step = position.step if position else 0
-            batches = epoch_batches(
-                train_rows, epoch, range(first_step, steps), config, rank, world, device
-            )
-            row: dict[str, float] = {"epoch": epoch}
-            try:
-                trained, compute_dtype = train_one_epoch(
-                    model,
-                    batches,
-                    optimizer,
-                    scheduler,
-                    config,
-                    epoch=epoch,
-                    steps=steps,
-                    device=device,
-                    step_log=step_log,
-                    start=position,
-                    after_step=after_step,
-                )
-            except StopAtStepReached:
-                if rank == 0:
-                    log.info("stopped at step %d as asked (--stop-at-step)", config.stop_at_step)
-                return
-            position = None
-            row |= trained
-            row |= val_metrics(model, val_rows, device, config.bf16)
-            row["lr"] = scheduler.get_last_lr()[0]
-            history.append(row)
-            sink.log(row, step=epoch * steps)
-            sink.flush()  # in the store before the report: a sweep may stop the trial on it
-            if rank == 0:
-                log.info(
-                    "epoch %d/%d  train loss %.4f  val loss %.4f  val accuracy %.4f  %.0f img/s",
-                    epoch,
-                    config.epochs,
-                    row["train_loss"],
-                    row["val_loss"],
-                    row["val_accuracy"],
-                    row["train_images_per_s"],
-                )
-            report_checkpoint(
-                {**row, "global_step": epoch * steps},
-                checkpoint_state(epoch, None, compute_dtype),
-                upload,
-            )
-            if rank == 0:  # after the report: the CSV never lists an epoch without its checkpoint
-                write_metrics_csv(run_dir.join(METRICS_FILE), history)
-            if config.stop_at_step == epoch * steps:
-                if rank == 0:
-                    log.info("stopped at step %d as asked (--stop-at-step)", config.stop_at_step)
-                return
+                    rank == 0
+                ):  # after the report: the CSV never lists an epoch without its checkpoint
+                    write_metrics_csv(run_dir.join(METRICS_FILE), run.history)
+                totals = EpochTotals(device, rank, None)
+                meter.restart()
+            elif due:
+                with meter.paused():
+                    run.position = totals.position((step - 1) % steps + 1)
+                    state = checkpoint_state(model, optimizer, scheduler, run, loop_config)
+                    report_checkpoint(
+                        {"epoch": step / steps, "step": step, SCORE: NOT_EVALUATED}, state, upload
+                    )
+            if due.stops:
+                if rank == 0 and step == config.stop_at_step:
+                    log.info("stopped at step %d as asked (--stop-at-step)", step)
+                break
     finally:
         sink.close()  # sends what rank 0 queued (bounded wait)
+
+
+def first_step_note(launched_at: float, rank: int) -> float:
+    """Seconds from the driver's `run` call to this worker group's first optimiser step: Ray's
+    start, the worker group, reading the data and building the model (printed in summary.json)."""
+    startup_s = time.time() - launched_at
+    if rank == 0:
+        log.info("first optimiser step %.1f s after `train` started", startup_s)
+    return startup_s
 
 
 # ---------------------------------------------------------------------------------------------
@@ -591,7 +534,7 @@ def run(config: TrainConfig, callbacks: Sequence[UserCallback] = ()) -> dict[str
 
     `callbacks` join the run's (a sweep passes Tune's, which forwards every report to Tune).
     """
-    started = time.perf_counter()
+    started, launched_at = time.perf_counter(), time.time()
     storage, data_dir = locate_run(config)
     info = inspect_dataset(data_dir)
     train_rows = min(info.train_rows, config.limit_train_rows or info.train_rows)
@@ -611,6 +554,7 @@ def run(config: TrainConfig, callbacks: Sequence[UserCallback] = ()) -> dict[str
             "config": dataclasses.asdict(config),
             "dataset": dataclasses.asdict(info),
             "driver_id": uuid.uuid4().hex,  # tells a worker restart from a rerun of the command
+            "launched_at": launched_at,
             "tracked": dataclasses.asdict(tracked) if tracked else None,
         },
         scaling_config=build_scaling_config(config),
@@ -668,9 +612,14 @@ def write_run_outputs(
     with result.checkpoint.as_directory() as folder:
         state = load_state(folder)
     history = state["history"]
+    steps = steps_per_epoch(
+        min(info.train_rows, config.limit_train_rows or info.train_rows), config.global_batch_size
+    )
     progress = {
-        "global_step": state["global_step"],
+        "steps_done": state["step"],
+        "epochs_done": round(state["step"] / steps, 4),
         "stopped_mid_epoch": state.get("position") is not None,
+        "startup_s": state.get("startup_s"),
         **FaultLog(**state.get("faults", {})).summary(),
     }
     if not history:  # stopped (--stop-at-step) before the first epoch ended
@@ -678,7 +627,7 @@ def write_run_outputs(
             **summary_header("mnist_resnet", __version__, config.run_name, run_dir),
             **progress,
         }
-        summary |= {"epochs_done": 0, "best": None, "latest_checkpoint": result.checkpoint.path}
+        summary |= {"best": None, "latest_checkpoint": result.checkpoint.path}
         write_summary(run_dir.join(SUMMARY_FILE), summary)
         return summary
     write_metrics_csv(run_dir.join(METRICS_FILE), history)
@@ -703,7 +652,6 @@ def write_run_outputs(
     best_uri = run_dir.uri_for(best.path)
     summary = {
         **summary_header("mnist_resnet", __version__, config.run_name, run_dir),
-        "epochs_done": len(history),
         **progress,
         "final": history[-1],
         "best": best_row,

@@ -1,0 +1,209 @@
+"""The policies a training loop follows, the same in every pipeline, so the loop itself reads as
+build → restore → for each step: train, log, maybe validate, maybe checkpoint → finish.
+
+- `CheckpointPolicy.due(step, faults)`: whether this step ends with a checkpoint, and why (every N
+  steps, a preemption notice, `--stop-at-step`, an epoch's end, the run's end).
+- `ValidationPolicy.due(step)`: whether this step ends with an evaluation on the validation split.
+- `ProgressNotes.note(step, faults)`: the last step reached, in progress.json, so a restart can
+  count the steps it redoes (faults.py).
+- `ThroughputMeter`: items per second and MFU over a window of steps, with evaluation and
+  checkpoint time left out.
+
+Every step count here is the number of optimiser steps the run has taken (1 after the first step),
+the `step` of metrics.csv and of every report.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from raytrain_common.faults import FaultLog, write_progress
+from raytrain_common.storage import StoragePath
+
+# Why a step ends with a checkpoint (several may hold at once).
+EVERY = "every"  # --checkpoint-every-steps
+PREEMPTION = "preemption"  # Ray announced that a node of the run is being preempted
+STOP = "stop"  # --stop-at-step: checkpoint, then leave the loop (a rerun continues)
+EPOCH_END = "epoch_end"  # an epoch-counted run checkpoints every epoch, evaluated
+END = "end"  # the run's last step
+
+
+@dataclass(frozen=True)
+class CheckpointDue:
+    """The reasons this step ends with a checkpoint; empty when it does not."""
+
+    reasons: frozenset[str] = frozenset()
+
+    def __bool__(self) -> bool:
+        return bool(self.reasons)
+
+    @property
+    def stops(self) -> bool:
+        """The loop ends after this checkpoint."""
+        return STOP in self.reasons or END in self.reasons
+
+    @property
+    def at_epoch_end(self) -> bool:
+        return EPOCH_END in self.reasons
+
+    @property
+    def preempted(self) -> bool:
+        return PREEMPTION in self.reasons
+
+
+@dataclass(frozen=True)
+class CheckpointPolicy:
+    """When a training loop checkpoints.
+
+    `every_steps`: also every N steps of the run (0: only at the boundaries below).
+    `epoch_steps`: steps per epoch of an epoch-counted run (every epoch end checkpoints); None for a
+    step-counted run.
+    `last_step`: the run's end, always checkpointed.
+    `stop_at_step`: checkpoint there and stop; a rerun continues.
+    `preemption_check_steps`: ask Ray every N steps whether a node is being preempted (0: never).
+    """
+
+    every_steps: int
+    last_step: int
+    epoch_steps: int | None = None
+    stop_at_step: int | None = None
+    preemption_check_steps: int = 0
+
+    def due(self, step: int, faults: FaultLog) -> CheckpointDue:
+        """Whether step `step` ends with a checkpoint. A collective when a preemption check falls on
+        this step: every rank calls it after every step, so all ranks ask Ray at the same steps."""
+        reasons = set()
+        if self.every_steps and step % self.every_steps == 0:
+            reasons.add(EVERY)
+        every = self.preemption_check_steps
+        if every and step % every == 0 and faults.check_preemption(step):
+            reasons.add(PREEMPTION)
+        if step == self.stop_at_step:
+            reasons.add(STOP)
+        if self.epoch_steps and step % self.epoch_steps == 0:
+            reasons.add(EPOCH_END)
+        if step >= self.last_step:
+            reasons.add(END)
+        return CheckpointDue(frozenset(reasons))
+
+    def already_done(self, step: int) -> bool:
+        """A run resumed at `step` has nothing left to train (its end or its --stop-at-step)."""
+        return step >= self.last_step or (
+            self.stop_at_step is not None and step >= self.stop_at_step
+        )
+
+
+@dataclass(frozen=True)
+class ValidationPolicy:
+    """When a training loop evaluates on the validation split: every `every_steps` steps (an epoch's
+    length for an epoch-counted run) and at `last_step`."""
+
+    every_steps: int
+    last_step: int
+
+    def due(self, step: int) -> bool:
+        return step % self.every_steps == 0 or step == self.last_step
+
+
+@dataclass(frozen=True)
+class ProgressNotes:
+    """Rank 0 writes the last step reached to progress.json every `every_steps` steps and at every
+    checkpoint, so a restart knows how many steps it redoes (one small atomic write; storage errors
+    cost a warning, never the run)."""
+
+    run_dir: StoragePath
+    driver_id: str
+    world_size: int
+    every_steps: int
+    rank: int
+
+    def note(self, step: int, faults: FaultLog, checkpointing: bool = False) -> None:
+        if self.rank == 0 and (checkpointing or step % self.every_steps == 0):
+            write_progress(self.run_dir, step, self.driver_id, self.world_size, faults.attempt)
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """A window's rate: items (images, sentences, tokens) per second, seconds per step, and the model
+    FLOPs utilisation when the accelerator's peak is known."""
+
+    items_per_s: float
+    seconds_per_step: float
+    steps: int
+    mfu: float | None
+
+
+class ThroughputMeter:
+    """Counts steps and time, leaving out what runs inside `paused()` (evaluation, checkpoints).
+
+    `window()` gives the rate since the last window (for progress lines); `steady()` the rate since
+    the meter started, after its first `warmup_steps` (allocator, kernels and compilation warm up).
+    `flops_per_item` and `peak_flops` (all devices together) give MFU; leave them None for none.
+    """
+
+    def __init__(
+        self,
+        items_per_step: int,
+        *,
+        warmup_steps: int = 0,
+        flops_per_item: float | None = None,
+        peak_flops: float | None = None,
+    ) -> None:
+        self.items_per_step = items_per_step
+        self.warmup_steps = warmup_steps
+        self.flops_per_item = flops_per_item
+        self.peak_flops = peak_flops
+        self.restart()
+
+    def restart(self) -> None:
+        """Count from now, warm-up included (a new epoch)."""
+        now = time.perf_counter()
+        self.started = self.window_started = self.steady_started = now
+        self.steps = self.window_steps = 0
+
+    def step(self) -> None:
+        self.steps += 1
+        self.window_steps += 1
+        if self.steps == self.warmup_steps:
+            self.steady_started = time.perf_counter()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Time spent inside is left out of every rate."""
+        paused = time.perf_counter()
+        try:
+            yield
+        finally:
+            spent = time.perf_counter() - paused
+            self.started += spent
+            self.window_started += spent
+            self.steady_started += spent
+
+    def window(self) -> Throughput:
+        """The rate since the last call (or the start), then a new window."""
+        now = time.perf_counter()
+        rate = self._rate(self.window_steps, now - self.window_started)
+        self.window_started, self.window_steps = now, 0
+        return rate
+
+    def steady(self) -> Throughput:
+        """The rate since the start, past the warm-up steps when there were more steps than that."""
+        now = time.perf_counter()
+        if self.steps > self.warmup_steps:
+            return self._rate(self.steps - self.warmup_steps, now - self.steady_started)
+        return self._rate(self.steps, now - self.started)
+
+    def elapsed_s(self) -> float:
+        """Seconds since the start, pauses left out."""
+        return time.perf_counter() - self.started
+
+    def _rate(self, steps: int, seconds: float) -> Throughput:
+        seconds = max(seconds, 1e-9)
+        items_per_s = steps * self.items_per_step / seconds
+        mfu = None
+        if self.flops_per_item is not None and self.peak_flops:
+            mfu = items_per_s * self.flops_per_item / self.peak_flops
+        return Throughput(items_per_s, seconds / max(steps, 1), steps, mfu)
