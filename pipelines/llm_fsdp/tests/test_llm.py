@@ -59,7 +59,7 @@ def test_fsdp_learns_resumes_exactly_on_one_worker_and_exports(
     assert whole["compute_dtype"] == "float32"  # no mixed precision on CPUs
     assert whole["mfu"] is None and whole["peak_memory_gb"] is None  # no bf16 peak, no GPU
     # metrics.csv keeps 6 significant digits.
-    assert whole["best_eval"]["val_loss"] == pytest.approx(
+    assert whole["best"]["val_loss"] == pytest.approx(
         min(
             row["val_loss"] for row in losses_by_step_rows(tmp_path / "whole") if "val_loss" in row
         ),
@@ -69,7 +69,7 @@ def test_fsdp_learns_resumes_exactly_on_one_worker_and_exports(
     assert choose_checkpoint("best", str(tmp_path), "whole") == whole["best_checkpoint"]
     assert choose_checkpoint("latest", str(tmp_path), "whole") == whole["latest_checkpoint"]
     # 20 steps lower it by ~15 %: far past noise, while the whole test stays short.
-    assert whole["final_eval"]["val_loss"] < 0.88 * whole["first_eval"]["val_loss"]
+    assert whole["final"]["val_loss"] < 0.88 * whole["first"]["val_loss"]
 
     # Stopped at step 10 on 2 workers, then continued on 1: DCP reshards the checkpoint, and the
     # data order and schedule depend on the step alone, so steps 11-20 repeat the whole run's.
@@ -95,8 +95,8 @@ def test_fsdp_learns_resumes_exactly_on_one_worker_and_exports(
     assert sorted(got) == list(range(1, 21))
     for step in range(1, 21):
         assert got[step] == pytest.approx(expected[step], rel=RESUME_TOLERANCE), step
-    assert resumed["final_eval"]["val_loss"] == pytest.approx(
-        whole["final_eval"]["val_loss"], rel=RESUME_TOLERANCE
+    assert resumed["final"]["val_loss"] == pytest.approx(
+        whole["final"]["val_loss"], rel=RESUME_TOLERANCE
     )
     # MLflow (on by default, SQLite under the storage path): the stop and the rerun on another
     # worker count are one MLflow run, each step logged once, in order.
@@ -116,7 +116,7 @@ def test_fsdp_learns_resumes_exactly_on_one_worker_and_exports(
     blocks = torch.from_numpy(read_blocks(shakespeare_dir, "validation")[:64])
     with torch.no_grad():
         loss = model(input_ids=blocks, labels=blocks).loss  # transformers shifts the labels
-    assert float(loss) == pytest.approx(whole["final_eval"]["val_loss"], rel=1e-4)
+    assert float(loss) == pytest.approx(whole["final"]["val_loss"], rel=1e-4)
     text = generate(str(folder), "KING", max_new_tokens=30)
     assert text.startswith("KING") and len(text) > 20
 
@@ -195,9 +195,9 @@ def test_the_summary_line_says_higher_when_the_loss_rose(tmp_path: Path) -> None
     from llm_fsdp.cli import describe_run
 
     summary = {
-        "first_eval": {"step": 0, "val_loss": 3.42, "val_perplexity": 30.6},
-        "final_eval": {"step": 500, "val_loss": 5.53, "val_perplexity": 252.0},
-        "best_eval": {"step": 200, "val_loss": 3.19, "val_perplexity": 24.3},
+        "first": {"step": 0, "val_loss": 3.42, "val_perplexity": 30.6},
+        "final": {"step": 500, "val_loss": 5.53, "val_perplexity": 252.0},
+        "best": {"step": 200, "val_loss": 3.19, "val_perplexity": 24.3},
         "val_loss_drop": 1 - 5.53 / 3.42, "steps_done": 500, "tokens_per_s": 300_000.0,
         "mfu": 0.31, "peak_memory_gb": 41.0, "metrics_csv": "m", "curves_png": "c",
         "best_checkpoint": "b", "latest_checkpoint": "l", "run_dir": str(tmp_path),
@@ -241,7 +241,7 @@ def test_smollm2_converts_trains_a_few_steps_and_exports(
         )
     )  # fmt: skip
     # Pretrained, not random: the loss starts near what a 135M LM gets on English (ln 49,152 ≈ 10.8).
-    assert summary["first_eval"]["val_loss"] < 5.0
+    assert summary["first"]["val_loss"] < 5.0
     exported = export(summary["latest_checkpoint"], str(tmp_path / "smol-export"))
     model = AutoModelForCausalLM.from_pretrained(exported)
     assert model.config.num_hidden_layers == 30
@@ -294,7 +294,7 @@ def test_a_nested_documentation_tree_in_cp1252_prepares_trains_and_generates(
               "--checkpoint-every-steps", "6", "--run-name", "docs"]  # fmt: skip
     assert main(["train", *config, *storage]) == 0
     summary = json.loads((tmp_path / "docs" / "summary.json").read_text())
-    assert summary["final_eval"]["val_loss"] < summary["first_eval"]["val_loss"]
+    assert summary["final"]["val_loss"] < summary["first"]["val_loss"]
     capsys.readouterr()
     assert main(["generate", "--run-name", "docs", "--prompt", "café", "--max-new-tokens", "20", *storage]) == 0  # fmt: skip
     assert capsys.readouterr().out.startswith("café")

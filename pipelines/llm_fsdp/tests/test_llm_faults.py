@@ -81,7 +81,7 @@ def test_a_preempted_node_under_fsdp_checkpoints_its_shards_in_time_and_the_run_
         assert summary["steps_done"] == 40
         rows = read_metrics_csv(resolve_storage(run_dir / "metrics.csv"))
         assert [int(r["step"]) for r in rows if "train_loss" in r] == list(range(1, 41))
-        assert summary["final_eval"]["val_loss"] < 0.85 * summary["first_eval"]["val_loss"]
+        assert summary["final"]["val_loss"] < 0.85 * summary["first"]["val_loss"]
 
         # A shard of the newest checkpoint cut off (a node lost mid-upload leaves this).
         latest = Path(summary["latest_checkpoint"])
@@ -177,7 +177,7 @@ def test_a_node_lost_without_notice_shrinks_an_elastic_run_which_grows_back_then
         global_batch = summary["config"]["global_batch_size"]
         for state in checkpoint_states(elastic_dir):
             assert state["sequences_seen"] == state["step"] * global_batch
-        assert summary["final_eval"]["val_loss"] < 0.85 * summary["first_eval"]["val_loss"]
+        assert summary["final"]["val_loss"] < 0.85 * summary["first"]["val_loss"]
         print(f"elastic: {summary['restarts']}")
 
         # A fixed-size run (2 workers) has nowhere to go while a node is missing: it waits.

@@ -113,7 +113,7 @@ def test_gpu_preset_trains_in_bf16_compiled_and_resumes(ray_cluster: None, tmp_p
     assert [int(row["step"]) for row in trained] == list(range(1, 9))  # none repeated or skipped
     assert all(math.isfinite(row["train_loss"]) for row in trained)
     assert resumed["compute_dtype"] == "bfloat16"  # FSDP's mixed-precision policy in effect
-    assert resumed["final_eval"]["val_loss"] < resumed["first_eval"]["val_loss"]
+    assert resumed["final"]["val_loss"] < resumed["first"]["val_loss"]
 
     # MFU is tokens/s × (6N + 12·L·H·T) ÷ the device's bf16 peak, on every logged window
     # (metrics.csv keeps 6 significant digits, hence the tolerance).

@@ -26,13 +26,12 @@ import torch
 from llm_fsdp.cli import USER_ERRORS
 from llm_fsdp.config import PRESETS, TrainConfig
 from llm_fsdp.data import read_blocks
-from llm_fsdp.loss import NextTokenLoss
-from llm_fsdp.model import build_model, parameter_count, resolve_model
+from llm_fsdp.model import resolve_model
 from llm_fsdp.parallelize import compile_model
+from llm_fsdp.task import build_model, model_flops_per_token
 from llm_fsdp.train import (
     build_optimizer,
     dataset_info,
-    flops_per_token,
     learning_rate,
     run,
     stage_blocks,
@@ -58,8 +57,7 @@ def single_process(config: TrainConfig, steps: int, warm_up: int) -> dict[str, A
     torch.set_num_threads(os.cpu_count() or 1)
     torch.manual_seed(config.seed)
     spec = resolve_model(config.model, storage.path if storage.is_local else "")
-    lm = build_model(spec, vocab_size=info.vocab_size, seq_len=info.seq_len, eos_id=info.eos_id)
-    model = NextTokenLoss(lm, chunk_tokens=config.loss_chunk_tokens).to(device)
+    model = build_model(spec, info, config.loss_chunk_tokens).to(device)
     if config.compile:
         compile_model(model)
     optimizer = build_optimizer(model, config)
@@ -90,9 +88,7 @@ def single_process(config: TrainConfig, steps: int, warm_up: int) -> dict[str, A
         optimizer.zero_grad(set_to_none=True)
     _synchronize(device)
     tokens_per_s = steps * config.global_batch_size * info.seq_len / (time.perf_counter() - started)
-    per_token = flops_per_token(
-        parameter_count(lm), lm.config.num_hidden_layers, lm.config.hidden_size, info.seq_len
-    )
+    per_token = model_flops_per_token(model, info.seq_len)
     result = {
         "tokens_per_s": tokens_per_s,
         "mfu": mfu(tokens_per_s * per_token, device),

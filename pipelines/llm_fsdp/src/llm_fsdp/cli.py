@@ -145,7 +145,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def describe_run(summary: dict[str, Any]) -> str:
     """The lines `train` ends with: how validation loss moved, speed, and where everything went."""
-    first, final, best = summary["first_eval"], summary["final_eval"], summary["best_eval"]
+    first, final, best = summary["first"], summary["final"], summary["best"]
     drop = summary["val_loss_drop"]
     change = f"{drop:.1%} lower" if drop >= 0 else f"{-drop:.1%} higher"
     speed = f"{summary['tokens_per_s']:.0f} tokens/s"

@@ -16,7 +16,7 @@ import torch.distributed.checkpoint as dcp
 
 from llm_fsdp.checkpoint import STATE_FILE
 from llm_fsdp.data import DataError
-from llm_fsdp.model import ModelSpec, build_model
+from llm_fsdp.model import ModelSpec, build_lm
 from raytrain_common.checkpoint import verify_checkpoint
 from raytrain_common.metrics import SUMMARY_FILE
 from raytrain_common.storage import resolve_storage
@@ -53,7 +53,7 @@ def export(checkpoint: str, output: str, loop_config: dict[str, Any] | None = No
     verify_checkpoint(folder)  # every rank's shards as written, none cut off
     config = loop_config or json.loads((folder / STATE_FILE).read_text())["loop_config"]
     info, spec = config["dataset"], ModelSpec(**config["model"])
-    model = build_model(
+    model = build_lm(
         spec, vocab_size=info["vocab_size"], seq_len=info["seq_len"], eos_id=info["eos_id"]
     )
     state = {"model": model.state_dict()}

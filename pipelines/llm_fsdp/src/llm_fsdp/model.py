@@ -76,7 +76,7 @@ def meta_model(spec: ModelSpec, *, vocab_size: int, seq_len: int, eos_id: int) -
     a driver makes before any worker starts."""
     with torch.device("meta"):
         if spec.preset is not None:
-            return build_model(spec, vocab_size=vocab_size, seq_len=seq_len, eos_id=eos_id)
+            return build_lm(spec, vocab_size=vocab_size, seq_len=seq_len, eos_id=eos_id)
         return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(spec.path))
 
 
@@ -87,7 +87,7 @@ def max_positions(spec: ModelSpec) -> int | None:
     return int(AutoConfig.from_pretrained(spec.path).max_position_embeddings)
 
 
-def build_model(spec: ModelSpec, *, vocab_size: int, seq_len: int, eos_id: int) -> PreTrainedModel:
+def build_lm(spec: ModelSpec, *, vocab_size: int, seq_len: int, eos_id: int) -> PreTrainedModel:
     """The model in fp32 on the CPU: a fresh preset (seeded by the caller) or pretrained weights."""
     if spec.preset is not None:
         config = LlamaConfig(

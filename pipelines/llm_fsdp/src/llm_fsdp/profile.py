@@ -83,8 +83,8 @@ def build_language_model(config: Any, data: dict[str, int]) -> Any:
 def training_step(config: Any) -> Any:
     import torch
 
-    from llm_fsdp.loss import NextTokenLoss
     from llm_fsdp.parallelize import decoder_blocks
+    from llm_fsdp.task import with_loss
     from raytrain_common.configs import per_worker_batch_size
     from raytrain_common.memory_forecast import TrainingStep
 
@@ -92,7 +92,7 @@ def training_step(config: Any) -> Any:
 
     def build() -> torch.nn.Module:
         lm = build_language_model(config, data)
-        return NextTokenLoss(lm, chunk_tokens=config.loss_chunk_tokens)
+        return with_loss(lm, config.loss_chunk_tokens)
 
     return TrainingStep(
         build_model=build,

@@ -1,6 +1,6 @@
 """Train a causal LM with FSDP2 in every Ray Train worker, from packed Parquet blocks.
 
-Read top to bottom: the learning-rate schedule and FLOPs, one step, evaluation,
+Read top to bottom: the learning-rate schedule, one step, evaluation,
 sharded checkpoints, the per-worker loop, then the driver that checks everything and launches
 `TorchTrainer`. The model comes from `model.py` and is sharded in `parallelize.py` only.
 """
@@ -13,6 +13,7 @@ import math
 import time
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -32,13 +33,12 @@ from llm_fsdp.model import (
     SMOLLM2,
     ModelError,
     ModelSpec,
-    build_model,
     max_positions,
     meta_model,
-    parameter_count,
     resolve_model,
 )
 from llm_fsdp.parallelize import UnsupportedModelError, check_parallelizable, parallelize
+from llm_fsdp.task import build_model, model_flops_per_token, val_metrics
 from raytrain_common.checkpoint import (
     best_complete_checkpoint,
     resume_checkpoint,
@@ -51,8 +51,15 @@ from raytrain_common.configs import (
     build_torch_config,
     per_worker_batch_size,
 )
-from raytrain_common.faults import FaultLog, read_progress, write_progress
+from raytrain_common.faults import FaultLog, read_progress
 from raytrain_common.hardware import peak_bf16_flops, peak_memory_gb
+from raytrain_common.loop import (
+    CheckpointPolicy,
+    ProgressNotes,
+    Throughput,
+    ThroughputMeter,
+    ValidationPolicy,
+)
 from raytrain_common.metrics import (
     CURVES_FILE,
     METRICS_FILE,
@@ -80,7 +87,7 @@ SCORE = "val_loss"
 
 
 # ---------------------------------------------------------------------------------------------
-# Schedule and FLOPs: pure functions, so a resumed run needs only the step
+# The schedule: a pure function, so a resumed run needs only the step
 # ---------------------------------------------------------------------------------------------
 
 
@@ -93,11 +100,6 @@ def learning_rate(step: int, config: TrainConfig) -> float:
     )
     floor = config.lr * config.min_lr_ratio
     return floor + (config.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def flops_per_token(parameters: int, layers: int, hidden: int, seq_len: int) -> float:
-    """Training FLOPs per token: 6N for the matmuls of weights, plus 12·L·H·T for attention."""
-    return 6 * parameters + 12 * layers * hidden * seq_len
 
 
 # ---------------------------------------------------------------------------------------------
@@ -133,24 +135,27 @@ def train_step(
     config: TrainConfig,
     step: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One optimiser step over this rank's micro-batches.
+    """Optimiser step `step` (1-based) over this rank's micro-batches.
 
     Returns this rank's summed token loss and the global gradient norm as device tensors: reading
     them would make the host wait for the GPU every step, so the loop reads them when it logs.
     """
-    lr = learning_rate(step, config)
+    lr = learning_rate(step - 1, config)
     for group in optimizer.param_groups:
         group["lr"] = lr
-    tokens_per_micro = batches[0].shape[0] * (batches[0].shape[1] - 1)
+    micro, seq_len = batches[0].shape[0], batches[0].shape[1] - 1
     local_sum = torch.zeros((), device=batches[0].device)
-    for index, blocks in enumerate(batches):
-        # Gradients are reduced across ranks once, after the last micro-batch.
-        model.set_requires_gradient_sync(index == len(batches) - 1)
-        loss_sum = model(blocks)
-        # Normalised by token count: every micro-batch holds the same number of tokens (packed
-        # blocks, no padding), and FSDP averages over ranks, so this is the global per-token mean.
-        (loss_sum / (tokens_per_micro * len(batches))).backward()
-        local_sum += loss_sum.detach()
+    try:
+        for index, blocks in enumerate(batches):
+            # Gradients are reduced across ranks once, after the last micro-batch.
+            model.set_requires_gradient_sync(index == len(batches) - 1)
+            loss_sum = model(blocks)
+            # Normalised by token count: every micro-batch holds the same number of tokens (packed
+            # blocks, no padding), and FSDP averages over ranks: the global per-token mean.
+            (loss_sum / (micro * seq_len * len(batches))).backward()
+            local_sum += loss_sum.detach()
+    except torch.OutOfMemoryError as error:
+        raise MemoryError(out_of_memory_advice(config, micro, seq_len, step)) from error
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -163,7 +168,7 @@ def out_of_memory_advice(config: TrainConfig, micro: int, seq_len: int, step: in
     rank = dist.get_rank() if dist.is_initialized() else 0
     doubled = config.grad_accum_steps * 2
     return (
-        f"rank {rank}: out of GPU memory at step {step + 1} with micro-batches of {micro} × "
+        f"rank {rank}: out of GPU memory at step {step} with micro-batches of {micro} × "
         f"{seq_len} tokens: pass --grad-accum-steps {doubled} (the same global batch in micro-batches "
         f"of {micro // 2}), or --preset gpu-24gb on 24 GB GPUs, or --activation-checkpointing; a "
         f"smaller --loss-chunk-tokens (now {config.loss_chunk_tokens}) helps when the vocabulary is large"
@@ -212,8 +217,8 @@ def evaluate(
                 model(torch.from_numpy(blocks[:1]).to(device))
         dist.all_reduce(totals)
         model.train()
-        loss = (totals[0] / totals[1]).item()
-        return {"val_loss": loss, "val_perplexity": math.exp(min(loss, 50))}
+        loss_sum, tokens = totals.tolist()
+        return val_metrics(loss_sum, tokens)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -235,12 +240,10 @@ def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.
 
 def build_sharded_model(
     spec: ModelSpec, info: DatasetInfo, config: TrainConfig, device: torch.device, world: int
-) -> tuple[NextTokenLoss, torch.optim.Optimizer, int]:
-    """The LM with its loss, sharded with FSDP2 (parallelize.py), its optimizer, and its size."""
+) -> tuple[NextTokenLoss, torch.optim.Optimizer]:
+    """The LM with its loss (task.py), sharded with FSDP2 (parallelize.py), and its optimizer."""
     torch.manual_seed(config.seed)  # the same initial weights on every rank before sharding
-    lm = build_model(spec, vocab_size=info.vocab_size, seq_len=info.seq_len, eos_id=info.eos_id)
-    parameters = parameter_count(lm)
-    model = NextTokenLoss(lm, chunk_tokens=config.loss_chunk_tokens).to(device)
+    model = build_model(spec, info, config.loss_chunk_tokens).to(device)
     parallelize(
         model,
         device_type=device.type,
@@ -249,7 +252,21 @@ def build_sharded_model(
         activation_checkpointing=config.activation_checkpointing,
         compile=config.compile,
     )
-    return model, build_optimizer(model, config), parameters
+    return model, build_optimizer(model, config)
+
+
+@dataclass
+class RunState:
+    """The run's record, saved in every checkpoint: steps done, metrics rows, faults survived, and
+    the start-up time of the command that began this attempt."""
+
+    step: int = 0
+    history: list[dict[str, float]] = dataclasses.field(default_factory=list)
+    faults: FaultLog = dataclasses.field(default_factory=FaultLog)
+    startup_s: float | None = None
+
+    def latest_val(self) -> dict[str, float]:
+        return next((row for row in reversed(self.history) if "val_loss" in row), {})
 
 
 def resume_or_start(
@@ -257,70 +274,67 @@ def resume_or_start(
     optimizer: torch.optim.Optimizer,
     run_dir: StoragePath,
     driver_id: str,
-    last_step: int,
-) -> tuple[dict[str, Any], FaultLog]:
+    checkpoints: CheckpointPolicy,
+) -> RunState:
     """The newest complete checkpoint's state loaded into the model (resharded to this worker
     count), or a fresh start; either way the restart, if this is one, recorded with its cause."""
     rank, world = dist.get_rank(), dist.get_world_size()
     checkpoint = resume_checkpoint(run_dir)
     if checkpoint is None:
-        faults = FaultLog()
+        run = RunState()
         if read_progress(run_dir) is not None:  # lost before its first checkpoint: starts over
-            faults.record_restart(0, run_dir, driver_id, None, world)
-        return {"step": 0, "history": []}, faults
+            run.faults.record_restart(0, run_dir, driver_id, None, world)
+        return run
     with checkpoint.as_directory() as folder:
         state = load_checkpoint(model, optimizer, folder)
-    faults = FaultLog(**state.get("faults", {}))
-    if state["step"] < last_step:
-        faults.record_restart(state["step"], run_dir, driver_id, checkpoint.path, world)
+    run = RunState(
+        step=state["step"],
+        history=state["history"],
+        faults=FaultLog(**state.get("faults", {})),
+        startup_s=state.get("startup_s"),
+    )
+    if not checkpoints.already_done(run.step):
+        restart = run.faults.record_restart(run.step, run_dir, driver_id, checkpoint.path, world)
+        if restart["cause"] == "rerun":  # this command's own start-up is measured anew
+            run.startup_s = None
     if rank == 0:
         log.info(
             "resumed at step %d (written by %d worker(s)) on %d worker(s)",
-            state["step"],
-            state["world_size"],
-            world,
-        )
-    return state, faults
+            run.step, state["world_size"], world,
+        )  # fmt: skip
+    return run
 
 
 def window_row(
     step: int,
-    window_steps: int,
+    rate: Throughput,
     window_loss: torch.Tensor,
     grad_norm: torch.Tensor,
-    seconds: float,
-    context: dict[str, Any],
+    tokens_per_rank_step: int,
+    config: TrainConfig,
+    device: torch.device,
 ) -> dict[str, float]:
     """One metrics row for the steps since the last one: loss, lr, throughput, MFU, memory.
     The only host syncs of the loop: the reduced loss and the norm, once per window."""
-    config: TrainConfig = context["config"]
-    seq_len, world = context["seq_len"], context["world"]
-    tokens = context["tokens_per_rank_step"] * window_steps
-    tokens_per_s = window_steps * config.global_batch_size * seq_len / seconds
     row = {
-        "step": step,
-        "train_loss": mean_window_loss(window_loss, tokens, step),
+        "train_loss": mean_window_loss(window_loss, tokens_per_rank_step * rate.steps, step),
         "lr": learning_rate(step - 1, config),
         "grad_norm": float(grad_norm),
-        "tokens_per_s": tokens_per_s,
-        "workers": world,  # changes when an elastic run shrinks or grows
+        "tokens_per_s": rate.items_per_s,
+        "workers": dist.get_world_size(),  # changes when an elastic run shrinks or grows
     }
-    if context["peak_flops"] is not None:
-        row["mfu"] = tokens_per_s * context["flops_per_token"] / (context["peak_flops"] * world)
-    if context["device"].type == "cuda":
-        row["peak_memory_gb"] = peak_memory_gb(context["device"])
+    if rate.mfu is not None:
+        row["mfu"] = rate.mfu
+    if (memory := peak_memory_gb(device)) is not None:
+        row["peak_memory_gb"] = memory
     if dist.get_rank() == 0:
         log.info(
             "step %d/%d  loss %.4f  lr %.2e  %.0f tokens/s  %s%s%s",
-            step,
-            config.max_steps,
-            row["train_loss"],
-            row["lr"],
-            tokens_per_s,
-            eta(config.max_steps - step, seconds / window_steps),
+            step, config.max_steps, row["train_loss"], row["lr"], rate.items_per_s,
+            eta(config.max_steps - step, rate.seconds_per_step),
             f"  MFU {row['mfu']:.1%}" if "mfu" in row else "",
             f"  peak {row['peak_memory_gb']:.1f} GiB" if "peak_memory_gb" in row else "",
-        )
+        )  # fmt: skip
     return row
 
 
@@ -344,105 +358,117 @@ def validate(
     return losses
 
 
+def save(
+    model: NextTokenLoss,
+    optimizer: torch.optim.Optimizer,
+    run: RunState,
+    config: TrainConfig,
+    loop_config: dict[str, Any],
+) -> None:
+    """A sharded checkpoint of every rank, reported with the latest validation loss (Ray ranks
+    checkpoints by it), and how long training waited for it (a metrics.csv row)."""
+    saved = {
+        **dataclasses.asdict(run),
+        "sequences_seen": run.step * config.global_batch_size,
+        "world_size": dist.get_world_size(),
+        "compute_dtype": str(model.compute_dtype).removeprefix("torch."),
+        "loop_config": loop_config,
+    }
+    stalled = time.perf_counter()
+    save_checkpoint(
+        model,
+        optimizer,
+        saved,
+        {"step": run.step, **run.latest_val()},
+        config.async_upload,
+        upload_with_retries(config.storage_path, config.storage_patience_s),
+    )
+    # In metrics.csv (this run's rows; a resumed run's history comes from its checkpoint, which
+    # cannot hold its own stall).
+    run.history.append({"step": run.step, "checkpoint_stall_s": time.perf_counter() - stalled})
+
+
+def first_step_note(launched_at: float, rank: int) -> float:
+    """Seconds from the driver's `run` call to this worker group's first optimiser step: Ray's
+    start, the worker group, reading the data and building the model (printed in summary.json)."""
+    startup_s = time.time() - launched_at
+    if rank == 0:
+        log.info("first optimiser step %.1f s after `train` started", startup_s)
+    return startup_s
+
+
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
+    """Runs on every worker: build and shard, restore, then for each step: train, log, and maybe
+    validate and checkpoint (every N steps, a preemption notice, --stop-at-step, the end)."""
     config = TrainConfig(**loop_config["config"])
     quiet_ray_output(config.verbose)
     info = DatasetInfo(**loop_config["dataset"])
     spec = ModelSpec(**loop_config["model"])
+    driver_id: str = loop_config["driver_id"]
     rank, world = dist.get_rank(), dist.get_world_size()
     device = ray.train.torch.get_device()
     micro = per_worker_batch_size(config.global_batch_size, world, config.grad_accum_steps)
-    model, optimizer, parameters = build_sharded_model(spec, info, config, device, world)
+    model, optimizer = build_sharded_model(spec, info, config, device, world)
 
     data_dir = resolve_storage(config.resolved_data_dir())
     train_blocks = stage_blocks(read_blocks(data_dir, "train"), device)
     val_blocks = read_blocks(data_dir, "validation")
     run_dir = resolve_storage(config.storage_path).join(config.run_name)
-    driver_id: str = loop_config["driver_id"]
     last_step = min(config.max_steps, config.stop_at_step or config.max_steps)
-    state, faults = resume_or_start(model, optimizer, run_dir, driver_id, last_step)
-    history: list[dict[str, float]] = state["history"]
-    step = state["step"]
-    latest_val: dict[str, float] = next((r for r in reversed(history) if "val_loss" in r), {})
-    if step == 0:
-        latest_val = validate(model, val_blocks, micro, config, device, step)
-        history.append({"step": 0, **latest_val})
-
-    lm_config = model.lm.config
-    context = {
-        "config": config,
-        "seq_len": info.seq_len,
-        "world": world,
-        "device": device,
-        "tokens_per_rank_step": micro * config.grad_accum_steps * info.seq_len,
-        "peak_flops": peak_bf16_flops(device),
-        "flops_per_token": flops_per_token(
-            parameters, lm_config.num_hidden_layers, lm_config.hidden_size, info.seq_len
-        ),
-    }
+    checkpoints = CheckpointPolicy(
+        every_steps=config.checkpoint_every_steps,
+        last_step=last_step,
+        stop_at_step=config.stop_at_step,
+        preemption_check_steps=config.preemption_check_steps,
+    )
+    validation = ValidationPolicy(every_steps=config.eval_every_steps, last_step=last_step)
+    run = resume_or_start(model, optimizer, run_dir, driver_id, checkpoints)
+    progress = ProgressNotes(run_dir, driver_id, world, config.log_every_steps, rank)
+    meter = ThroughputMeter(
+        config.global_batch_size * info.seq_len,
+        flops_per_item=model_flops_per_token(model, info.seq_len),
+        peak_flops=(peak_bf16_flops(device) or 0.0) * world,
+    )
+    if run.step == 0:
+        run.history.append({"step": 0, **validate(model, val_blocks, micro, config, device, 0)})
+    window_loss = torch.zeros((), device=device)
     sink = rank_zero_sink(loop_config, rank)
     try:
-        window_started, window_steps = time.perf_counter(), 0
-        window_loss = torch.zeros((), device=device)
-        while step < last_step:
+        for step in range(run.step + 1, last_step + 1):
             indices = global_batch_indices(
-                step, config.global_batch_size, len(train_blocks), config.seed
+                step - 1, config.global_batch_size, len(train_blocks), config.seed
             )
             batches = [
                 take_blocks(train_blocks, part, device)
                 for part in micro_batches(indices, rank, world, config.grad_accum_steps)
             ]
-            try:
-                loss_sum, grad_norm = train_step(model, optimizer, batches, config, step)
-            except torch.OutOfMemoryError as error:
-                raise MemoryError(
-                    out_of_memory_advice(config, micro, info.seq_len, step)
-                ) from error
-            step += 1
-            window_steps += 1
+            loss_sum, grad_norm = train_step(model, optimizer, batches, config, step)
             window_loss += loss_sum
-            row: dict[str, float] | None = None
+            meter.step()
+            run.step = step
+            if run.startup_s is None:
+                run.startup_s = first_step_note(loop_config["launched_at"], rank)
+            row: dict[str, float] = {"step": step}
             if step % config.log_every_steps == 0 or step == last_step:
-                seconds = time.perf_counter() - window_started
-                row = window_row(step, window_steps, window_loss, grad_norm, seconds, context)
-                window_started, window_steps = time.perf_counter(), 0
+                row |= window_row(
+                    step, meter.window(), window_loss, grad_norm,
+                    micro * config.grad_accum_steps * info.seq_len, config, device,
+                )  # fmt: skip
                 window_loss.zero_()
-            paused = time.perf_counter()  # evaluation and checkpoints are left out of tokens/s
-            if step % config.eval_every_steps == 0 or step == last_step:
-                latest_val = validate(model, val_blocks, micro, config, device, step)
-                row = {**(row or {"step": step}), **latest_val}
-            if row is not None:
-                history.append(row)
-                sink.log(row, step)
-                if "val_loss" in row:  # in the store before the checkpoint reports it (sweeps)
-                    sink.flush()
-            every = config.preemption_check_steps  # a barrier: every rank asks at the same steps
-            preempted = every > 0 and step % every == 0 and faults.check_preemption(step)
-            if rank == 0 and (step % config.log_every_steps == 0 or preempted):
-                write_progress(run_dir, step, driver_id, world, faults.attempt)
-            if step % config.checkpoint_every_steps == 0 or step == last_step or preempted:
-                saved = {
-                    "step": step,
-                    "sequences_seen": step * config.global_batch_size,
-                    "world_size": world,
-                    "compute_dtype": str(model.compute_dtype).removeprefix("torch."),
-                    "history": history,
-                    "faults": dataclasses.asdict(faults),
-                    "loop_config": loop_config,
-                }
-                stalled = time.perf_counter()
-                save_checkpoint(
-                    model,
-                    optimizer,
-                    saved,
-                    {"step": step, **latest_val},
-                    config.async_upload,
-                    upload_with_retries(config.storage_path, config.storage_patience_s),
-                )
-                # How long training waited for the checkpoint: in metrics.csv (this run's rows; a
-                # resumed run's history comes from its checkpoint, which cannot hold its own stall).
-                history.append({"step": step, "checkpoint_stall_s": time.perf_counter() - stalled})
-            window_started += time.perf_counter() - paused
+            due = checkpoints.due(step, run.faults)  # on every rank: may ask Ray (a barrier)
+            with meter.paused():  # evaluation and checkpoints are left out of tokens/s
+                if validation.due(step):
+                    row |= validate(model, val_blocks, micro, config, device, step)
+                if len(row) > 1:
+                    run.history.append(row)
+                    sink.log(row, step)
+                    if "val_loss" in row:  # in the store before the checkpoint reports it (sweeps)
+                        sink.flush()
+                progress.note(step, run.faults, checkpointing=bool(due))
+                if due:
+                    save(model, optimizer, run, config, loop_config)
+            if due.stops:
+                break
     finally:
         sink.close()  # sends what rank 0 queued (bounded wait)
 
@@ -487,7 +513,7 @@ def run(config: TrainConfig, callbacks: Sequence[UserCallback] = ()) -> dict[str
 
     `callbacks` join the run's (a sweep passes Tune's, which forwards every report to Tune).
     """
-    started = time.perf_counter()
+    started, launched_at = time.perf_counter(), time.time()
     storage, data_dir = locate_run(config)
     spec = resolve_model(config.model, storage.path if storage.is_local else "")
     info = dataset_info(config)
@@ -510,6 +536,7 @@ def run(config: TrainConfig, callbacks: Sequence[UserCallback] = ()) -> dict[str
             "dataset": dataclasses.asdict(info),
             "model": dataclasses.asdict(spec),
             "driver_id": uuid.uuid4().hex,  # tells a worker restart from a rerun of the command
+            "launched_at": launched_at,
             "tracked": dataclasses.asdict(tracked) if tracked else None,
         },
         scaling_config=build_scaling_config(config),
@@ -560,10 +587,12 @@ def write_run_outputs(
         **summary_header("llm_fsdp", __version__, config.run_name, run_dir),
         "model": spec.name,
         "steps_done": state["step"],
+        "epochs_done": round(state["step"] * config.global_batch_size / info.blocks("train"), 4),
+        "startup_s": state.get("startup_s"),
         **FaultLog(**state.get("faults", {})).summary(),
-        "first_eval": evals[0],
-        "final_eval": evals[-1],
-        "best_eval": min(evals, key=lambda row: row["val_loss"]),
+        "first": evals[0],
+        "final": evals[-1],
+        "best": min(evals, key=lambda row: row["val_loss"]),
         "val_loss_drop": 1 - evals[-1]["val_loss"] / evals[0]["val_loss"],
         "tokens_per_s": float(np.median([r["tokens_per_s"] for r in steady] or [0])),
         "mfu": _median_of(steady, "mfu"),
