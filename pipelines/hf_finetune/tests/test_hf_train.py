@@ -79,13 +79,13 @@ def test_two_workers_learn_survive_a_lost_worker_and_the_checkpoint_predicts(
     assert [row["epoch"] for row in rows] == [1, 2]
     epoch1_eval = next(r for r in seen["epoch1"] if "val_loss" in r)
     assert rows[0]["val_loss"] == pytest.approx(epoch1_eval["val_loss"], rel=1e-5)
-    assert summary["global_step"] == 64
+    assert summary["steps_done"] == 64
     assert summary["compute_dtype"] == "float32"  # the CPU preset: no autocast
 
     # Learns: far above always answering the majority class, on held-out validation rows.
     best = summary["best"]
     assert best["val_accuracy"] >= 0.72
-    assert best["val_accuracy"] >= summary["majority_share_validation"] + 0.15
+    assert best["val_accuracy"] >= summary["val_majority_share"] + 0.15
     assert rows[1]["val_loss"] < rows[0]["val_loss"] + 0.05
 
     # The best checkpoint is a plain Hugging Face folder that reloads and predicts.
@@ -161,9 +161,9 @@ def test_a_run_stopped_mid_epoch_resumes_with_the_steps_it_had_not_taken(
               "limit_val_rows": 128, "tracking": "mlflow"}  # fmt: skip
     whole = run(small_config(tmp_path, vader_dir, run_name="whole", **common))
     stopped = run(small_config(tmp_path, vader_dir, run_name="cut", stop_at_step=20, **common))
-    assert stopped["global_step"] == 20
+    assert stopped["steps_done"] == 20
     resumed = run(small_config(tmp_path, vader_dir, run_name="cut", **common))
-    assert resumed["global_step"] == whole["global_step"] == 32
+    assert resumed["steps_done"] == whole["steps_done"] == 32
 
     def step_losses(summary: dict[str, Any]) -> dict[int, float]:
         state = json.loads((Path(summary["latest_checkpoint"]) / "trainer_state.json").read_text())

@@ -130,7 +130,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     print(
         f"best validation F1 {best['val_f1']:.4f} (accuracy {best['val_accuracy']:.4f}) at epoch "
         f"{int(best['epoch'])} of {summary['epochs_done']}; majority class: "
-        f"{summary['majority_share_validation']:.4f}\n"
+        f"{summary['val_majority_share']:.4f}\n"
         f"metrics: {summary['metrics_csv']}\ncurves: {summary['curves_png']}\n"
         f"best checkpoint: {summary['best_checkpoint']}\n"
         f"summary: {resolve_storage(summary['run_dir']).join(SUMMARY_FILE).uri}"

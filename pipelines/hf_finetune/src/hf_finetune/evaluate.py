@@ -13,10 +13,15 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformers import AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding
+from transformers import AutoTokenizer, DataCollatorWithPadding
 
 from hf_finetune.data import DataError, inspect_dataset, read_split
-from hf_finetune.metrics import classification_scores, confusion_matrix
+from hf_finetune.task import (
+    classification_scores,
+    confusion_matrix,
+    load_trained,
+    predicted_labels,
+)
 from raytrain_common.checkpoint import verify_checkpoint
 from raytrain_common.metrics import SUMMARY_FILE, write_summary
 from raytrain_common.storage import StoragePath, resolve_storage, write_atomic
@@ -42,7 +47,7 @@ def load_classifier(checkpoint: str) -> tuple[Any, Any]:
         raise DataError(f"{checkpoint!r} is not a Hugging Face model folder (no config.json)")
     if folder.parent.name.startswith("checkpoint_"):  # a run's checkpoint, not an export
         verify_checkpoint(folder)  # TornCheckpointError: a file cut off or missing
-    model = AutoModelForSequenceClassification.from_pretrained(folder).eval()
+    model = load_trained(folder)
     return model, AutoTokenizer.from_pretrained(folder)
 
 
@@ -77,7 +82,9 @@ def evaluate(
         )
     table = read_split(data_dir, split)
     labels = table.column("label").to_numpy()
-    predictions = predict_ids(model, tokenizer, table.column("input_ids").to_pylist()).argmax(-1)
+    predictions = predicted_labels(
+        predict_ids(model, tokenizer, table.column("input_ids").to_pylist())
+    )
     matrix = confusion_matrix(labels, predictions, info.num_labels)
     # The same words as every pipeline: test_* for the split reported, val_* for the one choosing.
     prefix = {"validation": "val"}.get(split, split)

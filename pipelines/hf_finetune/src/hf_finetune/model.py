@@ -1,14 +1,11 @@
-"""The classifier: a pretrained encoder with a new classification head. No parallelism here.
-
-Ray Train's `prepare_trainer` and the Hugging Face Trainer apply DDP; this file only says which model.
-"""
+"""Which encoder a run fine-tunes: the packaged MiniLM by default, a hub id, or a local folder
+(task.py builds the classifier from it)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
 
-from transformers import AutoConfig, AutoModelForSequenceClassification, PreTrainedModel
+from transformers import AutoConfig
 
 
 class ModelError(ValueError):
@@ -43,18 +40,6 @@ def resolve_model(model: str | None) -> str:
             "id; the hub is unreachable when HF_HUB_OFFLINE=1"
         ) from error
     return str(local.resolve()) if local.exists() else model
-
-
-def build_model(model: str, labels: Sequence[str]) -> PreTrainedModel:
-    """The pretrained encoder with a freshly initialised head for `labels`, names kept in its config."""
-    return AutoModelForSequenceClassification.from_pretrained(
-        model,
-        num_labels=len(labels),
-        id2label=dict(enumerate(labels)),
-        label2id={label: index for index, label in enumerate(labels)},
-        # A checkpoint with another head (e.g. a run on other labels) gets a new one of the right size.
-        ignore_mismatched_sizes=True,
-    )
 
 
 def display_name(model: str) -> str:

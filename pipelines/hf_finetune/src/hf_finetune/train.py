@@ -16,7 +16,7 @@ import posixpath
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from contextlib import closing
 from pathlib import Path
 from typing import Any
@@ -32,7 +32,6 @@ from ray.train.torch import TorchTrainer
 from transformers import (
     AutoTokenizer,
     DataCollatorWithPadding,
-    EvalPrediction,
     Trainer,
     TrainerCallback,
     TrainerControl,
@@ -51,8 +50,8 @@ from hf_finetune.data import (
     read_split,
     tokenizer_fingerprint,
 )
-from hf_finetune.metrics import classification_scores
-from hf_finetune.model import build_model, display_name, resolve_model
+from hf_finetune.model import display_name, resolve_model
+from hf_finetune.task import build_model, make_compute_metrics
 from raytrain_common.checkpoint import (
     best_complete_checkpoint,
     resume_checkpoint,
@@ -65,7 +64,8 @@ from raytrain_common.configs import (
     build_torch_config,
     per_worker_batch_size,
 )
-from raytrain_common.faults import FaultLog, write_progress
+from raytrain_common.faults import FaultLog, read_progress
+from raytrain_common.loop import END, CheckpointPolicy, ProgressNotes, ThroughputMeter
 from raytrain_common.metrics import (
     CURVES_FILE,
     METRICS_FILE,
@@ -98,25 +98,6 @@ SCORE = "val_f1"  # Ray keeps the best checkpoints by this (and a sweep ranks tr
 VAL_PREFIX = "val"
 HF_CHECKPOINT = RayTrainReportCallback.CHECKPOINT_NAME  # the HF folder inside a Ray checkpoint
 RECORD_FILE = "run_record.json"  # compute dtype and faults, beside the Trainer's files
-
-
-# ---------------------------------------------------------------------------------------------
-# Metrics
-# ---------------------------------------------------------------------------------------------
-
-
-def make_compute_metrics(num_labels: int) -> Callable[[EvalPrediction], dict[str, float]]:
-    def compute_metrics(prediction: EvalPrediction) -> dict[str, float]:
-        logits = (
-            prediction.predictions[0]
-            if isinstance(prediction.predictions, tuple)
-            else prediction.predictions
-        )
-        return classification_scores(
-            np.asarray(prediction.label_ids), np.asarray(logits).argmax(-1), num_labels
-        )
-
-    return compute_metrics
 
 
 # ---------------------------------------------------------------------------------------------
@@ -222,11 +203,21 @@ class SamplerEpoch(TrainerCallback):
 
 
 class ProgressLog(TrainerCallback):
-    """One line every N steps on rank 0: step, epoch, loss, learning rate, sentences per second."""
+    """One line every N steps on rank 0: step, epoch, loss, learning rate, sentences per second
+    (evaluation and checkpoint time left out of the rate)."""
 
     def __init__(self, global_batch_size: int) -> None:
-        self.global_batch_size = global_batch_size
-        self.last = (time.perf_counter(), 0)
+        self.meter = ThroughputMeter(global_batch_size)
+
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        self.meter.step()
+
+    def on_evaluate(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        self.meter.window()  # the evaluation's time is not training time
 
     def on_log(
         self,
@@ -238,27 +229,20 @@ class ProgressLog(TrainerCallback):
     ) -> None:
         if not state.is_world_process_zero or not logs:
             return
-        now = time.perf_counter()
-        rate = (
-            (state.global_step - self.last[1])
-            * self.global_batch_size
-            / max(now - self.last[0], 1e-9)
-        )
         if "loss" in logs:
-            steps = max(state.global_step - self.last[1], 1)
+            rate = self.meter.window()
             log.info(
                 "step %d/%d  epoch %.2f  loss %.4f  lr %.2e  %.1f sentences/s  %s",
                 state.global_step, state.max_steps, state.epoch or 0.0, logs["loss"],
-                logs.get("learning_rate", float("nan")), rate,
-                eta(state.max_steps - state.global_step, (now - self.last[0]) / steps),
+                logs.get("learning_rate", float("nan")), rate.items_per_s,
+                eta(state.max_steps - state.global_step, rate.seconds_per_step),
             )  # fmt: skip
         elif "val_loss" in logs:
             log.info(
-                "epoch %.0f  eval loss %.4f  eval accuracy %.4f  eval F1 %.4f",
+                "epoch %.2f  val loss %.4f  val accuracy %.4f  val F1 %.4f",
                 state.epoch or 0.0, logs["val_loss"], logs.get("val_accuracy", float("nan")),
                 logs.get("val_f1", float("nan")),
             )  # fmt: skip
-        self.last = (now, state.global_step)
 
 
 class TrackerLog(TrainerCallback):
@@ -283,22 +267,32 @@ class TrackerLog(TrainerCallback):
 
 
 class FaultTolerance(TrainerCallback):
-    """What the Trainer does not do by itself for a run on a cluster:
+    """What the Trainer does not do by itself for a run on a cluster, with the same policies as the
+    other pipelines' loops (raytrain_common.loop):
 
-    - every `preemption_check_steps`, asks Ray whether a node of the run is being preempted and, at
-      a new notice, has the Trainer evaluate and save at once (evaluated, so Ray ranks the
-      checkpoint by its real score); `--stop-at-step` saves and stops the same way;
+    - at the steps `CheckpointPolicy` names (every `--checkpoint-every-steps`, a new preemption
+      notice, `--stop-at-step`), has the Trainer evaluate and save at once (evaluated, so Ray
+      ranks the checkpoint by its real score), and stops at `--stop-at-step`; epoch ends and the
+      run's end are the Trainer's own saves;
     - notes the last step reached (progress.json) so a restart can count the steps it redoes;
-    - writes the run's record (the dtype the forward pass computes in, preemptions, restarts) and
-      then a manifest of the checkpoint's files into each checkpoint, before Ray's callback uploads
-      it: a checkpoint cut off later is found and never loaded.
+    - records the seconds from `train` to the first optimiser step (start-up);
+    - writes the run's record (the dtype the forward pass computes in, preemptions, restarts,
+      start-up) and then a manifest of the checkpoint's files into each checkpoint, before Ray's
+      callback uploads it: a checkpoint cut off later is found and never loaded.
     """
 
     def __init__(
-        self, config: TrainConfig, run_dir: StoragePath, driver_id: str, faults: FaultLog
+        self,
+        config: TrainConfig,
+        progress: ProgressNotes,
+        record: dict[str, Any],
+        launched_at: float,
     ) -> None:
-        self.config, self.run_dir, self.driver_id, self.faults = config, run_dir, driver_id, faults
+        self.config, self.progress, self.launched_at = config, progress, launched_at
+        self.faults = FaultLog(**record.get("faults", {}))
+        self.startup_s: float | None = record.get("startup_s")
         self.dtype: str | None = None
+        self.checkpoints: CheckpointPolicy | None = None
 
     def on_train_begin(
         self,
@@ -308,26 +302,37 @@ class FaultTolerance(TrainerCallback):
         model: torch.nn.Module | None = None,
         **kwargs: Any,
     ) -> None:
-        def record(module: torch.nn.Module, inputs: Any, output: Any) -> None:
-            logits = getattr(output, "logits", None)
-            if logits is not None:
-                self.dtype = str(logits.dtype).removeprefix("torch.")
-
+        self.checkpoints = CheckpointPolicy(
+            every_steps=self.config.checkpoint_every_steps,
+            last_step=state.max_steps,
+            stop_at_step=self.config.stop_at_step,
+            preemption_check_steps=self.config.preemption_check_steps,
+        )
         if model is not None:
-            model.register_forward_hook(record)
+            model.register_forward_hook(self.record_dtype)
+
+    def record_dtype(self, module: torch.nn.Module, inputs: Any, output: Any) -> None:
+        logits = getattr(output, "logits", None)
+        if logits is not None:
+            self.dtype = str(logits.dtype).removeprefix("torch.")
 
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> TrainerControl:
-        step, every = state.global_step, self.config.preemption_check_steps
+        assert self.checkpoints is not None  # set when training begins
+        step = state.global_step
+        if self.startup_s is None:
+            self.startup_s = time.time() - self.launched_at
+            if state.is_world_process_zero:
+                log.info("first optimiser step %.1f s after `train` started", self.startup_s)
         # A barrier: the Trainer ends steps in lockstep on every rank, so all ranks ask alike.
-        preempted = every > 0 and step % every == 0 and self.faults.check_preemption(step)
-        if preempted or step == self.config.stop_at_step:
+        due = self.checkpoints.due(step, self.faults)
+        epoch_end = abs((state.epoch or 0.0) - round(state.epoch or 0.0)) < 1e-6
+        if due.reasons - {END} and not epoch_end:  # the Trainer saves epoch ends itself
             control.should_evaluate = control.should_save = True
         if step == self.config.stop_at_step:
             control.should_training_stop = True
-        if state.is_world_process_zero and (step % self.config.log_every_steps == 0 or preempted):
-            write_progress(self.run_dir, step, self.driver_id, args.world_size, self.faults.attempt)
+        self.progress.note(step, self.faults, checkpointing=bool(due))
         return control
 
     def on_save(
@@ -335,7 +340,11 @@ class FaultTolerance(TrainerCallback):
     ) -> None:
         if state.is_world_process_zero:
             folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-            record = {"compute_dtype": self.dtype, "faults": dataclasses.asdict(self.faults)}
+            record = {
+                "compute_dtype": self.dtype,
+                "faults": dataclasses.asdict(self.faults),
+                "startup_s": self.startup_s,
+            }
             (folder / RECORD_FILE).write_text(json.dumps(record))
             write_manifest(folder)
 
@@ -366,9 +375,8 @@ class NonFiniteLossGuard(TrainerCallback):
 
 
 def training_arguments(config: TrainConfig, output_dir: str, workers: int) -> TrainingArguments:
-    # Evaluate, then save, at every epoch end or every N steps: each checkpoint Ray receives
-    # carries its own eval F1, the score Ray keeps the best checkpoints by.
-    every = config.checkpoint_every_steps
+    # Evaluate, then save, at every epoch end (and at the steps FaultTolerance asks for): each
+    # checkpoint Ray receives carries its own validation score, which Ray keeps the best ones by.
     return TrainingArguments(
         output_dir=output_dir,
         num_train_epochs=config.epochs,
@@ -382,10 +390,8 @@ def training_arguments(config: TrainConfig, output_dir: str, workers: int) -> Tr
         warmup_steps=config.warmup_fraction,  # a float below 1 is a share of all steps
         lr_scheduler_type=config.lr_schedule,
         max_grad_norm=config.grad_clip_norm,
-        eval_strategy="steps" if every else "epoch",
-        save_strategy="steps" if every else "epoch",
-        eval_steps=every or None,
-        save_steps=every or 500,
+        eval_strategy="epoch",
+        save_strategy="epoch",
         logging_strategy="steps",
         logging_steps=config.log_every_steps,
         save_total_limit=1,  # local copies only; Ray keeps the run's checkpoints in storage
@@ -404,18 +410,47 @@ def training_arguments(config: TrainConfig, output_dir: str, workers: int) -> Tr
     )
 
 
+def restore_record(
+    checkpoint: Checkpoint | None, config: TrainConfig, run_dir: StoragePath, driver_id: str
+) -> dict[str, Any] | None:
+    """The run record (faults, start-up) of the checkpoint being resumed, with this restart noted
+    and its cause; None when the run is already at its --stop-at-step (nothing to train)."""
+    world = ray.train.get_context().get_world_size()
+    if checkpoint is None:
+        faults = FaultLog()
+        if read_progress(run_dir) is not None:  # lost before its first checkpoint: starts over
+            faults.record_restart(0, run_dir, driver_id, None, world)
+        return {"faults": dataclasses.asdict(faults)}
+    state = read_trainer_state(checkpoint)
+    if config.stop_at_step is not None and state["global_step"] >= config.stop_at_step:
+        return None
+    record = {"faults": state["faults"], "startup_s": state["startup_s"]}
+    if state["epoch"] < config.epochs:
+        faults = FaultLog(**state["faults"])
+        restart = faults.record_restart(
+            state["global_step"], run_dir, driver_id, checkpoint.path, world
+        )
+        record["faults"] = dataclasses.asdict(faults)
+        if restart["cause"] == "rerun":  # this command's own start-up is measured anew
+            record["startup_s"] = None
+    return record
+
+
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
+    """Runs on every worker: the datasets, the model and a Hugging Face Trainer whose callbacks
+    carry the policies (checkpoints, progress, throughput) and report to Ray; then train, resuming
+    from the run's newest complete checkpoint if it has one."""
     config = TrainConfig(**loop_config["config"])
     quiet_ray_output(config.verbose)
     info = DatasetInfo(**loop_config["dataset"])
     data_dir = resolve_storage(config.resolved_data_dir())
     context = ray.train.get_context()
-    workers = context.get_world_size()
+    rank, world = context.get_world_rank(), context.get_world_size()
 
     train_set = TokenizedSplit(
         read_split(data_dir, "train", config.limit_train_rows), info.max_length
     )
-    eval_set = TokenizedSplit(
+    val_set = TokenizedSplit(
         read_split(data_dir, "validation", config.limit_val_rows), info.max_length
     )
     transformers.utils.logging.disable_progress_bar()  # bars from every worker garble the log
@@ -427,23 +462,17 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     run_dir = resolve_storage(config.storage_path).join(config.run_name)
     driver_id: str = loop_config["driver_id"]
     checkpoint = resume_checkpoint(run_dir, inside=HF_CHECKPOINT)
-    faults = FaultLog()
-    if checkpoint is not None:
-        state = read_trainer_state(checkpoint)
-        faults = FaultLog(**state["faults"])
-        if config.stop_at_step is not None and state["global_step"] >= config.stop_at_step:
-            return  # already stopped there: a rerun with the same --stop-at-step does nothing
-        if state["epoch"] < config.epochs:
-            world = ray.train.get_context().get_world_size()
-            faults.record_restart(state["global_step"], run_dir, driver_id, checkpoint.path, world)
-
-    sink = rank_zero_sink(loop_config, context.get_world_rank())
+    record = restore_record(checkpoint, config, run_dir, driver_id)
+    if record is None:
+        return  # already stopped there: a rerun with the same --stop-at-step does nothing
+    progress = ProgressNotes(run_dir, driver_id, world, config.log_every_steps, rank)
+    sink = rank_zero_sink(loop_config, rank)
     with tempfile.TemporaryDirectory(prefix="hf-finetune-") as output_dir, closing(sink):
         trainer = LengthGroupedTrainer(
             model=model,
-            args=training_arguments(config, output_dir, workers),
+            args=training_arguments(config, output_dir, world),
             train_dataset=train_set,
-            eval_dataset=eval_set,
+            eval_dataset=val_set,
             processing_class=tokenizer,  # saved in every checkpoint, so each one predicts on its own
             data_collator=DataCollatorWithPadding(
                 tokenizer, pad_to_multiple_of=8 if config.use_gpu else None
@@ -451,7 +480,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             compute_metrics=make_compute_metrics(info.num_labels),
             callbacks=[
                 # Before Ray's callback, which uploads the checkpoint this one completes.
-                FaultTolerance(config, run_dir, driver_id, faults),
+                FaultTolerance(config, progress, record, loop_config["launched_at"]),
                 RayTrainReportCallback(),
                 NonFiniteLossGuard(),
                 ProgressLog(config.global_batch_size),
@@ -462,12 +491,11 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         trainer = prepare_trainer(trainer)
         if checkpoint is None:
             trainer.train()
-        else:
-            with checkpoint.as_directory() as folder:
-                resume_from = Path(folder) / HF_CHECKPOINT
-                if context.get_world_rank() == 0:
-                    log.info("resuming from %s", checkpoint.path)
-                trainer.train(resume_from_checkpoint=str(resume_from))
+            return
+        with checkpoint.as_directory() as folder:
+            if rank == 0:
+                log.info("resuming from %s", checkpoint.path)
+            trainer.train(resume_from_checkpoint=str(Path(folder) / HF_CHECKPOINT))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -489,7 +517,7 @@ def run(config: TrainConfig, callbacks: Sequence[UserCallback] = ()) -> dict[str
 
     `callbacks` join the run's (a sweep passes Tune's, which forwards every report to Tune).
     """
-    started = time.perf_counter()
+    started, launched_at = time.perf_counter(), time.time()
     storage, data_dir = locate_run(config)
     info = inspect_dataset(data_dir)
     model = resolve_model(config.model or info.tokenizer)
@@ -514,6 +542,7 @@ def run(config: TrainConfig, callbacks: Sequence[UserCallback] = ()) -> dict[str
             "dataset": dataclasses.asdict(info),
             "model": model,
             "driver_id": uuid.uuid4().hex,  # tells a worker restart from a rerun of the command
+            "launched_at": launched_at,
             "tracked": dataclasses.asdict(tracked) if tracked else None,
         },
         scaling_config=build_scaling_config(config),
@@ -574,6 +603,7 @@ def read_trainer_state(checkpoint: Checkpoint) -> dict[str, Any]:
         record = json.loads(record_file.read_text()) if record_file.exists() else {}
         state["compute_dtype"] = record.get("compute_dtype")
         state["faults"] = record.get("faults", {})
+        state["startup_s"] = record.get("startup_s")
         return state
 
 
@@ -601,12 +631,13 @@ def write_run_outputs(
     best_row = max(history, key=lambda row: row[SCORE])
     summary = {
         **summary_header("hf_finetune", __version__, config.run_name, run_dir),
+        "steps_done": state["global_step"],
         "epochs_done": round(state["epoch"], 4),
-        "global_step": state["global_step"],
+        "startup_s": state["startup_s"],
         **FaultLog(**state["faults"]).summary(),
         "compute_dtype": state["compute_dtype"],
         "labels": info.labels,
-        "majority_share_validation": majority_share(
+        "val_majority_share": majority_share(
             resolve_storage(config.resolved_data_dir()), "validation"
         ),
         "final": history[-1],

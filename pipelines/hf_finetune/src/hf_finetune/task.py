@@ -1,0 +1,80 @@
+"""The task, in one file: the classifier (a pretrained encoder with a new head), its loss and its
+scores. train, evaluate and predict import them from here.
+
+The loss is the model's own: a sequence classifier computes cross-entropy over its labels when the
+batch carries `labels` (the Hugging Face Trainer passes them). The model knows nothing about how it
+is parallelised: Ray Train's `prepare_trainer` and the Trainer apply DDP. Which models can be named
+(the packaged MiniLM, a hub id, a local folder) is model.py's business.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+from transformers import AutoModelForSequenceClassification, EvalPrediction, PreTrainedModel
+
+
+def build_model(model: str, labels: Sequence[str]) -> PreTrainedModel:
+    """The pretrained encoder with a freshly initialised head for `labels`, names kept in its config."""
+    return AutoModelForSequenceClassification.from_pretrained(
+        model,
+        num_labels=len(labels),
+        id2label=dict(enumerate(labels)),
+        label2id={label: index for index, label in enumerate(labels)},
+        # A checkpoint with another head (e.g. a run on other labels) gets a new one of the right size.
+        ignore_mismatched_sizes=True,
+    )
+
+
+def load_trained(folder: str) -> PreTrainedModel:
+    """A fine-tuned classifier from a checkpoint's model folder, in eval mode."""
+    return AutoModelForSequenceClassification.from_pretrained(folder).eval()
+
+
+def predicted_labels(logits: np.ndarray) -> np.ndarray:
+    return np.asarray(logits).argmax(-1)
+
+
+def confusion_matrix(labels: np.ndarray, predictions: np.ndarray, num_labels: int) -> np.ndarray:
+    """Rows: true class; columns: predicted class."""
+    matrix = np.zeros((num_labels, num_labels), dtype=np.int64)
+    np.add.at(matrix, (labels, predictions), 1)
+    return matrix
+
+
+def classification_scores(
+    labels: np.ndarray, predictions: np.ndarray, num_labels: int
+) -> dict[str, float]:
+    """Accuracy and macro F1 (the mean of per-class F1, so a small class counts as much as a big one)."""
+    matrix = confusion_matrix(labels, predictions, num_labels)
+    true_positive = np.diag(matrix).astype(float)
+    precision = np.divide(
+        true_positive, matrix.sum(0), out=np.zeros(num_labels), where=matrix.sum(0) > 0
+    )
+    recall = np.divide(
+        true_positive, matrix.sum(1), out=np.zeros(num_labels), where=matrix.sum(1) > 0
+    )
+    f1 = np.divide(
+        2 * precision * recall,
+        precision + recall,
+        out=np.zeros(num_labels),
+        where=(precision + recall) > 0,
+    )
+    return {"accuracy": float(true_positive.sum() / matrix.sum()), "f1": float(f1.mean())}
+
+
+def make_compute_metrics(num_labels: int) -> Callable[[EvalPrediction], dict[str, float]]:
+    """The Trainer's `compute_metrics`: accuracy and macro F1 of an evaluation (prefixed `val_`)."""
+
+    def compute_metrics(prediction: EvalPrediction) -> dict[str, float]:
+        logits = (
+            prediction.predictions[0]
+            if isinstance(prediction.predictions, tuple)
+            else prediction.predictions
+        )
+        return classification_scores(
+            np.asarray(prediction.label_ids), predicted_labels(logits), num_labels
+        )
+
+    return compute_metrics
