@@ -24,6 +24,7 @@ from raytrain_common.configs import ConfigError
 from raytrain_common.metrics import read_metrics_csv
 from raytrain_common.storage import StoragePath, resolve_storage
 from raytrain_common.tracking import metric_history
+from raytrain_common.vocabulary import METRIC_COLUMNS, summary_problems, unknown_names
 
 pytestmark = pytest.mark.ray
 
@@ -77,6 +78,9 @@ def test_two_workers_learn_survive_a_lost_worker_and_the_checkpoint_predicts(
     assert "pid" in seen, "the worker was never killed"
     rows = read_metrics_csv(resolve_storage(run_dir / "metrics.csv"))
     assert [row["epoch"] for row in rows] == [1, 2]
+    # The names every pipeline shares (docs/vocabulary.md).
+    assert summary_problems(summary) == []
+    assert unknown_names((key for row in rows for key in row), METRIC_COLUMNS) == []
     epoch1_eval = next(r for r in seen["epoch1"] if "val_loss" in r)
     assert rows[0]["val_loss"] == pytest.approx(epoch1_eval["val_loss"], rel=1e-5)
     assert summary["steps_done"] == 64
@@ -178,7 +182,7 @@ def test_a_run_stopped_mid_epoch_resumes_with_the_steps_it_had_not_taken(
     assert resumed["restarts"][0]["resumed_at_step"] == 20
     # MLflow (on by default): the stopped run and its rerun are one MLflow run, every step once.
     storage = resolve_storage(tmp_path)
-    tracked = metric_history(storage, "hf_finetune", storage.join("cut"), "loss")
+    tracked = metric_history(storage, "hf_finetune", storage.join("cut"), "train_loss_interval")
     assert len(tracked["runs"]) == 1 and tracked["runs"][0].info.status == "FINISHED"
     assert [step for step, _ in tracked["steps"]] == list(range(1, 33))
     f1 = metric_history(storage, "hf_finetune", storage.join("cut"), "val_f1")["steps"]

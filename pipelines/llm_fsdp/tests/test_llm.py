@@ -21,6 +21,7 @@ from raytrain_common.configs import ConfigError
 from raytrain_common.metrics import read_metrics_csv
 from raytrain_common.storage import StoragePath, resolve_storage
 from raytrain_common.tracking import metric_history
+from raytrain_common.vocabulary import METRIC_COLUMNS, summary_problems, unknown_names
 
 pytestmark = pytest.mark.ray
 RESUME_TOLERANCE = 2e-3  # relative: fp32 sums reduced in another order on another worker count
@@ -56,6 +57,10 @@ def test_fsdp_learns_resumes_exactly_on_one_worker_and_exports(
 ) -> None:
     whole = run(small_config(tmp_path, shakespeare_dir, run_name="whole"))
     assert whole["steps_done"] == 20
+    # The names every pipeline shares (docs/vocabulary.md).
+    assert summary_problems(whole) == []
+    rows = losses_by_step_rows(tmp_path / "whole")
+    assert unknown_names((key for row in rows for key in row), METRIC_COLUMNS) == []
     assert whole["compute_dtype"] == "float32"  # no mixed precision on CPUs
     assert whole["mfu"] is None and whole["peak_memory_gb"] is None  # no bf16 peak, no GPU
     # metrics.csv keeps 6 significant digits.

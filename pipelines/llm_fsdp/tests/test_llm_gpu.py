@@ -21,7 +21,8 @@ from llm_fsdp.config import gpu_preset
 from llm_fsdp.data import prepare
 from llm_fsdp.loss import chunk_loss_and_logit_grad, chunked_cross_entropy_sum
 from llm_fsdp.model import SMOLLM2_FOLDER, ModelError, convert_smollm2
-from llm_fsdp.train import flops_per_token, run
+from llm_fsdp.task import flops_per_token
+from llm_fsdp.train import run
 from raytrain_common.hardware import peak_bf16_flops
 from raytrain_common.metrics import read_metrics_csv
 from raytrain_common.storage import resolve_storage

@@ -13,7 +13,7 @@ import torch.nn.functional as functional
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from llm_fsdp.loss import NextTokenLoss, chunked_cross_entropy_sum
-from llm_fsdp.train import flops_per_token
+from llm_fsdp.task import flops_per_token
 from raytrain_common.hardware import peak_bf16_flops
 
 TOLERANCE = 1e-5

@@ -28,6 +28,7 @@ from raytrain_common.metrics import read_metrics_csv
 from raytrain_common.ray_start import ResourceError
 from raytrain_common.storage import StorageError, StoragePath, resolve_storage
 from raytrain_common.tracking import metric_history
+from raytrain_common.vocabulary import METRIC_COLUMNS, summary_problems, unknown_names
 
 pytestmark = pytest.mark.ray
 
@@ -44,6 +45,9 @@ def test_two_workers_learn_choose_on_validation_and_test_that_checkpoint_once(
     rows = read_metrics_csv(resolve_storage(run_dir / "metrics.csv"))
     assert [row["epoch"] for row in rows] == [1, 2]
     assert rows[-1]["train_loss"] < rows[0]["train_loss"]
+    # The names every pipeline shares (docs/vocabulary.md).
+    assert summary_problems(summary) == []
+    assert unknown_names((key for row in rows for key in row), METRIC_COLUMNS) == []
     # Chosen on validation: the best row is the epoch of highest val_accuracy, and its checkpoint
     # is the one tested; the test split appears nowhere in the per-epoch history.
     assert summary["best"]["val_accuracy"] == pytest.approx(max(r["val_accuracy"] for r in rows))

@@ -9,6 +9,7 @@ is parallelised: Ray Train's `prepare_trainer` and the Trainer apply DDP. Which 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -27,7 +28,7 @@ def build_model(model: str, labels: Sequence[str]) -> PreTrainedModel:
     )
 
 
-def load_trained(folder: str) -> PreTrainedModel:
+def load_trained(folder: str | os.PathLike[str]) -> PreTrainedModel:
     """A fine-tuned classifier from a checkpoint's model folder, in eval mode."""
     return AutoModelForSequenceClassification.from_pretrained(folder).eval()
 

@@ -19,7 +19,7 @@ import uuid
 from collections.abc import Sequence
 from contextlib import closing
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import pyarrow as pa
@@ -246,8 +246,18 @@ class ProgressLog(TrainerCallback):
 
 
 class TrackerLog(TrainerCallback):
-    """Every logged value (training loss, learning rate, evaluation metrics) to MLflow with the
-    Trainer's global step, from rank 0 (the sink of other ranks logs nothing)."""
+    """Every logged value to MLflow with the Trainer's global step, from rank 0 (the sink of other
+    ranks logs nothing), under the names the other pipelines use (docs/vocabulary.md)."""
+
+    NAMES: ClassVar[dict[str, str]] = {
+        "loss": "train_loss_interval",
+        "learning_rate": "lr",
+        "grad_norm": "grad_norm",
+        "val_loss": "val_loss",
+        "val_accuracy": "val_accuracy",
+        "val_f1": "val_f1",
+        "val_runtime": "val_s",
+    }
 
     def __init__(self, sink: MetricSink) -> None:
         self.sink = sink
@@ -260,10 +270,13 @@ class TrackerLog(TrainerCallback):
         logs: dict[str, float] | None = None,
         **kwargs: Any,
     ) -> None:
-        if state.is_world_process_zero and logs:
-            self.sink.log({**logs, "epoch": state.epoch or 0.0}, state.global_step)
-            if SCORE in logs:  # an evaluation: in the store before its checkpoint is reported
-                self.sink.flush()
+        if not state.is_world_process_zero or not logs:
+            return
+        named = {new: logs[old] for old, new in self.NAMES.items() if old in logs}
+        if named:
+            self.sink.log({**named, "epoch": state.epoch or 0.0}, state.global_step)
+        if SCORE in logs:  # an evaluation: in the store before its checkpoint is reported
+            self.sink.flush()
 
 
 class FaultTolerance(TrainerCallback):
@@ -588,7 +601,7 @@ def epoch_history(
                 "val_loss": row["val_loss"],
                 "val_accuracy": row["val_accuracy"],
                 "val_f1": row["val_f1"],
-                "val_runtime_s": row["val_runtime"],
+                "val_s": row["val_runtime"],
             }
         )
     return history, step_log

@@ -81,7 +81,7 @@ def run_baseline(config: TrainConfig) -> dict[str, Any]:
             "epoch": epoch,
             "val_accuracy": accuracy,
             "train_images_per_s": rate,
-            "epoch_train_s": elapsed,
+            "train_s": elapsed,
         }
         if (memory := peak_memory_gb(device)) is not None:  # on a GPU
             row["peak_memory_gb"] = memory

@@ -274,7 +274,7 @@ def val_metrics(
         val.batch(mine[i : i + VAL_BATCH_ROWS], device) for i in range(0, len(mine), VAL_BATCH_ROWS)
     )
     metrics = evaluate(model, batches, device, bf16, split="val")
-    return {**metrics, "epoch_eval_s": time.perf_counter() - started}
+    return {**metrics, "val_s": time.perf_counter() - started}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -419,7 +419,7 @@ def end_epoch(
         "train_loss": train_loss,
         "train_accuracy": final.correct / final.seen,
         "train_images_per_s": meter.steady().items_per_s,
-        "epoch_train_s": final.train_s,
+        "train_s": final.train_s,
         **val_metrics(model, val, device, config.bf16),
         "lr": lr,
     }
@@ -660,7 +660,7 @@ def write_run_outputs(
         "latest_checkpoint": run_dir.uri_for(result.checkpoint.path),
         "metrics_csv": run_dir.join(METRICS_FILE).uri,
         "curves_png": run_dir.join(CURVES_FILE).uri,
-        "train_time_s": sum(row["epoch_train_s"] + row["epoch_eval_s"] for row in history),
+        "train_time_s": sum(row["train_s"] + row["val_s"] for row in history),
         "compute_dtype": state.get("compute_dtype"),
         "peak_memory_gb": max(
             (r["peak_memory_gb"] for r in history if "peak_memory_gb" in r), default=None
