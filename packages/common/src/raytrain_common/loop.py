@@ -16,12 +16,15 @@ the `step` of metrics.csv and of every report.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 from raytrain_common.faults import FaultLog, write_progress
 from raytrain_common.storage import StoragePath
+
+log = logging.getLogger(__name__)
 
 # Why a step ends with a checkpoint (several may hold at once).
 EVERY = "every"  # --checkpoint-every-steps
@@ -207,3 +210,13 @@ class ThroughputMeter:
         if self.flops_per_item is not None and self.peak_flops:
             mfu = items_per_s * self.flops_per_item / self.peak_flops
         return Throughput(items_per_s, seconds / max(steps, 1), steps, mfu)
+
+
+def startup_seconds(launched_at: float, rank: int) -> float:
+    """Seconds from the driver's `run` call (`launched_at`, time.time()) to now, the first optimiser
+    step of this worker group: Ray's start, the worker group, reading the data, building the model.
+    Every pipeline writes it to summary.json as `startup_s`; rank 0 logs it."""
+    seconds = time.time() - launched_at
+    if rank == 0:
+        log.info("first optimiser step %.1f s after `train` started", seconds)
+    return seconds

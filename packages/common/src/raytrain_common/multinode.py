@@ -43,7 +43,16 @@ class MultiNodeCluster:
         self.cluster = Cluster(
             initialize_head=True,
             connect=connect,
-            head_node_args={"num_cpus": head_cpus, "object_store_memory": self.object_store_bytes},
+            head_node_args={
+                "num_cpus": head_cpus,
+                "object_store_memory": self.object_store_bytes,
+                # A killed node is declared dead after 3 missed 1-s health checks (Ray's default:
+                # 5 missed 3-s ones), so each lost node costs the fault tests seconds, not ~15 s.
+                "_system_config": {
+                    "health_check_period_ms": 1000,
+                    "health_check_failure_threshold": 3,
+                },
+            },
         )
 
     @property

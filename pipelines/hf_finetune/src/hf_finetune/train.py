@@ -65,7 +65,13 @@ from raytrain_common.configs import (
     per_worker_batch_size,
 )
 from raytrain_common.faults import FaultLog, read_progress
-from raytrain_common.loop import END, CheckpointPolicy, ProgressNotes, ThroughputMeter
+from raytrain_common.loop import (
+    END,
+    CheckpointPolicy,
+    ProgressNotes,
+    ThroughputMeter,
+    startup_seconds,
+)
 from raytrain_common.metrics import (
     CURVES_FILE,
     METRICS_FILE,
@@ -335,9 +341,7 @@ class FaultTolerance(TrainerCallback):
         assert self.checkpoints is not None  # set when training begins
         step = state.global_step
         if self.startup_s is None:
-            self.startup_s = time.time() - self.launched_at
-            if state.is_world_process_zero:
-                log.info("first optimiser step %.1f s after `train` started", self.startup_s)
+            self.startup_s = startup_seconds(self.launched_at, args.process_index)
         # A barrier: the Trainer ends steps in lockstep on every rank, so all ranks ask alike.
         due = self.checkpoints.due(step, self.faults)
         epoch_end = abs((state.epoch or 0.0) - round(state.epoch or 0.0)) < 1e-6

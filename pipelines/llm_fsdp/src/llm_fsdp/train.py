@@ -59,6 +59,7 @@ from raytrain_common.loop import (
     Throughput,
     ThroughputMeter,
     ValidationPolicy,
+    startup_seconds,
 )
 from raytrain_common.metrics import (
     CURVES_FILE,
@@ -388,15 +389,6 @@ def save(
     run.history.append({"step": run.step, "checkpoint_stall_s": time.perf_counter() - stalled})
 
 
-def first_step_note(launched_at: float, rank: int) -> float:
-    """Seconds from the driver's `run` call to this worker group's first optimiser step: Ray's
-    start, the worker group, reading the data and building the model (printed in summary.json)."""
-    startup_s = time.time() - launched_at
-    if rank == 0:
-        log.info("first optimiser step %.1f s after `train` started", startup_s)
-    return startup_s
-
-
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     """Runs on every worker: build and shard, restore, then for each step: train, log, and maybe
     validate and checkpoint (every N steps, a preemption notice, --stop-at-step, the end)."""
@@ -447,7 +439,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             meter.step()
             run.step = step
             if run.startup_s is None:
-                run.startup_s = first_step_note(loop_config["launched_at"], rank)
+                run.startup_s = startup_seconds(loop_config["launched_at"], rank)
             row: dict[str, float] = {"step": step}
             if step % config.log_every_steps == 0 or step == last_step:
                 row |= window_row(

@@ -57,7 +57,12 @@ from raytrain_common.configs import (
 )
 from raytrain_common.faults import FaultLog, read_progress
 from raytrain_common.hardware import peak_memory_gb
-from raytrain_common.loop import CheckpointPolicy, ProgressNotes, ThroughputMeter
+from raytrain_common.loop import (
+    CheckpointPolicy,
+    ProgressNotes,
+    ThroughputMeter,
+    startup_seconds,
+)
 from raytrain_common.metrics import (
     CURVES_FILE,
     METRICS_FILE,
@@ -480,7 +485,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             meter.step()
             run.step, lr = step, scheduler.get_last_lr()[0]
             if run.startup_s is None:
-                run.startup_s = first_step_note(loop_config["launched_at"], rank)
+                run.startup_s = startup_seconds(loop_config["launched_at"], rank)
             due = checkpoints.due(step, run.faults)  # on every rank: may ask Ray (a barrier)
             if rank == 0 and (step % config.log_every_steps == 0 or due.at_epoch_end):
                 sink.log(log_interval(run, totals, meter, lr, step, steps, config), step)
@@ -513,15 +518,6 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                 break
     finally:
         sink.close()  # sends what rank 0 queued (bounded wait)
-
-
-def first_step_note(launched_at: float, rank: int) -> float:
-    """Seconds from the driver's `run` call to this worker group's first optimiser step: Ray's
-    start, the worker group, reading the data and building the model (printed in summary.json)."""
-    startup_s = time.time() - launched_at
-    if rank == 0:
-        log.info("first optimiser step %.1f s after `train` started", startup_s)
-    return startup_s
 
 
 # ---------------------------------------------------------------------------------------------
