@@ -374,7 +374,7 @@ def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Head]:
     ray = str(Path(sys.executable).parent / "ray")
     subprocess.run(
         [ray, "start", "--head", f"--port={port}", f"--dashboard-port={dashboard}", "--dashboard-host=127.0.0.1",
-         "--num-cpus=6", f"--temp-dir={temp}", "--disable-usage-stats"],
+         "--num-cpus=8", f"--temp-dir={temp}", "--disable-usage-stats"],
         check=True, env=env, capture_output=True, text=True,
     )  # fmt: skip
     try:
@@ -401,26 +401,56 @@ def smoke_job(name: str, storage: Path) -> tuple[str, dict[str, Any]]:
     return entrypoint, runtime_env
 
 
-def submit_and_wait(
-    head: Head, entrypoint: str, runtime_env: dict[str, Any], timeout_s: float
-) -> str:
-    """Submit through the Jobs API with the cluster's token, as KubeRay's submitter does; wait for
-    the end, assert it SUCCEEDED; return its log. The job's driver inherits the token from the
-    head, so the pipeline's CLI joins the token-protected cluster through RAY_ADDRESS."""
-    from ray.job_submission import JobStatus, JobSubmissionClient
+def job_client(head: Head) -> Any:
+    """A Jobs API client with the cluster's token, as KubeRay's submitter has. The job's driver
+    inherits the token from the head, so the pipeline's CLI joins the token-protected cluster
+    through RAY_ADDRESS."""
+    from ray.job_submission import JobSubmissionClient
 
     os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=head.token)
     os.environ.pop("RAY_AUTH_TOKEN_PATH", None)
-    client = JobSubmissionClient(head.url, headers={"Authorization": f"Bearer {head.token}"})
-    job = client.submit_job(entrypoint=entrypoint, runtime_env=runtime_env)
+    return JobSubmissionClient(head.url, headers={"Authorization": f"Bearer {head.token}"})
+
+
+def wait_for_jobs(client: Any, jobs: dict[str, str], timeout_s: float) -> dict[str, str]:
+    """Wait for every job to end and assert each SUCCEEDED; return each one's log."""
+    from ray.job_submission import JobStatus
+
     deadline = time.monotonic() + timeout_s
     ended = {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}
-    while (status := client.get_job_status(job)) not in ended:
-        assert time.monotonic() < deadline, f"{entrypoint[:60]}… did not end in {timeout_s:.0f} s"
-        time.sleep(2)
-    logs = client.get_job_logs(job)
-    assert status == JobStatus.SUCCEEDED, logs[-3000:]
+    logs = {}
+    for name, job in jobs.items():
+        while (status := client.get_job_status(job)) not in ended:
+            assert time.monotonic() < deadline, f"{name} did not end in {timeout_s:.0f} s"
+            time.sleep(2)
+        logs[name] = client.get_job_logs(job)
+        assert status == JobStatus.SUCCEEDED, (name, logs[name][-3000:])
     return logs
+
+
+def submit_and_wait(
+    head: Head, entrypoint: str, runtime_env: dict[str, Any], timeout_s: float
+) -> str:
+    """Submit through the Jobs API with the cluster's token, wait for the end, assert it
+    SUCCEEDED; return its log."""
+    client = job_client(head)
+    job = client.submit_job(entrypoint=entrypoint, runtime_env=runtime_env)
+    return wait_for_jobs(client, {entrypoint[:60]: job}, timeout_s)[entrypoint[:60]]
+
+
+@pytest.fixture(scope="module")
+def pipeline_jobs(ray_head: Head, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Every pipeline's entrypoint at its smoke size, submitted together (the head holds all three
+    2-worker jobs, as a cluster shared by teams would): each job's run folder, once all SUCCEEDED."""
+    client = job_client(ray_head)
+    jobs, run_dirs = {}, {}
+    for name in PIPELINES:
+        storage = tmp_path_factory.mktemp(f"job-{name}") / "runs"
+        entrypoint, runtime_env = smoke_job(name, storage)
+        jobs[name] = client.submit_job(entrypoint=entrypoint, runtime_env=runtime_env)
+        run_dirs[name] = storage / re.search(r"--run-name (\S+)", entrypoint).group(1)
+    wait_for_jobs(client, jobs, timeout_s=900)
+    return run_dirs
 
 
 def test_a_submission_without_the_token_is_refused(ray_head: Head, tmp_path: Path) -> None:
@@ -461,12 +491,9 @@ def test_a_submission_without_the_token_is_refused(ray_head: Head, tmp_path: Pat
 
 @pytest.mark.parametrize("name", PIPELINES)
 def test_entrypoint_succeeds_through_the_job_submission_api(
-    name: str, ray_head: Head, tmp_path: Path
+    name: str, pipeline_jobs: dict[str, Path]
 ) -> None:
-    entrypoint, runtime_env = smoke_job(name, tmp_path / "runs")
-    submit_and_wait(ray_head, entrypoint, runtime_env, timeout_s=600)
-    run_name = re.search(r"--run-name (\S+)", entrypoint).group(1)
-    run_dir = tmp_path / "runs" / run_name
+    run_dir = pipeline_jobs[name]
     assert list(run_dir.glob("checkpoint_*")), f"no checkpoint under {run_dir}"
     assert (run_dir / "summary.json").exists()
 

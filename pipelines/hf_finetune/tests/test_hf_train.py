@@ -50,7 +50,7 @@ def kill_a_worker_after_the_first_checkpoint(run_dir: Path, seen: dict[str, Any]
     while time.monotonic() < deadline:
         states = list(run_dir.glob("checkpoint_*/checkpoint/trainer_state.json"))
         if states:
-            time.sleep(3)  # past the controller's 2 s poll, so the report is registered
+            time.sleep(1)  # past the controller's 0.5 s poll (RUN_ENV), so the report is registered
             seen["epoch1"] = json.loads(states[0].read_text())["log_history"]
             workers = list_actors(
                 filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")]
@@ -157,33 +157,33 @@ def test_bad_settings_fail_before_training(
 def test_a_run_stopped_mid_epoch_resumes_with_the_steps_it_had_not_taken(
     ray_cluster: None, vader_dir: StoragePath, tmp_path: Path
 ) -> None:
-    """Checkpoints every 6 steps, stopped at step 20 of 32 (mid-epoch 2) and rerun: the Trainer
-    skips the batches already seen, and the resumed epoch is drawn in its own order, so every
-    step's loss matches an uninterrupted run's to 1e-5 relative (measured: identical; a resumed
-    epoch drawn in the wrong order was 5-50 % off)."""
-    common = {"log_every_steps": 1, "checkpoint_every_steps": 6, "limit_train_rows": 512,
+    """Checkpoints every 5 steps and at epoch ends (8 steps), stopped at step 10 of 16 (mid-epoch
+    2) and rerun: the Trainer skips the batches already seen, and the resumed epoch is drawn in its
+    own order, so every step's loss matches an uninterrupted run's to 1e-5 relative (measured:
+    identical; a resumed epoch drawn in the wrong order was 5-50 % off)."""
+    common = {"log_every_steps": 1, "checkpoint_every_steps": 5, "limit_train_rows": 256,
               "limit_val_rows": 128, "tracking": "mlflow"}  # fmt: skip
     whole = run(small_config(tmp_path, vader_dir, run_name="whole", **common))
-    stopped = run(small_config(tmp_path, vader_dir, run_name="cut", stop_at_step=20, **common))
-    assert stopped["steps_done"] == 20
+    stopped = run(small_config(tmp_path, vader_dir, run_name="cut", stop_at_step=10, **common))
+    assert stopped["steps_done"] == 10
     resumed = run(small_config(tmp_path, vader_dir, run_name="cut", **common))
-    assert resumed["steps_done"] == whole["steps_done"] == 32
+    assert resumed["steps_done"] == whole["steps_done"] == 16
 
     def step_losses(summary: dict[str, Any]) -> dict[int, float]:
         state = json.loads((Path(summary["latest_checkpoint"]) / "trainer_state.json").read_text())
         return {row["step"]: row["loss"] for row in state["log_history"] if "loss" in row}
 
     expected, got = step_losses(whole), step_losses(resumed)
-    assert sorted(got) == list(range(1, 33))
-    for step in range(1, 33):
+    assert sorted(got) == list(range(1, 17))
+    for step in range(1, 17):
         assert got[step] == pytest.approx(expected[step], rel=1e-5), step
     assert resumed["final"]["val_f1"] == pytest.approx(whole["final"]["val_f1"], abs=1e-6)
     assert [r["cause"] for r in resumed["restarts"]] == ["rerun"]
-    assert resumed["restarts"][0]["resumed_at_step"] == 20
+    assert resumed["restarts"][0]["resumed_at_step"] == 10
     # MLflow (on by default): the stopped run and its rerun are one MLflow run, every step once.
     storage = resolve_storage(tmp_path)
     tracked = metric_history(storage, "hf_finetune", storage.join("cut"), "train_loss_interval")
     assert len(tracked["runs"]) == 1 and tracked["runs"][0].info.status == "FINISHED"
-    assert [step for step, _ in tracked["steps"]] == list(range(1, 33))
+    assert [step for step, _ in tracked["steps"]] == list(range(1, 17))
     f1 = metric_history(storage, "hf_finetune", storage.join("cut"), "val_f1")["steps"]
     assert f1[-1][1] == pytest.approx(resumed["final"]["val_f1"], abs=1e-6)

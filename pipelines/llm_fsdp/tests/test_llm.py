@@ -178,7 +178,7 @@ def test_running_out_of_gpu_memory_names_the_knobs_that_fit() -> None:
     from llm_fsdp.config import PRESETS
     from llm_fsdp.train import out_of_memory_advice
 
-    advice = out_of_memory_advice(PRESETS["gpu"], micro=64, seq_len=1024, step=0)
+    advice = out_of_memory_advice(PRESETS["gpu"], micro=64, seq_len=1024, step=1)
     assert advice.startswith("rank 0: out of GPU memory at step 1 with micro-batches of 64 × 1024")
     assert "--grad-accum-steps 2 (the same global batch in micro-batches of 32)" in advice
     assert "--preset gpu-24gb" in advice and "--activation-checkpointing" in advice

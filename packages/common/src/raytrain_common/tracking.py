@@ -420,11 +420,35 @@ def rank_zero_sink(loop_config: Mapping[str, Any], rank: int) -> MetricSink:
     return MetricSink(TrackedRun(**tracked) if tracked and rank == 0 else None)
 
 
+_warming: threading.Thread | None = None
+
+
+def warm_tracking_store(config: Any, storage: StoragePath) -> None:
+    """Import MLflow and open (create, migrate) the run's store in a background thread, while Ray
+    starts in the foreground: `train` reaches its first step ~2-3 s sooner. Side-effect free
+    beyond creating the store, which the run would do anyway; errors surface in open_for_config."""
+    global _warming
+    uri = (
+        None if config.tracking == "none" else config.tracking_uri or default_tracking_uri(storage)
+    )
+    if uri is None or not uri.startswith("sqlite:///"):
+        return  # a server: nothing slow to create, and its errors belong to open_for_config
+
+    def warm() -> None:
+        with contextlib.suppress(Exception):
+            client(uri).search_experiments(max_results=1)
+
+    _warming = threading.Thread(target=warm, name="mlflow-store-warm-up", daemon=True)
+    _warming.start()
+
+
 def open_for_config(
     config: Any, storage: StoragePath, *, pipeline: str, version: str
 ) -> TrackedRun | None:
     """`open_tracked_run` for a pipeline's train config (a RayTrainSettings dataclass): its fields
     as params, the system tags, the experiment named after the pipeline unless set."""
+    if _warming is not None:
+        _warming.join(timeout=60)
     return open_tracked_run(
         tracking=config.tracking,
         tracking_uri=config.tracking_uri,

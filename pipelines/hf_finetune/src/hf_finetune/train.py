@@ -94,6 +94,7 @@ from raytrain_common.tracking import (
     finish_for_summary,
     open_for_config,
     rank_zero_sink,
+    warm_tracking_store,
 )
 
 log = logging.getLogger("hf_finetune")
@@ -549,6 +550,7 @@ def run(config: TrainConfig, callbacks: Sequence[UserCallback] = ()) -> dict[str
         config, storage_path=storage.uri, data_dir=data_dir.uri, model=model
     )
 
+    warm_tracking_store(config, storage)  # overlaps Ray's start
     start_ray_for_run(config, storage, data_dir)
     tracked = open_for_config(config, storage, pipeline="hf_finetune", version=__version__)
 

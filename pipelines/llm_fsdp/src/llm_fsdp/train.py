@@ -80,6 +80,7 @@ from raytrain_common.tracking import (
     finish_for_summary,
     open_for_config,
     rank_zero_sink,
+    warm_tracking_store,
 )
 
 log = logging.getLogger("llm_fsdp")
@@ -518,6 +519,7 @@ def run(config: TrainConfig, callbacks: Sequence[UserCallback] = ()) -> dict[str
     config = config.with_steps_for(info.blocks("train"))
     config.validate()
     config = dataclasses.replace(config, storage_path=storage.uri, data_dir=data_dir.uri)
+    warm_tracking_store(config, storage)  # overlaps Ray's start
     start_ray_for_run(config, storage, data_dir)
     tracked = open_for_config(config, storage, pipeline="llm_fsdp", version=__version__)
 

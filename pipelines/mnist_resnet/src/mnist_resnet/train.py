@@ -85,6 +85,7 @@ from raytrain_common.tracking import (
     finish_for_summary,
     open_for_config,
     rank_zero_sink,
+    warm_tracking_store,
 )
 
 log = logging.getLogger("mnist_resnet")
@@ -541,6 +542,7 @@ def run(config: TrainConfig, callbacks: Sequence[UserCallback] = ()) -> dict[str
         )
     config = dataclasses.replace(config, storage_path=storage.uri, data_dir=data_dir.uri)
 
+    warm_tracking_store(config, storage)  # overlaps Ray's start
     start_ray_for_run(config, storage, data_dir)
     tracked = open_for_config(config, storage, pipeline="mnist_resnet", version=__version__)
 
@@ -575,17 +577,21 @@ def run(config: TrainConfig, callbacks: Sequence[UserCallback] = ()) -> dict[str
 
 
 def evaluate_test_split_once(checkpoint_uri: str, config: TrainConfig) -> dict[str, Any]:
-    """The chosen checkpoint's test loss and accuracy, in a Ray task on a worker's resources (a GPU
-    if the run had them; the driver may sit on a CPU-only head node)."""
+    """The chosen checkpoint's test loss and accuracy. A GPU run's is evaluated in a Ray task on a
+    worker's resources (the driver may sit on a CPU-only head node); a CPU run's here, in the
+    driver: starting a Ray worker for it (its imports, ~4 s) costs more than the evaluation."""
     started = time.perf_counter()
-    task = ray.remote(checkpoint_test_metrics).options(
-        num_cpus=config.cpus_per_worker,
-        num_gpus=1 if config.use_gpu else 0,
-        # Not inside the caller's placement group (a sweep trial's holds a tenth of a CPU): the
-        # run's workers have ended, their resources are free in the cluster.
-        scheduling_strategy="DEFAULT",
-    )
-    result: dict[str, Any] = ray.get(task.remote(checkpoint_uri, config.limit_test_rows))
+    if config.use_gpu:
+        task = ray.remote(checkpoint_test_metrics).options(
+            num_cpus=config.cpus_per_worker,
+            num_gpus=1,
+            # Not inside the caller's placement group (a sweep trial's holds a tenth of a CPU): the
+            # run's workers have ended, their resources are free in the cluster.
+            scheduling_strategy="DEFAULT",
+        )
+        result: dict[str, Any] = ray.get(task.remote(checkpoint_uri, config.limit_test_rows))
+    else:
+        result = checkpoint_test_metrics(checkpoint_uri, config.limit_test_rows)
     result["test_s"] = time.perf_counter() - started
     log.info(
         "test accuracy %.4f on %d images, checkpoint of epoch %d (chosen by %s)",
