@@ -8,12 +8,13 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 from llm_fsdp.cli import main
 from llm_fsdp.config import TrainConfig, cpu_preset
-from llm_fsdp.data import DataError, inspect_dataset, prepare, read_blocks
+from llm_fsdp.data import DataError, block_file, inspect_dataset, prepare
 from llm_fsdp.export import choose_checkpoint, export, generate
 from llm_fsdp.model import ModelError, resolve_model
 from llm_fsdp.train import run
@@ -118,7 +119,8 @@ def test_fsdp_learns_resumes_exactly_on_one_worker_and_exports(
     assert (folder / "model.safetensors").exists()
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
     # The run evaluated the first eval_batches × micro-batch × workers = 64 validation blocks.
-    blocks = torch.from_numpy(read_blocks(shakespeare_dir, "validation")[:64])
+    validation = block_file(shakespeare_dir.join("validation"))
+    blocks = torch.from_numpy(validation.take(np.arange(64))).long()
     with torch.no_grad():
         loss = model(input_ids=blocks, labels=blocks).loss  # transformers shifts the labels
     assert float(loss) == pytest.approx(whole["final"]["val_loss"], rel=1e-4)

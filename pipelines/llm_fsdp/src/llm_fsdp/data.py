@@ -27,6 +27,7 @@ import pyarrow.json
 import pyarrow.parquet as pq
 
 from raytrain_common.packing import PackStats, read_pack_stats
+from raytrain_common.rowfile import RowFile, row_file
 from raytrain_common.storage import StoragePath, resolve_storage, staged_folder
 from raytrain_common.text import UTF8, decode_text
 
@@ -512,14 +513,13 @@ def inspect_dataset(data_dir: StoragePath) -> DatasetInfo:
     return info
 
 
-def read_blocks(data_dir: StoragePath, split: str) -> np.ndarray:
-    """All blocks of a split as one (blocks, seq_len + 1) int32 array, in packing order."""
-    parts = []
-    for file in data_dir.join(split).list_files(".parquet"):
-        with file.filesystem.open_input_file(file.path) as stream:
-            column = pq.read_table(stream).column("input_ids").combine_chunks()
-        width = column.type.list_size
-        parts.append(column.flatten().to_numpy().reshape(-1, width))
-    if not parts:
-        raise DataError(f"no blocks in {data_dir.uri}/{split}: rerun `llm-fsdp prepare`")
-    return np.concatenate(parts).astype(np.int64)
+def block_file(split_dir: StoragePath) -> RowFile:
+    """The split's packed blocks on this node, as int32 rows of seq_len + 1 tokens read by index
+    (raytrain_common.rowfile: built once per node from the Parquet, in bounded memory)."""
+    return row_file(split_dir, "blocks", ["input_ids"], block_rows, version="int32-v1")
+
+
+def block_rows(batch: pa.RecordBatch) -> np.ndarray:
+    column = batch.column(0)
+    tokens = column.flatten().to_numpy(zero_copy_only=False).astype(np.int32)
+    return tokens.reshape(len(column), column.type.list_size)

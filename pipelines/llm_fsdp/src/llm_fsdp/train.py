@@ -27,7 +27,7 @@ from ray.train.torch import TorchTrainer
 from llm_fsdp import __version__
 from llm_fsdp.checkpoint import load_checkpoint, read_train_state, save_checkpoint
 from llm_fsdp.config import TrainConfig
-from llm_fsdp.data import DataError, DatasetInfo, inspect_dataset, read_blocks
+from llm_fsdp.data import DataError, DatasetInfo, block_file, inspect_dataset
 from llm_fsdp.loss import NextTokenLoss
 from llm_fsdp.model import (
     SMOLLM2,
@@ -73,6 +73,7 @@ from raytrain_common.metrics import (
 )
 from raytrain_common.order import global_batch_indices, micro_batches
 from raytrain_common.ray_start import quiet_ray_output, start_ray_for_run
+from raytrain_common.rowfile import RowFile
 from raytrain_common.runs import fit, locate_run, summary_header
 from raytrain_common.storage import StoragePath, resolve_storage
 from raytrain_common.tracking import (
@@ -109,22 +110,26 @@ def learning_rate(step: int, config: TrainConfig) -> float:
 # ---------------------------------------------------------------------------------------------
 
 
-def stage_blocks(blocks: np.ndarray, device: torch.device) -> torch.Tensor:
-    """The token blocks where batches are cut from fastest: on the GPU when they take under 1/16 of
-    its free memory (Shakespeare in SmolLM2's tokens: 15 MB), else in pinned host memory."""
-    tensor = torch.from_numpy(blocks)
+def stage_blocks(blocks: RowFile, device: torch.device) -> RowFile | torch.Tensor:
+    """Where batches are cut from: the node's block file, read row by row (memory: the batch), or,
+    on a GPU whose free memory is 16× the split's size (Shakespeare in SmolLM2's tokens: 15 MB),
+    the whole split staged on the GPU, where cutting a batch costs no host work at all."""
     if device.type != "cuda":
-        return tensor
+        return blocks
     free, _ = torch.cuda.mem_get_info(device)
-    return tensor.to(device) if tensor.nbytes < free // 16 else tensor.pin_memory()
+    if blocks.nbytes * 2 >= free // 16:  # int64 on the GPU: twice the file's int32
+        return blocks
+    return torch.cat([torch.from_numpy(chunk).to(device).long() for chunk in blocks.read_all()])
 
 
-def take_blocks(staged: torch.Tensor, indices: np.ndarray, device: torch.device) -> torch.Tensor:
-    """Rows `indices` of the staged blocks on `device`, without making the host wait for the GPU."""
-    index = torch.from_numpy(indices)
-    if staged.device.type == "cuda":
-        return staged.index_select(0, index.pin_memory().to(device, non_blocking=True))
-    rows = staged.index_select(0, index)
+def take_blocks(
+    source: RowFile | torch.Tensor, indices: np.ndarray, device: torch.device
+) -> torch.Tensor:
+    """Rows `indices` on `device`, without making the host wait for the GPU."""
+    if isinstance(source, torch.Tensor):
+        index = torch.from_numpy(indices).pin_memory().to(device, non_blocking=True)
+        return source.index_select(0, index)
+    rows = torch.from_numpy(source.take(indices)).long()
     if device.type == "cuda":
         return rows.pin_memory().to(device, non_blocking=True)
     return rows
@@ -193,7 +198,7 @@ def mean_window_loss(local_sums: torch.Tensor, tokens_per_rank: int, step: int) 
 @torch.no_grad()
 def evaluate(
     model: NextTokenLoss,
-    blocks: np.ndarray,
+    blocks: RowFile,
     micro: int,
     config: TrainConfig,
     device: torch.device,
@@ -212,11 +217,11 @@ def evaluate(
         # Every rank runs the same number of forward passes: FSDP's all-gathers need all ranks.
         for chunk in np.array_split(mine, max(1, math.ceil(wanted / world / micro))):
             if len(chunk):
-                batch = torch.from_numpy(blocks[chunk]).to(device)
+                batch = torch.from_numpy(blocks.take(chunk)).to(device).long()
                 totals[0] += model(batch)
                 totals[1] += batch.shape[0] * (batch.shape[1] - 1)
             else:
-                model(torch.from_numpy(blocks[:1]).to(device))
+                model(torch.from_numpy(blocks.take(np.arange(1))).to(device).long())
         dist.all_reduce(totals)
         model.train()
         loss_sum, tokens = totals.tolist()
@@ -342,7 +347,7 @@ def window_row(
 
 def validate(
     model: NextTokenLoss,
-    val_blocks: np.ndarray,
+    val_blocks: RowFile,
     micro: int,
     config: TrainConfig,
     device: torch.device,
@@ -404,8 +409,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     model, optimizer = build_sharded_model(spec, info, config, device, world)
 
     data_dir = resolve_storage(config.resolved_data_dir())
-    train_blocks = stage_blocks(read_blocks(data_dir, "train"), device)
-    val_blocks = read_blocks(data_dir, "validation")
+    train_blocks = stage_blocks(block_file(data_dir.join("train")), device)
+    val_blocks = block_file(data_dir.join("validation"))
     run_dir = resolve_storage(config.storage_path).join(config.run_name)
     last_step = min(config.max_steps, config.stop_at_step or config.max_steps)
     checkpoints = CheckpointPolicy(

@@ -35,6 +35,7 @@ import torch
 
 from mnist_resnet import images as image_tree
 from mnist_resnet.config import HUB_SOURCE
+from raytrain_common.rowfile import RowSource, row_file
 from raytrain_common.storage import (
     StoragePath,
     check_output_folder,
@@ -528,47 +529,54 @@ def normalise(
     return (images.float() / 255.0 - mean_t) / std_t
 
 
-def read_split_table(data_dir: StoragePath, split: str, limit: int | None = None) -> pa.Table:
-    """A split's first `limit` rows (all by default), file by file in the order prepare wrote."""
-    tables, rows = [], 0
-    for file in data_dir.join(split).list_files(".parquet"):
-        if limit is not None and rows >= limit:
-            break
-        with file.filesystem.open_input_file(file.path) as stream:
-            tables.append(pq.read_table(stream, columns=["image", "label"]))
-        rows += tables[-1].num_rows
-    table = pa.concat_tables(tables)
-    return table if limit is None else table.slice(0, limit)
-
-
 @dataclass(frozen=True)
 class ImageRows:
-    """A split's images as uint8 (N, C, H, W) and its labels, cut into batches by row index."""
+    """A split's images (uint8 C×H×W) and labels, read by row index: from node-local row files
+    built once from the Parquet (raytrain_common.rowfile), so a worker holds its batches, never the
+    split. `count` keeps the first rows only (--limit-*-rows)."""
 
-    images: np.ndarray
-    labels: np.ndarray
+    images: RowSource
+    labels: RowSource
     info: DatasetInfo
+    count: int | None = None
 
     @classmethod
     def read(cls, data_dir: StoragePath, split: str, limit: int | None = None) -> ImageRows:
         info = DatasetInfo(**json.loads(data_dir.join(DATASET_FILE).read_text()))
-        table = read_split_table(data_dir, split, limit)
-        images = decode_images(table["image"], info.height, info.width, info.channels)
-        return cls(images, table["label"].to_numpy().astype(np.int64), info)
+        split_dir = data_dir.join(split)
+        images = row_file(
+            split_dir, "images", ["image"], functools.partial(image_rows, info=info), "u8-chw-v1"
+        )
+        labels = row_file(split_dir, "labels", ["label"], label_rows, "int64-v1")
+        return cls(images, labels, info, None if limit is None else min(limit, len(labels)))
 
     def __len__(self) -> int:
-        return len(self.labels)
+        return len(self.labels) if self.count is None else self.count
 
     def batch(self, rows: np.ndarray, device: torch.device) -> dict[str, torch.Tensor]:
         """Rows `rows` as {"image": normalised float (n, C, H, W), "label": int64 (n,)} on `device`;
         uint8 crosses to the device, a quarter of the bytes of float."""
-        pixels = torch.from_numpy(self.images[rows]).to(device, non_blocking=True)
-        labels = torch.from_numpy(self.labels[rows]).to(device, non_blocking=True)
+        pixels = torch.from_numpy(self.images.take(rows)).to(device, non_blocking=True)
+        labels = torch.from_numpy(self.labels.take(rows)).to(device, non_blocking=True)
         return {"image": normalise(pixels, self.info.mean, self.info.std), "label": labels}
+
+    def all_labels(self) -> np.ndarray:
+        return self.labels.take(np.arange(len(self)))
+
+
+def image_rows(batch: pa.RecordBatch, info: DatasetInfo) -> np.ndarray:
+    return decode_images(batch.column(0), info.height, info.width, info.channels)
+
+
+def label_rows(batch: pa.RecordBatch) -> np.ndarray:
+    return batch.column(0).to_numpy().astype(np.int64)
 
 
 def read_split_arrays(data_dir: StoragePath, split: str, limit: int | None = None) -> Split:
-    """A whole split in memory as (N, H, W) or (N, H, W, C) images (baseline and predict)."""
+    """A whole split in memory as (N, H, W) or (N, H, W, C) images: for the single-process tools
+    (baseline, bench, predict's pictures), never for training."""
     rows = ImageRows.read(data_dir, split, limit)
-    images = rows.images[:, 0] if rows.info.channels == 1 else rows.images.transpose(0, 2, 3, 1)
-    return Split(images.copy(), rows.labels)
+    everything = np.arange(len(rows))
+    images = rows.images.take(everything)
+    images = images[:, 0] if rows.info.channels == 1 else images.transpose(0, 2, 3, 1)
+    return Split(np.ascontiguousarray(images), rows.labels.take(everything))

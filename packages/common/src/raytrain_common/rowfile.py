@@ -1,0 +1,175 @@
+"""Fixed-size rows of a prepared split (a packed block of tokens, an image, a label) in one flat
+node-local file, read by row index.
+
+Training reads a few rows per step in a random order. Reading them from Parquet would decode whole
+row groups; holding the split in memory grows with the dataset. So on first use each node writes
+the split's rows into one file, one after the other (a stream over the Parquet's record batches:
+memory bounded by one batch), and workers read each step's rows with `os.preadv`: a process holds
+the rows it asked for, never the split.
+
+Where the file lives: inside the split's folder when it is on a local or mounted disk that this
+process may write (written once, beside the Parquet); otherwise (a bucket on S3 or GCS, a read-only
+mount) in a node-local cache (`$RAYTRAIN_ROW_CACHE`, else `~/.cache/raytrain/rows`), downloaded once
+per node: one sequential read of the split, and the rows' bytes of local disk. A fingerprint of the
+Parquet files (names, sizes, times) names the file, so a re-prepared split gets a new one.
+Concurrent processes on a node build it once (a file lock in the node's temporary folder), and
+the file appears whole or not at all (written under a name of the builder's own, then renamed; a
+build that fails removes what it wrote).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import math
+import os
+import socket
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from raytrain_common.storage import StoragePath
+
+CACHE_ENV = "RAYTRAIN_ROW_CACHE"
+READ_BATCH_ROWS = 4096  # rows decoded at once while building
+
+# A record batch of the split's Parquet → its rows as one array (n, *row shape).
+RowsOf = Callable[[pa.RecordBatch], np.ndarray]
+
+
+class RowSource(Protocol):
+    """What a training loop reads rows through: a RowFile, or ArrayRows for rows in memory."""
+
+    def __len__(self) -> int: ...
+
+    def take(self, indices: Sequence[int] | np.ndarray) -> np.ndarray: ...
+
+
+class ArrayRows:
+    """Rows already in memory (a test's, a tool's small split), read like a RowFile."""
+
+    def __init__(self, array: np.ndarray) -> None:
+        self.array = array
+
+    def __len__(self) -> int:
+        return len(self.array)
+
+    def take(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
+        return self.array[np.asarray(indices, dtype=np.int64)]
+
+
+class RowFile:
+    """`rows` rows of `shape` and `dtype` in one file; `take(indices)` reads just those rows."""
+
+    def __init__(self, path: Path, rows: int, shape: tuple[int, ...], dtype: str) -> None:
+        self.path, self.rows, self.shape, self.dtype = path, rows, shape, np.dtype(dtype)
+        self.row_bytes = math.prod(shape) * self.dtype.itemsize
+        self.fd = os.open(path, os.O_RDONLY)
+
+    def __len__(self) -> int:
+        return self.rows
+
+    def __del__(self) -> None:
+        if getattr(self, "fd", None) is not None:
+            os.close(self.fd)
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.row_bytes
+
+    def take(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
+        """Rows `indices`, in that order, as an array (len(indices), *shape)."""
+        out = np.empty((len(indices), *self.shape), dtype=self.dtype)
+        if not len(indices):
+            return out
+        flat = out.reshape(len(indices), -1).view(np.uint8)
+        for position, row in enumerate(indices):
+            if not 0 <= row < self.rows:
+                raise IndexError(f"row {row} of {self.rows} in {self.path}")
+            read = os.preadv(self.fd, [flat[position]], int(row) * self.row_bytes)
+            if read != self.row_bytes:
+                raise OSError(f"{self.path}: short read at row {row} (truncated? delete it)")
+        return out
+
+    def read_all(self, chunk_rows: int = 65_536) -> Iterator[np.ndarray]:
+        """Every row in order, a chunk at a time."""
+        for start in range(0, self.rows, chunk_rows):
+            yield self.take(np.arange(start, min(start + chunk_rows, self.rows)))
+
+
+def row_file(
+    split_dir: StoragePath, name: str, columns: list[str], rows_of: RowsOf, version: str
+) -> RowFile:
+    """The split's `name` rows on this node, built from its Parquet's `columns` on first use.
+    `version` names how `rows_of` lays rows out: change it when that changes."""
+    parquet = split_dir.list_files(".parquet")
+    if not parquet:
+        raise FileNotFoundError(f"no Parquet in {split_dir.uri}: rerun the pipeline's prepare")
+    infos = split_dir.filesystem.get_file_info([file.path for file in parquet])
+    source = [name, version, columns, [(i.base_name, i.size, i.mtime_ns) for i in infos]]
+    fingerprint = hashlib.sha256(json.dumps(source).encode()).hexdigest()[:16]
+    local = Path(split_dir.path)
+    folder = local if split_dir.is_local and os.access(local, os.W_OK) else cache_folder(split_dir)
+    target = folder / f"{name}-{fingerprint}.rows"
+    meta_file = target.with_suffix(".json")
+    folder.mkdir(parents=True, exist_ok=True)
+    # The lock lives in the node's temporary folder, not beside the data: a lock is a node's
+    # business, and a failed build leaves the dataset folder as it was.
+    locks = Path(tempfile.gettempdir()) / "raytrain-row-locks"
+    locks.mkdir(exist_ok=True)
+    with open(locks / f"{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one builder per node; the others wait, then read it
+        if not meta_file.exists():
+            meta = write_rows(parquet, columns, rows_of, target)
+            partial = meta_file.with_suffix(f".json.{own_suffix()}")
+            partial.write_text(json.dumps(meta))
+            os.replace(partial, meta_file)  # written last: its presence means the file is whole
+    meta = json.loads(meta_file.read_text())
+    shape = tuple(meta["shape"])
+    expected = meta["rows"] * math.prod(shape) * np.dtype(meta["dtype"]).itemsize
+    if target.stat().st_size != expected:
+        raise OSError(
+            f"{target} is {target.stat().st_size} bytes, not {meta['rows']} rows of {shape} "
+            f"{meta['dtype']}: delete it and {meta_file.name}; the next run rebuilds them"
+        )
+    return RowFile(target, meta["rows"], shape, meta["dtype"])
+
+
+def cache_folder(split_dir: StoragePath) -> Path:
+    root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "raytrain" / "rows")
+    return root / hashlib.sha256(split_dir.uri.encode()).hexdigest()[:16]
+
+
+def own_suffix() -> str:
+    """A name of this process's own: on a shared mount whose locks do not reach across nodes, two
+    nodes may build at once; each renames a whole, identical file into place."""
+    return f"{socket.gethostname()}-{os.getpid()}.partial"
+
+
+def write_rows(
+    parquet: list[StoragePath], columns: list[str], rows_of: RowsOf, target: Path
+) -> dict[str, object]:
+    """Stream every file's rows into `target`, in the order the files and their rows come."""
+    partial = target.with_suffix(f".rows.{own_suffix()}")
+    rows, shape, dtype = 0, (), "uint8"
+    try:
+        with open(partial, "wb") as out:
+            for file in parquet:
+                with file.filesystem.open_input_file(file.path) as stream:
+                    reader = pq.ParquetFile(stream)
+                    for batch in reader.iter_batches(batch_size=READ_BATCH_ROWS, columns=columns):
+                        array = np.ascontiguousarray(rows_of(batch))
+                        out.write(array.tobytes())
+                        rows, shape, dtype = rows + len(array), array.shape[1:], array.dtype.str
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(partial, target)
+    finally:
+        partial.unlink(missing_ok=True)  # a build that failed leaves nothing behind
+    return {"rows": rows, "shape": list(shape), "dtype": dtype}
