@@ -429,6 +429,13 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     )
     if run.step == 0:
         run.history.append({"step": 0, **validate(model, val_blocks, micro, config, device, 0)})
+    elif (
+        checkpoints.already_done(run.step)
+        and (read_progress(run_dir) or {}).get("driver_id") == driver_id
+    ):
+        # This driver's worker group restarted (an elastic grow) after its last checkpoint was
+        # written but before Ray registered it: report it again, or the run ends on an older one.
+        save(model, optimizer, run, config, loop_config)
     window_loss = torch.zeros((), device=device)
     sink = rank_zero_sink(loop_config, rank)
     try:
