@@ -395,6 +395,17 @@ def save(
     run.history.append({"step": run.step, "checkpoint_stall_s": time.perf_counter() - stalled})
 
 
+def restarted_after_its_last_checkpoint(
+    run: RunState, checkpoints: CheckpointPolicy, run_dir: StoragePath, driver_id: str
+) -> bool:
+    """True when this driver's worker group restarted (an elastic grow) after its last
+    checkpoint was written but before Ray registered it: that checkpoint must be reported
+    again, or the run ends on an older one."""
+    return checkpoints.already_done(run.step) and (
+        (read_progress(run_dir) or {}).get("driver_id") == driver_id
+    )
+
+
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     """Runs on every worker: build and shard, restore, then for each step: train, log, and maybe
     validate and checkpoint (every N steps, a preemption notice, --stop-at-step, the end)."""
@@ -429,12 +440,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     )
     if run.step == 0:
         run.history.append({"step": 0, **validate(model, val_blocks, micro, config, device, 0)})
-    elif (
-        checkpoints.already_done(run.step)
-        and (read_progress(run_dir) or {}).get("driver_id") == driver_id
-    ):
-        # This driver's worker group restarted (an elastic grow) after its last checkpoint was
-        # written but before Ray registered it: report it again, or the run ends on an older one.
+    elif restarted_after_its_last_checkpoint(run, checkpoints, run_dir, driver_id):
         save(model, optimizer, run, config, loop_config)
     window_loss = torch.zeros((), device=device)
     sink = rank_zero_sink(loop_config, rank)
