@@ -187,19 +187,20 @@ def test_a_storage_outage_during_a_checkpoint_upload_is_retried_or_fails_naming_
     """S3 (moto on loopback) goes down after the run's first checkpoint: with the endpoint back
     within the patience, the upload retries with backoff and the run ends as an uninterrupted one
     does; with the endpoint down for longer than --storage-patience-s, the run fails in bounded
-    time with one line naming the storage and the fix, and the previous checkpoint still loads."""
+    time with one line naming the storage and the fix, and the previous checkpoint still loads.
+    The two runs train side by side, each against its own endpoint (one moto store behind both)."""
     pytest.importorskip("moto.server")
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    s3 = S3Outage()
+    s3, s3_down = S3Outage(), S3Outage()
     s3.client().create_bucket(Bucket="team")
-    storage = s3.uri("team")
     try:
         with multinode_cluster(head_cpus=2) as cluster:
 
-            def train(run_name: str, *extra: str) -> Driver:
+            def train(endpoint: S3Outage, run_name: str, *extra: str) -> Driver:
                 command = [
-                    sys.executable, "-m", "mnist_resnet", "train", "--storage-path", storage,
+                    sys.executable, "-m", "mnist_resnet", "train",
+                    "--storage-path", endpoint.uri("team"),
                     "--data-dir", mnist_dir.uri, "--run-name", run_name, "--num-workers", "1",
                     "--epochs", "2", "--limit-train-rows", "4096", "--limit-val-rows", "1000",
                     "--limit-test-rows", "1000",
@@ -208,29 +209,30 @@ def test_a_storage_outage_during_a_checkpoint_upload_is_retried_or_fails_naming_
                 ]  # fmt: skip
                 return Driver(command, cluster.address, tmp_path / f"{run_name}.log")
 
-            driver = train("outage")
-            # A checkpoint uploaded and recorded by Ray's controller, which writes to the
-            # run folder once per checkpoint and does not retry (see docs/faults.md).
-            wait_for(lambda: s3.recorded("team", "outage"), 300, "the first recorded checkpoint")
-            s3.stop()
-            time.sleep(25)  # the next checkpoints (every 8 steps) fall due within this outage
+            driver = train(s3, "outage")
+            down = train(s3_down, "down", "--storage-patience-s", "10", "--max-failures", "0")
+            # Each endpoint goes down once a checkpoint of its run is uploaded and recorded by
+            # Ray's controller, which writes to the run folder once per checkpoint and does not
+            # retry (see docs/faults.md).
+            outage_started: dict[str, float] = {}
+            before_outage: set[str] = set()
+            deadline = time.monotonic() + 300
+            while len(outage_started) < 2 and time.monotonic() < deadline:
+                if "outage" not in outage_started and s3.recorded("team", "outage"):
+                    s3.stop()
+                    outage_started["outage"] = time.monotonic()
+                if "down" not in outage_started and s3_down.recorded("team", "down"):
+                    before_outage = s3_down.checkpoints("team", "down")
+                    s3_down.stop()
+                    outage_started["down"] = time.monotonic()
+                time.sleep(0.2)
+            assert len(outage_started) == 2, f"no recorded checkpoint in 300 s: {outage_started}"
+            # The next checkpoints of "outage" (every 8 steps) fall due within its 25-s outage.
+            time.sleep(max(0.0, outage_started["outage"] + 25 - time.monotonic()))
             s3.restart()
-            assert driver.wait(timeout_s=600) == 0, driver.log()
-            log = (tmp_path / "outage.log").read_text()
-            assert "unavailable" in log and "retrying checkpoint" in log
-            summary = json.loads(
-                s3.client().get_object(Bucket="team", Key="runs/outage/summary.json")["Body"].read()
-            )
-            assert summary["epochs_done"] == 2 and summary["restarts"] == []
-            assert summary["test"]["test_accuracy"] >= 0.9
 
-            driver = train("down", "--storage-patience-s", "10", "--max-failures", "0")
-            wait_for(lambda: s3.recorded("team", "down"), 300, "the first recorded checkpoint")
-            before_outage = s3.checkpoints("team", "down")
-            s3.stop()
-            outage_started = time.monotonic()
-            assert driver.wait(timeout_s=300) == 2, driver.log()
-            gave_up_after = time.monotonic() - outage_started
+            assert down.wait(timeout_s=300) == 2, down.log()
+            gave_up_after = time.monotonic() - outage_started["down"]
             lines = (tmp_path / "down.log").read_text().strip().splitlines()
             # The run's own last line (Ray may still stream a worker's traceback after it).
             own = [line for line in lines if not line.startswith(("\x1b[", "("))]
@@ -240,8 +242,18 @@ def test_a_storage_outage_during_a_checkpoint_upload_is_retried_or_fails_naming_
             assert "The previous checkpoint is intact" in last and "--storage-patience-s" in last
             assert gave_up_after < 120  # the patience (10 s) plus the run's teardown
             print(f"gave up {gave_up_after:.0f} s into the outage: {last}")
+
+            assert driver.wait(timeout_s=600) == 0, driver.log()
+            log = (tmp_path / "outage.log").read_text()
+            assert "unavailable" in log and "retrying checkpoint" in log
+            summary = json.loads(
+                s3.client().get_object(Bucket="team", Key="runs/outage/summary.json")["Body"].read()
+            )
+            assert summary["epochs_done"] == 2 and summary["restarts"] == []
+            assert summary["test"]["test_accuracy"] >= 0.9
     finally:
         s3.stop()
+        s3_down.stop()
     s3.restart()
     # The newest complete checkpoint is one written before the outage, and it verifies (manifest,
     # sizes, SHA-256); the one cut off by the outage, if any, is torn and would be skipped.

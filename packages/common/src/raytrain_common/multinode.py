@@ -20,7 +20,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -237,7 +237,13 @@ def multinode_cluster(*, head_cpus: float, connect: bool = True) -> Iterator[Mul
 class Driver:
     """A pipeline's `train` command as its own process against the cluster (a RayJob's entrypoint)."""
 
-    def __init__(self, command: Sequence[str], address: str, log_file: Path) -> None:
+    def __init__(
+        self,
+        command: Sequence[str],
+        address: str,
+        log_file: Path,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
         self.log_file = log_file
         env = {
             **os.environ,
@@ -245,6 +251,7 @@ class Driver:
             "PYTHONUNBUFFERED": "1",
             # Ray Train's run-state actor (its dashboard's source), which `train_workers` reads.
             "RAY_TRAIN_ENABLE_STATE_TRACKING": "1",
+            **(env or {}),
         }
         self.stream = log_file.open("ab")
         self.process = subprocess.Popen(
