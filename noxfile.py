@@ -107,6 +107,18 @@ def tests_gpu(session: nox.Session) -> None:
 
 
 @nox.session(venv_backend="none")
+def bench_data(session: nox.Session) -> None:
+    """Memory and throughput as each pipeline's dataset grows: every pipeline with a bench_data
+    module prepares and trains its dataset at 1×, 4× and 16× a base size and prints the peak
+    memory of `prepare` and of a training worker, items/s, and the ratios largest ÷ smallest.
+    Arguments go to every pipeline's module, e.g. `nox -s bench_data -- --scales 1,4`."""
+    python = stack_python(session)
+    for package in import_packages():
+        if (package / "bench_data.py").is_file():
+            run_in_stack(session, python, "-m", f"{package.name}.bench_data", *session.posargs)
+
+
+@nox.session(venv_backend="none")
 def manifests(session: nox.Session) -> None:
     """deploy/: every RayJob and kustomize output against KubeRay's CRD and Kubernetes' schemas, and
     every entrypoint (at the CPU smoke size) run through the Job Submission API on a local head."""

@@ -229,7 +229,9 @@ def test_a_node_without_the_cluster_token_cannot_join(
 
     temp = tempfile.mkdtemp(prefix="ray-join-", dir="/tmp")  # Ray's socket paths stay short
     env = {name: value for name, value in os.environ.items() if name not in AUTH_VARIABLES}
-    env.update(HOME=str(tmp_path), RAY_AUTH_MODE="disabled")
+    # Ray retries a refused connection 20 times, a second apart (RocksDB recovery can be slow):
+    # 2 tries show the refusal as well.
+    env.update(HOME=str(tmp_path), RAY_AUTH_MODE="disabled", RAY_gcs_server_port_wait_time_s="2")
     try:
         done = subprocess.run(
             [str(Path(sys.executable).with_name("ray")), "start", f"--address={two_nodes.address}",
@@ -251,6 +253,7 @@ def test_a_pipeline_command_without_the_token_ends_naming_the_token_variables(
     fails, and its last line names the cause and the variables that fix it."""
     env = {name: value for name, value in os.environ.items() if name not in AUTH_VARIABLES}
     env.update(HOME=str(tmp_path), RAY_ADDRESS=two_nodes.address)
+    env["RAY_gcs_server_port_wait_time_s"] = "2"  # 2 refused tries, not Ray's 20 a second apart
     data = str(tmp_path / "data")
     prepared = subprocess.run(  # MNIST from the wheel: no Ray
         [sys.executable, "-m", "mnist_resnet", "prepare", "--data-dir", data],

@@ -8,6 +8,7 @@ changed only to the CPU smoke size, is submitted through Ray's Job Submission AP
 from __future__ import annotations
 
 import copy
+import functools
 import gzip
 import json
 import os
@@ -57,6 +58,7 @@ DOCTOR = "doctor"  # deploy/rayjob/doctor.yaml: raytrain-doctor on a pipeline's 
 DOCTOR_COMMAND = "raytrain-doctor"
 
 
+@functools.cache  # several MB of YAML: parsed once per session
 def crd_schema() -> dict[str, Any]:
     """KubeRay's RayJob CRD: KUBERAY_CRD, the shared copy beside the repo, or the one in tests/data."""
     candidates = [
@@ -69,7 +71,7 @@ def crd_schema() -> dict[str, Any]:
     if path is None:
         pytest.fail(f"KubeRay's RayJob CRD is at none of {candidates}: set KUBERAY_CRD")
     text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
-    crd = yaml.safe_load(text)
+    crd = yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
     version = next(v for v in crd["spec"]["versions"] if v["name"] == "v1")
     return version["schema"]["openAPIV3Schema"]
 
@@ -105,8 +107,21 @@ def unknown_fields(document: Any, schema: dict[str, Any], path: str = "") -> Ite
             yield from unknown_fields(item, schema["items"], f"{path}[{index}]")
 
 
+@functools.cache
+def crd_validator() -> Any:
+    """A validator of the CRD's schema, checked against its metaschema once."""
+    schema = as_json_schema(crd_schema())
+    validator_class = jsonschema.validators.validator_for(schema)
+    validator_class.check_schema(schema)
+    return validator_class(schema)
+
+
 def check_rayjob(document: dict[str, Any], schema: dict[str, Any]) -> None:
-    jsonschema.validate(document, as_json_schema(schema))
+    validator = crd_validator() if schema is crd_schema() else None
+    if validator is None:
+        jsonschema.validate(document, as_json_schema(schema))
+    else:
+        validator.validate(document)
     pruned = list(unknown_fields(document, schema))
     assert not pruned, f"fields the API server would drop: {pruned}"
     cluster = document["spec"]["rayClusterSpec"]

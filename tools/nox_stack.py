@@ -106,21 +106,11 @@ def stack_python(session: nox.Session) -> str:
             shutil.rmtree(env)  # an install that did not finish
         session.log(f"creating the shared environment {env.relative_to(ROOT)} (~3 minutes, ~6 GB)")
         session.run(sys.executable, "-m", "venv", str(env), external=True)
-        # Byte-compiled at install, not left to first import: these boxes set
+        # Byte-compiled at install (pip's default), not left to first import: these boxes set
         # PYTHONDONTWRITEBYTECODE, so every process would compile torch and transformers from
-        # source at every import (tried: the test session took 1.5 times as long). pip compiles
-        # on one core (~70 s of its ~140); compileall on every core halves that.
-        session.run(*pip, "--no-compile", *STACK, external=True)
-        session.run(*pip, "--no-compile", "--no-deps", *NO_DEPS, external=True)
-        site_packages = subprocess.run(
-            [str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
-            capture_output=True, text=True, check=True,
-        ).stdout.strip()  # fmt: skip
-        # Exit status 1: a few files that are not Python 3 (templates, fixtures) do not compile.
-        session.run(
-            str(python), "-m", "compileall", "-q", "-j", "0", site_packages,
-            external=True, silent=True, success_codes=[0, 1],
-        )  # fmt: skip
+        # source at every import (tried: the test session took 1.5 times as long).
+        session.run(*pip, *STACK, external=True)
+        session.run(*pip, "--no-deps", *NO_DEPS, external=True)
         complete.write_text("\n".join(STACK + NO_DEPS) + "\n")
 
     packages = local_packages()

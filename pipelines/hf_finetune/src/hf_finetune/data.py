@@ -373,6 +373,17 @@ def read_split(data_dir: StoragePath, split: str, limit: int | None = None) -> p
     return table.slice(0, limit) if limit is not None else table
 
 
+def read_labels(data_dir: StoragePath, split: str) -> np.ndarray:
+    """One split's class ids, read from the label column alone, a file at a time."""
+    labels = []
+    for file in data_dir.join(split).list_files(".parquet"):
+        with file.filesystem.open_input_file(file.path) as stream:
+            labels.append(pq.read_table(stream, columns=["label"]).column("label").to_numpy())
+    if not labels:
+        raise DataError(f"no Parquet files in {data_dir.uri}/{split}: rerun `hf-finetune prepare`")
+    return np.concatenate(labels)
+
+
 # ---------------------------------------------------------------------------------------------
 # prepare: source → checked, split, pre-tokenised Parquet
 # ---------------------------------------------------------------------------------------------

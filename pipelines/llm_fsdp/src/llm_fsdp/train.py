@@ -52,7 +52,7 @@ from raytrain_common.configs import (
     per_worker_batch_size,
 )
 from raytrain_common.faults import FaultLog, read_progress
-from raytrain_common.hardware import peak_bf16_flops, peak_memory_gb
+from raytrain_common.hardware import peak_bf16_flops, peak_memory_gb, workers_peak_rss_mb
 from raytrain_common.loop import (
     CheckpointPolicy,
     ProgressNotes,
@@ -379,6 +379,7 @@ def save(
         "sequences_seen": run.step * config.global_batch_size,
         "world_size": dist.get_world_size(),
         "compute_dtype": str(model.compute_dtype).removeprefix("torch."),
+        "worker_peak_rss_mb": workers_peak_rss_mb(),  # on every rank: a collective
         "loop_config": loop_config,
     }
     stalled = time.perf_counter()
@@ -612,6 +613,7 @@ def write_run_outputs(
             (r["peak_memory_gb"] for r in windows if "peak_memory_gb" in r), default=None
         ),
         "compute_dtype": state.get("compute_dtype"),
+        "worker_peak_rss_mb": state.get("worker_peak_rss_mb"),
         "checkpoint_stall_s": _median_of(history, "checkpoint_stall_s"),
         "best_checkpoint": run_dir.uri_for(best.path) if best else None,
         "latest_checkpoint": run_dir.uri_for(result.checkpoint.path),

