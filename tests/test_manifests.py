@@ -116,13 +116,9 @@ def crd_validator() -> Any:
     return validator_class(schema)
 
 
-def check_rayjob(document: dict[str, Any], schema: dict[str, Any]) -> None:
-    validator = crd_validator() if schema is crd_schema() else None
-    if validator is None:
-        jsonschema.validate(document, as_json_schema(schema))
-    else:
-        validator.validate(document)
-    pruned = list(unknown_fields(document, schema))
+def check_rayjob(document: dict[str, Any]) -> None:
+    crd_validator().validate(document)
+    pruned = list(unknown_fields(document, crd_schema()))
     assert not pruned, f"fields the API server would drop: {pruned}"
     cluster = document["spec"]["rayClusterSpec"]
     groups = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
@@ -169,7 +165,7 @@ def containers(document: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any], 
 
 @pytest.mark.parametrize("name", RAYJOB_FILES)
 def test_manifest_validates_against_the_crd_and_kubernetes(name: str) -> None:
-    check_rayjob(rayjobs()[name], crd_schema())
+    check_rayjob(rayjobs()[name])
     kubernetes_validate.validate(network_policies()[name], K8S_VERSION, strict=True)
 
 
@@ -199,24 +195,23 @@ def test_the_cluster_runs_with_token_auth_and_admits_only_its_own_pods(name: str
 
 
 def test_the_validation_rejects_what_the_api_server_would() -> None:
-    schema = crd_schema()
     good = rayjobs()[next(iter(PIPELINES))]  # any pipeline's: a standalone copy holds only its own
     typo = copy.deepcopy(good)
     typo["spec"]["shutdownAfterJobFinish"] = (
         True  # one letter short: pruned, silently, by the server
     )
     with pytest.raises(AssertionError, match=r"\.spec\.shutdownAfterJobFinish"):
-        check_rayjob(typo, schema)
+        check_rayjob(typo)
     wrong_type = copy.deepcopy(good)
     wrong_type["spec"]["backoffLimit"] = "one"
     with pytest.raises(jsonschema.ValidationError):
-        check_rayjob(wrong_type, schema)
+        check_rayjob(wrong_type)
     bad_pod = copy.deepcopy(good)
     bad_pod["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0][
         "imagePullPolicy"
     ] = 3
     with pytest.raises((jsonschema.ValidationError, kubernetes_validate.ValidationError)):
-        check_rayjob(bad_pod, schema)
+        check_rayjob(bad_pod)
     template = bad_pod["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]
     with pytest.raises(kubernetes_validate.ValidationError):  # Kubernetes' own schema, on its own
         kubernetes_validate.validate({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}, "template": template}, K8S_VERSION, strict=True)  # fmt: skip
@@ -237,7 +232,6 @@ def kustomize(folder: Path) -> list[dict[str, Any]]:
     "folder", [RAYJOBS, *sorted(p for p in OVERLAYS.iterdir() if p.is_dir())], ids=lambda p: p.name
 )
 def test_every_kustomize_output_validates(folder: Path) -> None:
-    schema = crd_schema()
     documents = kustomize(folder)
     kinds = sorted(doc["kind"] for doc in documents)
     assert kinds == sorted(
@@ -245,7 +239,7 @@ def test_every_kustomize_output_validates(folder: Path) -> None:
     )
     for document in documents:
         if document["kind"] == "RayJob":
-            check_rayjob(document, schema)
+            check_rayjob(document)
         else:
             kubernetes_validate.validate(document, K8S_VERSION, strict=True)
 

