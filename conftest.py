@@ -53,6 +53,15 @@ def ray_cluster() -> Iterator[None]:
     ray.shutdown()
 
 
+@pytest.fixture(scope="session")
+def ray_address(ray_cluster: None) -> str:
+    """The session cluster's address, for a command run as a subprocess to join through
+    RAY_ADDRESS (as on a cluster of the user's own) instead of starting a cluster of its own."""
+    import ray
+
+    return ray.get_runtime_context().gcs_address
+
+
 def box_speed() -> str:
     """Training images/s of a ResNet18 (32×32, batch 64, forward and backward) in this process on
     this machine's cores: printed beside each session's time, so a CI time from a slower box (the

@@ -1,6 +1,10 @@
 from __future__ import annotations
 
+import os
 import pickle
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +18,9 @@ from raytrain_common.checkpoint import (
     load_model_weights,
     load_remote_state,
     load_state,
+    new_scratch_folder,
     save_state,
+    scratch_folder,
     strip_prefixes,
     unwrap,
     verify_checkpoint,
@@ -120,3 +126,27 @@ def test_ddp_weights_load_into_a_plain_model(tmp_path: Path) -> None:
 def test_load_is_strict() -> None:
     with pytest.raises(RuntimeError, match="Missing key"):
         load_model_weights(nn.Linear(4, 2), {"module.weight": torch.zeros(2, 4)})
+
+
+def test_a_killed_workers_scratch_folder_is_removed_by_the_next_one_and_a_live_ones_is_kept() -> (
+    None
+):
+    """A worker SIGKILLed while it held a checkpoint's scratch folder (a lost node, an OOM kill)
+    cannot remove it; the next worker on the machine does, and leaves live workers' folders alone."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from raytrain_common.checkpoint import "
+         "new_scratch_folder; print(new_scratch_folder('test-scratch'), flush=True); time.sleep(600)"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    killed = Path(holder.stdout.readline().strip())
+    (killed / "model.safetensors").write_bytes(bytes(1 << 20))
+    os.kill(holder.pid, signal.SIGKILL)
+    holder.wait()
+    live = Path(new_scratch_folder("test-scratch"))
+    try:
+        with scratch_folder("test-scratch") as folder:
+            assert not killed.exists()
+            assert live.is_dir() and Path(folder).is_dir() and f"-pid{os.getpid()}-" in folder
+        assert not Path(folder).exists()
+    finally:
+        live.rmdir()

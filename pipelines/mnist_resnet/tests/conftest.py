@@ -43,7 +43,7 @@ def cpu_config_for_tests(storage: Path, data_dir: StoragePath, **changes: Any) -
 
 # Helpers reach the tests as fixtures: tests never import conftest (pytest imports each folder's
 # conftest under its own name, so two pipelines may both have one).
-@pytest.fixture
+@pytest.fixture(scope="session")
 def small_config() -> Callable[..., TrainConfig]:
     return cpu_config_for_tests
 

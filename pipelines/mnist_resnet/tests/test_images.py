@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
@@ -83,14 +84,24 @@ def test_an_image_tree_prepares_trains_on_two_workers_and_predicts_new_files(
 
     new_images = tmp_path / "new"
     write_tree(new_images, per_class=10, seed=1, nested=False)
-    capsys.readouterr()
+    # A folder: Ray Data batch inference into Parquet, one row per file.
     assert main(["predict", "--storage-path", str(tmp_path), "--run-name", "shapes",
-                 "--input", str(new_images)]) == 0  # fmt: skip
-    lines = [line.split("\t") for line in capsys.readouterr().out.strip().splitlines()]
-    assert len(lines) == 30
-    right = sum(Path(file).parent.name == label for label, _, file in lines)
-    assert right >= 0.8 * len(lines)
-    assert all(0 < float(probability) <= 1 for _, probability, _ in lines)
+                 "--input", str(new_images), "--predictions", str(tmp_path / "predicted")]) == 0  # fmt: skip
+    rows = pq.read_table(tmp_path / "predicted").to_pylist()
+    images = sorted(str(f) for f in new_images.rglob("*") if f.suffix in {".png", ".jpg", ".webp"})
+    assert sorted(row["path"] for row in rows) == images  # README.txt skipped
+    assert not any(row["error"] for row in rows)
+    right = sum(Path(row["path"]).parent.name == row["label"] for row in rows)
+    assert right >= 0.8 * len(rows)
+    assert all(0 < row["probability"] <= 1 for row in rows)
+    # One file: answered at once, in this process.
+    capsys.readouterr()
+    one = images[0]
+    assert main(["predict", "--storage-path", str(tmp_path), "--run-name", "shapes",
+                 "--input", str(one)]) == 0  # fmt: skip
+    [line] = capsys.readouterr().out.strip().splitlines()
+    label, probability, file = line.split("\t")
+    assert file == one and label in CLASSES and 0 < float(probability) <= 1
 
     assert main(["predict", "--storage-path", str(tmp_path), "--run-name", "shapes"]) == 0
     assert (tmp_path / "shapes" / "predictions.png").read_bytes()[:4] == b"\x89PNG"

@@ -42,15 +42,16 @@ def finished_trials(trials: Path) -> dict[str, str]:
 
 
 def test_a_sweep_stops_lagging_trials_resumes_after_a_kill_and_its_best_command_trains(
-    mnist_dir: StoragePath, tmp_path: Path
+    mnist_dir: StoragePath, ray_address: str, tmp_path: Path
 ) -> None:
+    """The sweep and the printed command run as a user runs them on a cluster of their own:
+    joined through RAY_ADDRESS (the session's cluster), so no command starts a cluster."""
     storage = tmp_path / "runs"
     trials = storage / "sweeps" / "small" / "trials"
     command = sweep_command(storage, mnist_dir)
-    env = {**os.environ, "RAY_TMPDIR": short_temp_folder()}
-    env.pop("RAY_ADDRESS", None)
+    env = {**os.environ, "RAY_ADDRESS": ray_address}
 
-    # Killed (the driver and the Ray cluster it started) once a first trial has finished.
+    # Killed (the driver, and with it the trials it owns) once a first trial has finished.
     first = subprocess.Popen(
         command, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -120,10 +121,3 @@ def read_metrics_csv_rows(path: Path) -> list[dict[str, str]]:
 
     with path.open() as stream:
         return list(csv.DictReader(stream))
-
-
-def short_temp_folder() -> str:
-    """A RAY_TMPDIR of this test's own, short (Ray's socket paths must stay under 107 bytes)."""
-    import tempfile
-
-    return tempfile.mkdtemp(prefix="ray-sweep-", dir="/tmp")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -259,15 +260,35 @@ def test_a_killed_worker_is_replaced_and_the_run_goes_on_from_its_checkpoint(
     assert [step for step, _ in accuracy["steps"]] == [24, 48, 72]
 
 
+UNINTERRUPTED = {"epochs": 2, "limit_train_rows": 2048, "log_every_steps": 1}  # 16 steps an epoch
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_run(
+    small_config: Callable[..., Any],
+    ray_cluster: None,
+    mnist_dir: StoragePath,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[Path, dict[str, Any]]:
+    """(storage, summary) of one uninterrupted 2-epoch run named "whole", trained once for the
+    tests that compare a resumed run with it or damage a copy of it (each run costs ~15 s of
+    start-up alone on 2 cores)."""
+    storage = tmp_path_factory.mktemp("uninterrupted")
+    return storage, run(small_config(storage, mnist_dir, run_name="whole", **UNINTERRUPTED))
+
+
 def test_a_run_stopped_mid_epoch_resumes_with_exactly_the_batches_it_had_not_seen(
-    small_config: Callable[..., Any], ray_cluster: None, mnist_dir: StoragePath, tmp_path: Path
+    small_config: Callable[..., Any],
+    uninterrupted_run: tuple[Path, dict[str, Any]],
+    mnist_dir: StoragePath,
+    tmp_path: Path,
 ) -> None:
     """Stopped at step 21 of 32 (epoch 2 of 2, mid-epoch) and rerun with the same name: epoch 1 is
     not trained again, every step's loss matches an uninterrupted run's, so no batch was repeated or skipped and the optimiser, schedule and
     BatchNorm statistics came back exactly. Tolerance 1e-5 relative: the same arithmetic on the
     same batches; only the order of floating-point reductions in gloo could differ."""
-    common = {"epochs": 2, "limit_train_rows": 2048, "log_every_steps": 1}
-    whole = run(small_config(tmp_path, mnist_dir, run_name="whole", **common))
+    common = UNINTERRUPTED
+    whole_storage, whole = uninterrupted_run
     stopped = run(small_config(tmp_path, mnist_dir, run_name="cut", stop_at_step=21, **common))
     assert stopped["steps_done"] == 21 and stopped["stopped_mid_epoch"]
     metrics_csv = resolve_storage(tmp_path / "cut" / "metrics.csv")
@@ -279,13 +300,13 @@ def test_a_run_stopped_mid_epoch_resumes_with_exactly_the_batches_it_had_not_see
     assert rows[0] == first[0]  # epoch 1 was not trained again: its measured times are the same
     assert len([p for p in (tmp_path / "cut").glob("checkpoint_*") if p.is_dir()]) == 2  # kept
 
-    def step_losses(run_name: str) -> list[float]:
-        _, state = load_best_model(resolve_storage(tmp_path / run_name), which="latest")
+    def step_losses(run_dir: Path) -> list[float]:
+        _, state = load_best_model(resolve_storage(run_dir), which="latest")
         return [row["train_loss_interval"] for row in state["step_log"]]
 
-    expected = step_losses("whole")
+    expected = step_losses(whole_storage / "whole")
     assert len(expected) == 32
-    assert step_losses("cut") == pytest.approx(expected, rel=1e-5)
+    assert step_losses(tmp_path / "cut") == pytest.approx(expected, rel=1e-5)
     # The epoch's metrics, summed across the stop, are the uninterrupted run's too.
     for key in ("train_loss", "train_accuracy", "val_loss", "val_accuracy"):
         assert resumed["final"][key] == pytest.approx(whole["final"][key], rel=1e-5), key
@@ -308,37 +329,39 @@ def test_a_run_stopped_mid_epoch_resumes_with_exactly_the_batches_it_had_not_see
 
 def test_a_torn_checkpoint_is_never_loaded(
     small_config: Callable[..., Any],
-    ray_cluster: None,
+    uninterrupted_run: tuple[Path, dict[str, Any]],
     mnist_dir: StoragePath,
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """The newest checkpoint's state.pt cut to half, as a crash mid-copy leaves it: `predict`
     refuses it in one line, and a rerun resumes from the previous complete checkpoint (epoch 1),
-    trains epoch 2 again and ends as the uninterrupted run did."""
-    summary = run(small_config(tmp_path, mnist_dir, run_name="torn", epochs=2))
-    latest = Path(summary["latest_checkpoint"])
+    trains epoch 2 again and ends as the uninterrupted run did. The run is a copy of the
+    uninterrupted one: a run folder holds no absolute path that a resume reads."""
+    whole_storage, summary = uninterrupted_run
+    shutil.copytree(whole_storage / "whole", tmp_path / "whole")
+    latest = tmp_path / "whole" / Path(summary["latest_checkpoint"]).name
     state_file = latest / "state.pt"
     state_file.write_bytes(state_file.read_bytes()[: state_file.stat().st_size // 2])
     if summary["best_checkpoint"] == summary["latest_checkpoint"]:
-        code = main(["predict", "--storage-path", str(tmp_path), "--run-name", "torn"])
+        code = main(["predict", "--storage-path", str(tmp_path), "--run-name", "whole"])
         assert code == 2
         error = capsys.readouterr().err.strip().splitlines()[-1]  # above it: Ray's worker logs
         assert error.startswith("mnist-resnet predict: error: checkpoint ")
         assert f"{latest}: state.pt has" in error and "(truncated?)" in error
 
-    again = run(small_config(tmp_path, mnist_dir, run_name="torn", epochs=2))
+    again = run(small_config(tmp_path, mnist_dir, run_name="whole", **UNINTERRUPTED))
     [restart] = again["restarts"]
-    assert restart["resumed_at_step"] == 8  # 1024 rows / batch 128: epoch 1's checkpoint
+    assert restart["resumed_at_step"] == 16  # 2048 rows / batch 128: epoch 1's checkpoint
     assert restart["checkpoint"] != str(latest)
     assert again["final"]["val_accuracy"] == pytest.approx(summary["final"]["val_accuracy"])
     assert again["best_checkpoint"] != str(latest)
-    result = predict(str(tmp_path), "torn", count=8, output=None)
-    assert result["test_accuracy"] >= 0.6  # 1,024 training rows for 2 epochs; chance is 0.10
+    result = predict(str(tmp_path), "whole", count=8, output=None)
+    assert result["test_accuracy"] >= 0.6  # 2,048 training rows for 2 epochs; chance is 0.10
 
 
 def test_a_loss_that_turns_nan_ends_with_one_line_naming_the_cause_and_the_fix(
-    mnist_dir: StoragePath, tmp_path: Path
+    mnist_dir: StoragePath, ray_address: str, tmp_path: Path
 ) -> None:
     """A learning rate of 10⁶ for real: the worker stops at the first NaN interval loss, Ray Train
     hands the driver the failure, and the command's last line says what happened and what to change,
@@ -349,7 +372,7 @@ def test_a_loss_that_turns_nan_ends_with_one_line_naming_the_cause_and_the_fix(
          "--epochs", "1", "--limit-train-rows", "1024", "--limit-val-rows", "256",
          "--global-batch-size", "128", "--log-every-steps", "2", "--tracking", "none",
          "--max-failures", "0"],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "RAY_ADDRESS": ""},
+        capture_output=True, text=True, timeout=300, env={**os.environ, "RAY_ADDRESS": ray_address},
     )  # fmt: skip
     assert done.returncode == 1, done.stdout + done.stderr
     lines = done.stderr.rstrip().splitlines()

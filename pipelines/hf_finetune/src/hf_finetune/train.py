@@ -14,7 +14,6 @@ import json
 import logging
 import math
 import posixpath
-import tempfile
 import time
 import uuid
 from collections.abc import Sequence
@@ -56,6 +55,7 @@ from hf_finetune.task import build_model, make_compute_metrics
 from raytrain_common.checkpoint import (
     best_complete_checkpoint,
     resume_checkpoint,
+    scratch_folder,
     write_manifest,
 )
 from raytrain_common.configs import (
@@ -539,7 +539,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         return  # already stopped there: a rerun with the same --stop-at-step does nothing
     progress = ProgressNotes(run_dir, driver_id, world, config.log_every_steps, rank)
     sink = rank_zero_sink(loop_config, rank)
-    with tempfile.TemporaryDirectory(prefix="hf-finetune-") as output_dir, closing(sink):
+    # The Trainer writes each checkpoint here before Ray copies it to storage.
+    with scratch_folder("hf-finetune") as output_dir, closing(sink):
         trainer = LengthGroupedTrainer(
             model=model,
             args=training_arguments(config, output_dir, world),

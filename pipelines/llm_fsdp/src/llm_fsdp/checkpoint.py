@@ -5,7 +5,6 @@ for another worker count). `export` reads the same files."""
 from __future__ import annotations
 
 import json
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,7 @@ from ray.train import Checkpoint, CheckpointUploadMode
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from llm_fsdp.loss import NextTokenLoss
-from raytrain_common.checkpoint import UploadFn, write_manifest
+from raytrain_common.checkpoint import UploadFn, new_scratch_folder, write_manifest
 
 STATE_FILE = "train_state.json"  # step, data position, history: beside the DCP shards
 
@@ -32,7 +31,7 @@ def save_checkpoint(
 ) -> None:
     # The LM's state alone, so the keys are a plain Hugging Face model's (export loads them).
     model_state, optimizer_state = get_state_dict(model.lm, optimizer)
-    folder = tempfile.mkdtemp(prefix="llm-fsdp-ckpt-")
+    folder = new_scratch_folder("llm-fsdp-ckpt")
     dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=folder)
     if dist.get_rank() == 0:
         (Path(folder) / STATE_FILE).write_text(json.dumps(state))

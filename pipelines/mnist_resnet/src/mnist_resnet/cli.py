@@ -7,6 +7,7 @@ import json
 import logging
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from mnist_resnet import __version__
@@ -40,6 +41,7 @@ USER_ERRORS = (
     StorageError,
     ResourceError,
     FileNotFoundError,
+    FileExistsError,
     TornCheckpointError,
 )
 
@@ -189,14 +191,30 @@ def cmd_baseline(args: argparse.Namespace) -> int:
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
-    from mnist_resnet.predict import classify_files, predict
+    from mnist_resnet.predict import classify_files, predict, predict_files
 
     config = config_from_args(args, PredictConfig)
-    if config.input is not None:
+    if config.input is not None and Path(config.input).expanduser().is_file():
         for file, label, probability in classify_files(
             config.storage_path, config.run_name, config.input
         ):
             print(f"{label}\t{probability:.4f}\t{file}", flush=True)
+        return 0
+    if config.input is not None:
+        run_dir = resolve_storage(config.storage_path).join(config.run_name)
+        output = config.predictions or run_dir.join(time.strftime("predictions-%Y%m%d-%H%M%S")).uri
+        done = predict_files(
+            config.storage_path,
+            config.run_name,
+            config.input,
+            output,
+            batch_size=config.inference_batch_size,
+        )
+        print(
+            f"{done['files']} files classified ({done['unreadable']} unreadable) in "
+            f"{done['seconds']:.1f} s, {done['files_per_s']:.0f} files/s\n"
+            f"predictions: {done['output']}"
+        )
         return 0
     result = predict(config.storage_path, config.run_name, config.count, config.output)
     print(

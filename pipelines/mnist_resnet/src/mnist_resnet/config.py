@@ -58,8 +58,17 @@ class PredictConfig(RunLocation):
     run_name: str = option(RUN_NAME, "Run whose best checkpoint predicts.")
     input: str | None = option(
         None,
-        "An image file or a folder of them (any depth) to classify: one "
-        "'class<TAB>probability<TAB>file' line each (none: test accuracy and a picture).",
+        "Images to classify: one file, answered at once as a 'class<TAB>probability<TAB>file' line; "
+        "or a folder or bucket prefix (any depth, any number of files), classified by Ray Data "
+        "actors into --predictions (none: test accuracy and a picture).",
+    )
+    predictions: str | None = option(
+        None,
+        "Parquet folder the predictions of a folder --input are written to: one row per file "
+        "(none: <run folder>/predictions-<time>).",
+    )
+    inference_batch_size: int = option(
+        256, "Images per model call in each Ray Data actor of a folder --input."
     )
     count: int = option(40, "Digits in the picture.")
     output: str | None = option(

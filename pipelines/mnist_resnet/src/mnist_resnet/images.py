@@ -19,7 +19,7 @@ import random
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 
@@ -144,8 +144,8 @@ def choose_size_and_channels(paths: list[str], seed: int) -> tuple[int, int, dic
     return side, channels, dict(modes)
 
 
-def load_image(path: str, side: int, channels: int) -> np.ndarray:
-    """One image as uint8 (side, side) or (side, side, 3): the shorter side resized to `side` and the
+def load_image(path: str | IO[bytes], side: int, channels: int) -> np.ndarray:
+    """One image (a path, or a file's bytes as a stream) as uint8 (side, side) or (side, side, 3): the shorter side resized to `side` and the
     centre cropped square, palette / alpha / 16-bit modes converted."""
     from PIL import Image, ImageOps
 

@@ -1,14 +1,19 @@
 """Load a run's best checkpoint (chosen on the validation split): measure its test accuracy, draw
-test images with their predictions, or classify the user's own image files."""
+test images with their predictions, or classify the user's own image files: one file at once in
+this process, a folder or bucket of any size as Ray Data batch inference written to Parquet."""
 
 from __future__ import annotations
 
 import io
 import json
+import os
+import time
+import uuid
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
+import pyarrow.parquet as pq
 import torch
 
 from mnist_resnet.data import (
@@ -78,11 +83,9 @@ def checkpoint_test_metrics(checkpoint_uri: str, limit: int | None = None) -> di
     }
 
 
-def load_best_model(
-    run_dir: StoragePath, which: Literal["best", "latest"] = "best"
-) -> tuple[torch.nn.Module, dict[str, Any]]:
-    """The model of the run's best checkpoint (by validation accuracy) or its latest, on the CPU,
-    in eval mode; a torn checkpoint (files not matching its manifest) is refused with one line."""
+def chosen_checkpoint(run_dir: StoragePath, which: Literal["best", "latest"] = "best") -> str:
+    """The URI of the run's best checkpoint (by validation accuracy), or of its latest: found in
+    the run folder by name, so a run folder copied or moved elsewhere predicts from its own."""
     summary_file = run_dir.join(SUMMARY_FILE)
     if not summary_file.exists():
         raise FileNotFoundError(
@@ -90,8 +93,20 @@ def load_best_model(
             f"{run_dir.uri.rsplit('/', 1)[-1]}`), or pass the right --storage-path / --run-name"
         )
     summary = json.loads(summary_file.read_text())
-    chosen = summary.get("best_checkpoint") if which == "best" else None
-    state = load_remote_state(resolve_storage(chosen or summary["latest_checkpoint"]))
+    chosen = str(
+        (summary.get("best_checkpoint") if which == "best" else None)
+        or summary["latest_checkpoint"]
+    )
+    inside = run_dir.join(chosen.rstrip("/").rsplit("/", 1)[-1])
+    return inside.uri if inside.exists() else chosen
+
+
+def load_best_model(
+    run_dir: StoragePath, which: Literal["best", "latest"] = "best"
+) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """The model of the run's best checkpoint (by validation accuracy) or its latest, on the CPU,
+    in eval mode; a torn checkpoint (files not matching its manifest) is refused with one line."""
+    state = load_remote_state(resolve_storage(chosen_checkpoint(run_dir, which)))
     info = DatasetInfo(**state["dataset"])
     model = build_model(info.num_classes, info.channels)
     load_model_weights(model, state["model"])
@@ -186,3 +201,118 @@ def classify_files(
         for file, label, probability in zip(chunk, labels.tolist(), best.tolist(), strict=True):
             results.append((str(file), info.class_name(label), probability))
     return results
+
+
+class ImageClassifier:
+    """A Ray Data actor holding one model: loaded once from the checkpoint, then fed batches of
+    image files (their bytes and paths) and answering a prediction, or the error, for each."""
+
+    def __init__(self, checkpoint_uri: str) -> None:
+        state = load_remote_state(resolve_storage(checkpoint_uri))
+        self.info = DatasetInfo(**state["dataset"])
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        model = build_model(self.info.num_classes, self.info.channels)
+        load_model_weights(model, state["model"])
+        self.model = model.to(self.device).eval()
+        self.blank = np.zeros(
+            (self.info.height, self.info.height) + ((3,) if self.info.channels == 3 else ()),
+            np.uint8,
+        )
+
+    @torch.no_grad()
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        pixels, errors = [], []
+        for data in batch["bytes"]:
+            try:
+                pixels.append(load_image(io.BytesIO(data), self.info.height, self.info.channels))
+                errors.append("")
+            except (OSError, ValueError, SyntaxError) as error:  # PIL's decoders raise all three
+                pixels.append(self.blank)
+                errors.append(f"cannot be read as an image ({type(error).__name__}: {error})")
+        images = normalise(as_nchw(np.stack(pixels)), self.info.mean, self.info.std)
+        probabilities = torch.softmax(self.model(images.to(self.device)).float(), dim=1).cpu()
+        best, indices = probabilities.max(dim=1)
+        failed = np.array([bool(error) for error in errors])
+        classes = np.where(failed, -1, indices.numpy())
+        return {
+            "path": batch["path"],
+            "class_index": classes,
+            "label": np.array(
+                ["" if index < 0 else self.info.class_name(int(index)) for index in classes],
+                dtype=object,
+            ),
+            "probability": np.where(failed, np.nan, best.numpy()),
+            "error": np.array(errors, dtype=object),
+        }
+
+
+def predict_files(
+    storage_path: str,
+    run_name: str,
+    location: str,
+    output: str,
+    batch_size: int = 256,
+    max_actors: int | None = None,
+) -> dict[str, Any]:
+    """Batch inference with Ray Data: every image file under `location` (a folder or a bucket
+    prefix, at any depth) read by Ray Data's tasks, classified by a pool of actors holding one model
+    each (a GPU each where the cluster has them), and written to `output` as Parquet: one row per
+    file (path, class_index, label, probability, error). Memory stays bounded by the batches in
+    flight, not the number of files. A killed actor is restarted and its batches retried, so no
+    file is lost or written twice. A local `output` appears whole or not at all."""
+    import ray
+    import ray.data
+
+    from raytrain_common.ray_start import init_ray
+
+    checkpoint = chosen_checkpoint(resolve_storage(storage_path).join(run_name))
+    load_remote_state(resolve_storage(checkpoint))  # a torn checkpoint: refused here, in one line
+    source, target = resolve_storage(location), resolve_storage(output)
+    if target.exists():
+        raise FileExistsError(f"--output {output!r} exists: choose a new path or remove it")
+    if not source.exists():
+        raise FileNotFoundError(f"--input {location!r}: no such file, folder or bucket prefix")
+    init_ray(train_cpus=1)
+    gpus = int(ray.cluster_resources().get("GPU", 0))
+    started = time.perf_counter()
+    files = ray.data.read_binary_files(
+        source.path,
+        include_paths=True,
+        filesystem=source.filesystem,
+        file_extensions=[suffix.lstrip(".") for suffix in IMAGE_SUFFIXES],
+    )
+    predictions = files.map_batches(
+        ImageClassifier,
+        fn_constructor_kwargs={"checkpoint_uri": checkpoint},
+        batch_size=batch_size,
+        concurrency=(1, max_actors or gpus or cpu_actors()),
+        num_gpus=1 if gpus else 0,
+        num_cpus=1,
+    )
+    # Written beside the target, then renamed into place: a stopped run leaves no half output.
+    staging = (
+        resolve_storage(f"{target.path}.partial-{uuid.uuid4().hex[:8]}")
+        if target.is_local
+        else target
+    )
+    predictions.write_parquet(staging.path, filesystem=staging.filesystem)
+    if staging is not target:
+        os.replace(staging.path, target.path)
+    seconds = time.perf_counter() - started
+    written = pq.read_table(target.path, filesystem=target.filesystem, columns=["error"])
+    errors = int(sum(1 for error in written.column("error").to_pylist() if error))
+    return {
+        "files": written.num_rows,
+        "unreadable": errors,
+        "output": target.uri,
+        "checkpoint": checkpoint,
+        "seconds": seconds,
+        "files_per_s": written.num_rows / seconds if seconds else None,
+    }
+
+
+def cpu_actors() -> int:
+    """One model per CPU the cluster has, leaving one CPU to the read and write tasks."""
+    import ray
+
+    return max(1, int(ray.cluster_resources().get("CPU", 1)) - 1)
