@@ -34,17 +34,66 @@ from raytrain_common.vocabulary import METRIC_COLUMNS, summary_problems, unknown
 pytestmark = pytest.mark.ray
 
 
-def test_two_workers_learn_choose_on_validation_and_test_that_checkpoint_once(
+STEPS_PER_EPOCH = 32  # 4096 rows at a global batch of 128
+
+
+def kill_a_worker_during_epoch_two(run_dir: Path, seen: dict[str, Any]) -> None:
+    """SIGKILL one worker once rank 0's progress note shows a step of epoch 2: a step, not a time
+    (on a fast machine a fixed wait can outlast the whole run). What the run had written by then
+    goes into `seen`."""
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        progress = read_progress(resolve_storage(run_dir))
+        if progress and progress["step"] > STEPS_PER_EPOCH:
+            workers = list_actors(
+                filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")]
+            )
+            os.kill(workers[0].pid, signal.SIGKILL)
+            seen["pid"], seen["step"] = workers[0].pid, progress["step"]
+            seen["rows"] = read_metrics_csv(resolve_storage(run_dir / "metrics.csv"))
+            return
+        time.sleep(0.02)
+
+
+def test_two_workers_learn_survive_a_killed_worker_choose_on_validation_and_test_once(
     small_config: Callable[..., Any], ray_cluster: None, mnist_dir: StoragePath, tmp_path: Path
 ) -> None:
-    config = small_config(
-        tmp_path, mnist_dir, run_name="learn", epochs=2, limit_train_rows=6144, limit_test_rows=1000
-    )
-    summary = run(config)
-
+    """3 epochs on 2 workers; one worker SIGKILLed early in epoch 2: FailureConfig restarts the
+    group from epoch 1's checkpoint and the run goes on. It learns, chooses its checkpoint on the
+    validation split, tests that one checkpoint once, and the checkpoint reloads and predicts."""
     run_dir = tmp_path / "learn"
+    seen: dict[str, Any] = {}
+    killer = threading.Thread(
+        target=kill_a_worker_during_epoch_two, args=(run_dir, seen), daemon=True
+    )
+    killer.start()
+    config = small_config(
+        tmp_path, mnist_dir, run_name="learn", epochs=3, limit_train_rows=4096,
+        limit_test_rows=1000, max_failures=2, log_every_steps=1, tracking="mlflow",
+    )  # fmt: skip
+    summary = run(config)
+    killer.join(timeout=10)
+
+    # Survived: epoch 1 came from its checkpoint (not retrained), the rest was trained once.
+    assert "pid" in seen, "the worker was never killed"
+    assert seen["step"] < 2 * STEPS_PER_EPOCH, "killed after epoch 2 had ended"
+    assert [row["epoch"] for row in seen["rows"]] == [1]
     rows = read_metrics_csv(resolve_storage(run_dir / "metrics.csv"))
-    assert [row["epoch"] for row in rows] == [1, 2]
+    assert [row["epoch"] for row in rows] == [1, 2, 3]
+    assert rows[0] == seen["rows"][0]  # epoch 1 came from the checkpoint, not retrained
+    assert summary["epochs_done"] == 3
+    [restart] = summary["restarts"]
+    assert restart["cause"] == "worker failure" and restart["resumed_at_step"] == STEPS_PER_EPOCH
+    # MLflow: the restarted group logs into the same MLflow run; the steps of epoch 2 it redid
+    # are not logged twice, so every step appears once, in order.
+    storage = resolve_storage(tmp_path)
+    tracked = metric_history(storage, "mnist_resnet", storage.join("learn"), "train_loss_interval")
+    assert len(tracked["runs"]) == 1 and tracked["runs"][0].info.status == "FINISHED"
+    assert [step for step, _ in tracked["steps"]] == list(range(1, 3 * STEPS_PER_EPOCH + 1))
+    accuracy = metric_history(storage, "mnist_resnet", storage.join("learn"), "val_accuracy")
+    assert [step for step, _ in accuracy["steps"]] == [32, 64, 96]
+
+    # Learns.
     assert rows[-1]["train_loss"] < rows[0]["train_loss"]
     # The names every pipeline shares (docs/vocabulary.md).
     assert summary_problems(summary) == []
@@ -196,68 +245,6 @@ def test_local_storage_is_refused_on_a_two_node_cluster(
     assert "but the Ray cluster has 2 nodes" in done.stdout
     assert "--storage-is-shared" in done.stdout
     assert not list((tmp_path / "runs").glob("mnist_resnet/checkpoint_*"))
-
-
-def test_a_killed_worker_is_replaced_and_the_run_goes_on_from_its_checkpoint(
-    small_config: Callable[..., Any], ray_cluster: None, mnist_dir: StoragePath, tmp_path: Path
-) -> None:
-    """SIGKILL one worker early in epoch 2: FailureConfig restarts the group from epoch 1's checkpoint.
-
-    The kill waits for rank 0's progress file to show a step of epoch 2 (24 steps an epoch), not
-    for a time: on a fast machine a fixed wait can outlast the whole run.
-    """
-    run_dir = tmp_path / "crash"
-    seen_before_kill: dict[str, object] = {}
-
-    def kill_a_worker_during_epoch_two() -> None:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            progress = read_progress(resolve_storage(run_dir))
-            if progress and progress["step"] > 24:
-                workers = list_actors(
-                    filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")]
-                )
-                os.kill(workers[0].pid, signal.SIGKILL)
-                seen_before_kill["pid"] = workers[0].pid
-                seen_before_kill["step"] = progress["step"]
-                seen_before_kill["rows"] = read_metrics_csv(
-                    resolve_storage(run_dir / "metrics.csv")
-                )
-                return
-            time.sleep(0.02)
-
-    killer = threading.Thread(target=kill_a_worker_during_epoch_two, daemon=True)
-    killer.start()
-    summary = run(
-        small_config(
-            tmp_path,
-            mnist_dir,
-            run_name="crash",
-            epochs=3,
-            limit_train_rows=3072,
-            max_failures=2,
-            log_every_steps=1,
-            tracking="mlflow",
-        )
-    )
-    killer.join(timeout=10)
-
-    assert "pid" in seen_before_kill, "the worker was never killed"
-    assert seen_before_kill["step"] < 48, "killed after epoch 2 had ended"
-    assert [row["epoch"] for row in seen_before_kill["rows"]] == [1]
-    rows = read_metrics_csv(resolve_storage(run_dir / "metrics.csv"))
-    assert [row["epoch"] for row in rows] == [1, 2, 3]
-    assert rows[0] == seen_before_kill["rows"][0]  # epoch 1 came from the checkpoint, not retrained
-    assert summary["epochs_done"] == 3
-    # MLflow: the restarted group logs into the same MLflow run; the steps of epoch 2 it redid
-    # are not logged twice, so every step appears once, in order.
-    storage = resolve_storage(tmp_path)
-    tracked = metric_history(storage, "mnist_resnet", storage.join("crash"), "train_loss_interval")
-    assert len(tracked["runs"]) == 1 and tracked["runs"][0].info.status == "FINISHED"
-    steps = [step for step, _ in tracked["steps"]]
-    assert steps == list(range(1, 73))
-    accuracy = metric_history(storage, "mnist_resnet", storage.join("crash"), "val_accuracy")
-    assert [step for step, _ in accuracy["steps"]] == [24, 48, 72]
 
 
 UNINTERRUPTED = {"epochs": 2, "limit_train_rows": 2048, "log_every_steps": 1}  # 16 steps an epoch
