@@ -53,12 +53,20 @@ def ray_cluster() -> Iterator[None]:
     ray.shutdown()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def ray_address(ray_cluster: None) -> str:
-    """The session cluster's address, for a command run as a subprocess to join through
-    RAY_ADDRESS (as on a cluster of the user's own) instead of starting a cluster of its own."""
+    """The address of this process's cluster, for a command run as a subprocess to join through
+    RAY_ADDRESS (as on a cluster of the user's own) instead of starting a cluster of its own.
+
+    A CLI error in this process (`main([...])` returning 2) ends the cluster it started, so the
+    session's cluster may be gone: then one is started again, as `ray_cluster` started it."""
     import ray
 
+    from raytrain_common.ray_start import init_ray
+
+    if not ray.is_initialized():
+        os.environ.pop("RAY_ADDRESS", None)
+        init_ray(train_cpus=2)
     return ray.get_runtime_context().gcs_address
 
 

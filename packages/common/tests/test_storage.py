@@ -8,12 +8,14 @@ import pytest
 
 from raytrain_common.storage import (
     StorageError,
+    StoragePath,
     check_shared_for_cluster,
     check_writable,
     is_shared,
     mount_fs_type,
     resolve_storage,
     write_atomic,
+    write_folder_whole,
 )
 
 
@@ -112,3 +114,29 @@ def test_unwritable_storage_path_is_refused(tmp_path: Path) -> None:
 def test_writable_storage_path_is_created_and_left_clean(tmp_path: Path) -> None:
     check_writable(resolve_storage(tmp_path / "runs"))
     assert os.listdir(tmp_path / "runs") == []
+
+
+def test_a_folder_appears_whole_or_not_at_all(tmp_path: Path) -> None:
+    """A writer stopped half-way leaves nothing under the target's name; one that finishes leaves
+    its whole folder there."""
+    target = resolve_storage(tmp_path / "predicted")
+
+    def stopped(folder: StoragePath) -> None:
+        Path(folder.path).mkdir()
+        (Path(folder.path) / "part-0.parquet").write_bytes(b"half")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        write_folder_whole(target, stopped)
+    assert not target.exists()
+    assert [p.name.split(".partial-")[0] for p in tmp_path.iterdir()] == ["predicted"]
+
+    def finished(folder: StoragePath) -> None:
+        Path(folder.path).mkdir()
+        for index in range(3):
+            (Path(folder.path) / f"part-{index}.parquet").write_bytes(b"rows")
+
+    write_folder_whole(target, finished)
+    assert sorted(p.name for p in (tmp_path / "predicted").iterdir()) == [
+        "part-0.parquet", "part-1.parquet", "part-2.parquet"
+    ]  # fmt: skip

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pyarrow.parquet as pq
 import pytest
 from ray.util.state import list_actors
 
@@ -104,6 +105,18 @@ def test_two_workers_learn_survive_a_lost_worker_and_the_checkpoint_predicts(
     predicted = list(predict_lines(sentences, str(tmp_path), "vader"))
     assert [label for label, _, _ in predicted] == ["positive", "negative"]
     assert all(0.5 < probability <= 1 for _, probability, _ in predicted)
+    # A folder of text files: Ray Data batch inference, one Parquet row per non-blank line.
+    folder = tmp_path / "reviews"
+    (folder / "2026" / "11").mkdir(parents=True)
+    (folder / "good.txt").write_text(f"{sentences[0]}\n\nSuch a delightful, charming story.\n")
+    (folder / "2026" / "11" / "bad.txt").write_text(f"{sentences[1]}\nAwful. A waste of money.\n")
+    assert main(["predict", "--storage-path", str(tmp_path), "--run-name", "vader", str(folder),
+                 "--predictions", str(tmp_path / "predicted")]) == 0  # fmt: skip
+    rows = pq.read_table(tmp_path / "predicted").to_pylist()
+    assert sorted((Path(row["path"]).name, row["label"]) for row in rows) == [
+        ("bad.txt", "negative"), ("bad.txt", "negative"),
+        ("good.txt", "positive"), ("good.txt", "positive"),
+    ]  # fmt: skip
 
     result = evaluate(str(tmp_path), "vader")
     assert result["test_rows"] == 2_370

@@ -192,6 +192,20 @@ def write_atomic(target: StoragePath, write: Callable[[pafs.NativeFile], object]
             os.remove(temporary)
 
 
+def write_folder_whole(target: StoragePath, write: Callable[[StoragePath], object]) -> None:
+    """Run `write` on a folder that becomes `target` only once `write` has returned (a Ray
+    Dataset's `write_parquet`, say): locally a sibling folder renamed into place, so a stopped
+    command leaves no half output under the target's name (the sibling stays, named
+    `*.partial-*`). Object stores have no folder rename: there `write` fills the target's prefix
+    as it goes."""
+    if not target.is_local:
+        write(target)
+        return
+    staging = resolve_storage(f"{target.path}.partial-{uuid.uuid4().hex[:8]}")
+    write(staging)
+    os.replace(staging.path, target.path)
+
+
 def mount_fs_type(path: str) -> str:
     """The filesystem type of the mount holding `path` ("" when /proc/mounts is unreadable)."""
     try:

@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import sys
 import tempfile
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -34,7 +35,7 @@ from raytrain_common.metrics import SUMMARY_FILE
 from raytrain_common.pretokenize import TokenizeError
 from raytrain_common.ray_start import ResourceError, show_ray_output
 from raytrain_common.storage import StorageError, resolve_storage
-from raytrain_common.text import TextEncodingError, check_encoding, decode_text
+from raytrain_common.text import TextEncodingError, check_encoding
 
 log = logging.getLogger("hf_finetune")
 
@@ -48,6 +49,7 @@ USER_ERRORS = (
     StorageError,
     ResourceError,
     FileNotFoundError,
+    FileExistsError,
     TornCheckpointError,
 )
 
@@ -173,16 +175,24 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
-    from hf_finetune.predict import predict_lines
+    from hf_finetune.predict import file_lines, predict_files, predict_lines
 
     config = config_from_args(args, PredictConfig)
-    if config.input == "-":
-        lines: Iterable[str] = sys.stdin
-    else:
-        raw = Path(config.input).read_bytes()
-        lines = decode_text(raw, config.encoding, config.input).splitlines()
+    if config.input != "-" and not Path(config.input).expanduser().is_file():
+        run_dir = resolve_storage(config.storage_path).join(config.run_name)
+        output = config.predictions or run_dir.join(time.strftime("predictions-%Y%m%d-%H%M%S")).uri
+        done = predict_files(config, output)
+        print(
+            f"{done['sentences']} sentences of {done['files']} files classified in "
+            f"{done['seconds']:.1f} s, {done['sentences_per_s']:.0f} sentences/s\n"
+            f"predictions: {done['output']}"
+        )
+        return 0
+    lines: Iterable[str] = (
+        sys.stdin if config.input == "-" else file_lines(config.input, config.encoding)
+    )
     for label, probability, sentence in predict_lines(
-        lines, config.storage_path, config.run_name, config.checkpoint
+        lines, config.storage_path, config.run_name, config.checkpoint, config.inference_batch_size
     ):
         print(f"{label}\t{probability:.4f}\t{sentence}", flush=True)
     return 0

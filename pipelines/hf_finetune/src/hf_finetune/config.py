@@ -67,9 +67,21 @@ class EvaluateConfig(RunLocation):
 @dataclass(kw_only=True)
 class PredictConfig(EvaluateConfig):
     input: str = option(
-        "-", "File with one sentence per line ('-': standard input).", positional=True
+        "-",
+        "One sentence per line: a file, answered line by line at once ('-': standard input); or a "
+        "folder or bucket prefix of such .txt files (any depth, any number), classified by Ray "
+        "Data actors into --predictions.",
+        positional=True,
     )
-    encoding: str = option(UTF8, "Of the input file.")
+    encoding: str = option(UTF8, "Of the input files.")
+    predictions: str | None = option(
+        None,
+        "Parquet folder the predictions of a folder input are written to: one row per non-blank "
+        "line (none: <run folder>/predictions-<time>).",
+    )
+    inference_batch_size: int = option(
+        64, "Sentences per model call (in each Ray Data actor for a folder input)."
+    )
 
 
 @dataclass(kw_only=True)

@@ -15,13 +15,14 @@ import numpy as np
 import torch
 from transformers import AutoTokenizer, DataCollatorWithPadding
 
-from hf_finetune.data import DataError, inspect_dataset, read_split
+from hf_finetune.data import DataError, inspect_dataset
 from hf_finetune.task import (
     classification_scores,
     confusion_matrix,
     load_trained,
     predicted_labels,
 )
+from hf_finetune.train import TokenizedSplit
 from raytrain_common.checkpoint import verify_checkpoint
 from raytrain_common.metrics import SUMMARY_FILE, write_summary
 from raytrain_common.storage import StoragePath, resolve_storage, write_atomic
@@ -66,6 +67,24 @@ def predict_ids(
     return probabilities
 
 
+@torch.inference_mode()
+def predict_split(
+    model: Any, tokenizer: Any, rows: TokenizedSplit, batch_size: int = 256
+) -> np.ndarray:
+    """The predicted label of every row of a split, read from its row file a batch at a time (rows
+    of similar length together, to pad little): memory holds a batch, the labels and lengths, and
+    the predictions (24 bytes a row), not the split's tokens."""
+    collate = DataCollatorWithPadding(tokenizer)
+    order = np.argsort(rows.lengths, kind="stable")
+    predicted = np.zeros(len(rows), dtype=np.int64)
+    for start in range(0, len(order), batch_size):
+        chosen = order[start : start + batch_size]
+        block = rows.ids.take(chosen)
+        batch = collate([{"input_ids": row[1 : 1 + row[0]].tolist()} for row in block])
+        predicted[chosen] = predicted_labels(model(**batch).logits.float().numpy())
+    return predicted
+
+
 def evaluate(
     storage_path: str, run_name: str, checkpoint: str | None = None, split: str = "test"
 ) -> dict[str, Any]:
@@ -80,11 +99,8 @@ def evaluate(
             f"{checkpoint} predicts {list(model.config.id2label.values())}, the data at "
             f"{data_dir.uri} has labels {info.labels}: evaluate on the data the run trained on"
         )
-    table = read_split(data_dir, split)
-    labels = table.column("label").to_numpy()
-    predictions = predicted_labels(
-        predict_ids(model, tokenizer, table.column("input_ids").to_pylist())
-    )
+    rows = TokenizedSplit.open(data_dir, split, info.max_length, limit=None)
+    labels, predictions = rows.labels, predict_split(model, tokenizer, rows)
     matrix = confusion_matrix(labels, predictions, info.num_labels)
     # The same words as every pipeline: test_* for the split reported, val_* for the one choosing.
     prefix = {"validation": "val"}.get(split, split)

@@ -1,13 +1,24 @@
-"""Classify sentences with a run's best checkpoint: one `label<TAB>probability<TAB>sentence` per line."""
+"""Classify sentences with a run's best checkpoint: a file's lines one batch at a time, printed as
+`label<TAB>probability<TAB>sentence`; a folder or bucket of text files as Ray Data batch inference
+written to Parquet."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Iterator
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from hf_finetune.evaluate import load_classifier, predict_ids, read_run_summary
+from raytrain_common.storage import resolve_storage, write_folder_whole
+from raytrain_common.text import iter_decoded
+
+if TYPE_CHECKING:
+    from hf_finetune.config import PredictConfig
+
+CHUNK_BYTES = 1 << 20
 
 
 def predict_lines(
@@ -43,3 +54,103 @@ def _classify(
     best = probabilities.argmax(-1)
     for sentence, label, row in zip(sentences, best, probabilities, strict=True):
         yield model.config.id2label[int(label)], float(np.max(row)), sentence
+
+
+def file_lines(path: str, encoding: str) -> Iterator[str]:
+    """A text file's lines, decoded a MiB at a time: a file of any size in bounded memory, and a
+    byte that is not `encoding` refused with its place in the file."""
+
+    def chunks() -> Iterator[bytes]:
+        with Path(path).expanduser().open("rb") as stream:
+            while chunk := stream.read(CHUNK_BYTES):
+                yield chunk
+
+    pending = ""
+    for text, _ in iter_decoded(chunks(), encoding, path):
+        *complete, pending = (pending + text).split("\n")
+        yield from complete
+    if pending:
+        yield pending
+
+
+class SentenceClassifier:
+    """A Ray Data actor holding one model, loaded once: a batch of lines in, each one's label and
+    probability out."""
+
+    def __init__(self, checkpoint: str, batch_size: int) -> None:
+        self.model, self.tokenizer = load_classifier(checkpoint)
+        self.max_length = min(
+            self.tokenizer.model_max_length, self.model.config.max_position_embeddings
+        )
+        self.batch_size = batch_size
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        sentences = [str(text).strip() for text in batch["text"]]
+        ids = self.tokenizer(sentences, truncation=True, max_length=self.max_length)["input_ids"]
+        probabilities = predict_ids(self.model, self.tokenizer, ids, self.batch_size)
+        best = probabilities.argmax(-1)
+        labels = [self.model.config.id2label[int(label)] for label in best]
+        return {
+            "path": batch["path"],
+            "text": np.array(sentences, dtype=object),
+            "label": np.array(labels, dtype=object),
+            "probability": probabilities.max(-1),
+        }
+
+
+def predict_files(config: PredictConfig, output: str) -> dict[str, Any]:
+    """Batch inference with Ray Data over every .txt file under `config.input` (a folder or a
+    bucket prefix, any depth): Ray Data reads the lines, a pool of actors (one model each, a GPU
+    each where the cluster has them) classifies them, and one Parquet row per non-blank line
+    (path, text, label, probability) is written to `output`. Memory holds the batches in flight.
+    A killed actor is restarted and its batches retried. A local `output` appears whole or not at
+    all (written beside itself, then renamed)."""
+    import pyarrow.parquet as pq
+    import ray
+    import ray.data
+
+    from raytrain_common.ray_start import init_ray
+
+    checkpoint = config.checkpoint
+    if checkpoint is None:
+        _, summary = read_run_summary(config.storage_path, config.run_name)
+        checkpoint = summary["best_checkpoint"]
+    load_classifier(checkpoint)  # a torn or foreign checkpoint: refused here, in one line
+    source, target = resolve_storage(config.input), resolve_storage(output)
+    if not source.exists():
+        raise FileNotFoundError(f"{config.input!r}: no such file, folder or bucket prefix")
+    if target.exists():
+        raise FileExistsError(f"--predictions {output!r} exists: choose a new path or remove it")
+    init_ray(train_cpus=1)
+    gpus = int(ray.cluster_resources().get("GPU", 0))
+    actors = gpus or max(1, int(ray.cluster_resources().get("CPU", 1)) - 1)
+    started = time.perf_counter()
+    lines = ray.data.read_text(
+        source.path,
+        encoding=config.encoding,
+        include_paths=True,
+        drop_empty_lines=True,
+        filesystem=source.filesystem,
+        file_extensions=["txt"],
+    )
+    predictions = lines.map_batches(
+        SentenceClassifier,
+        fn_constructor_kwargs={"checkpoint": checkpoint, "batch_size": config.inference_batch_size},
+        batch_size=config.inference_batch_size,
+        concurrency=(1, actors),
+        num_gpus=1 if gpus else 0,
+        num_cpus=1,
+    )
+    write_folder_whole(
+        target, lambda folder: predictions.write_parquet(folder.path, filesystem=folder.filesystem)
+    )
+    seconds = time.perf_counter() - started
+    written = pq.read_table(target.path, filesystem=target.filesystem, columns=["path"])
+    return {
+        "sentences": written.num_rows,
+        "files": len(set(written.column("path").to_pylist())),
+        "output": target.uri,
+        "checkpoint": checkpoint,
+        "seconds": seconds,
+        "sentences_per_s": written.num_rows / seconds if seconds else 0.0,
+    }

@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import time
-import uuid
 from pathlib import Path
 from typing import Any, Literal
 
@@ -28,7 +26,7 @@ from mnist_resnet.images import IMAGE_SUFFIXES, load_image
 from mnist_resnet.task import build_model, evaluate
 from raytrain_common.checkpoint import load_model_weights, load_remote_state
 from raytrain_common.metrics import SUMMARY_FILE
-from raytrain_common.storage import StoragePath, resolve_storage
+from raytrain_common.storage import StoragePath, resolve_storage, write_folder_whole
 
 
 @torch.no_grad()
@@ -289,15 +287,9 @@ def predict_files(
         num_gpus=1 if gpus else 0,
         num_cpus=1,
     )
-    # Written beside the target, then renamed into place: a stopped run leaves no half output.
-    staging = (
-        resolve_storage(f"{target.path}.partial-{uuid.uuid4().hex[:8]}")
-        if target.is_local
-        else target
+    write_folder_whole(
+        target, lambda folder: predictions.write_parquet(folder.path, filesystem=folder.filesystem)
     )
-    predictions.write_parquet(staging.path, filesystem=staging.filesystem)
-    if staging is not target:
-        os.replace(staging.path, target.path)
     seconds = time.perf_counter() - started
     written = pq.read_table(target.path, filesystem=target.filesystem, columns=["error"])
     errors = int(sum(1 for error in written.column("error").to_pylist() if error))
