@@ -111,16 +111,16 @@ def predict_files(config: PredictConfig, output: str) -> dict[str, Any]:
 
     from raytrain_common.ray_start import init_ray
 
-    checkpoint = config.checkpoint
-    if checkpoint is None:
-        _, summary = read_run_summary(config.storage_path, config.run_name)
-        checkpoint = summary["best_checkpoint"]
-    load_classifier(checkpoint)  # a torn or foreign checkpoint: refused here, in one line
     source, target = resolve_storage(config.input), resolve_storage(output)
     if not source.exists():
         raise FileNotFoundError(f"{config.input!r}: no such file, folder or bucket prefix")
     if target.exists():
         raise FileExistsError(f"--predictions {output!r} exists: choose a new path or remove it")
+    checkpoint = config.checkpoint
+    if checkpoint is None:
+        _, summary = read_run_summary(config.storage_path, config.run_name)
+        checkpoint = summary["best_checkpoint"]
+    load_classifier(checkpoint)  # a torn or foreign checkpoint: refused here, in one line
     init_ray(train_cpus=1)
     gpus = int(ray.cluster_resources().get("GPU", 0))
     actors = gpus or max(1, int(ray.cluster_resources().get("CPU", 1)) - 1)

@@ -263,13 +263,13 @@ def predict_files(
 
     from raytrain_common.ray_start import init_ray
 
-    checkpoint = chosen_checkpoint(resolve_storage(storage_path).join(run_name))
-    load_remote_state(resolve_storage(checkpoint))  # a torn checkpoint: refused here, in one line
     source, target = resolve_storage(location), resolve_storage(output)
-    if target.exists():
-        raise FileExistsError(f"--output {output!r} exists: choose a new path or remove it")
     if not source.exists():
         raise FileNotFoundError(f"--input {location!r}: no such file, folder or bucket prefix")
+    if target.exists():
+        raise FileExistsError(f"--predictions {output!r} exists: choose a new path or remove it")
+    checkpoint = chosen_checkpoint(resolve_storage(storage_path).join(run_name))
+    load_remote_state(resolve_storage(checkpoint))  # a torn checkpoint: refused here, in one line
     init_ray(train_cpus=1)
     gpus = int(ray.cluster_resources().get("GPU", 0))
     started = time.perf_counter()
