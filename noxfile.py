@@ -62,7 +62,7 @@ def tests(session: nox.Session) -> None:
         "pytest",
         "-m",
         "not manifests and not faults",
-        *(session.posargs or ["-q", "--durations=12"]),
+        *(session.posargs or ["-q", "--durations=25"]),
     )
 
 

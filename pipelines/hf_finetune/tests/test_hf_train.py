@@ -14,6 +14,7 @@ from typing import Any
 
 import pyarrow.parquet as pq
 import pytest
+import ray
 from ray.util.state import list_actors
 
 from hf_finetune.cli import main
@@ -142,6 +143,7 @@ def test_a_users_csv_trains_with_flags_alone(
     assert "reviews.csv is not valid utf-8 text: byte " in error and "(line 2, " in error
     assert "pass --encoding cp1252" in error and "binary" not in error
     assert not (tmp_path / "data").exists()
+    assert ray.is_initialized(), "a refused command ended the cluster its caller had connected to"
     assert main(["prepare", "--dataset", str(csv), "--encoding", "latin-1", *columns, *storage]) == 0  # fmt: skip
     assert main(["train", "--epochs", "1", "--global-batch-size", "16", "--lr", "2e-4", "--run-name", "reviews", *storage]) == 0  # fmt: skip
     assert main(["evaluate", "--run-name", "reviews", *storage]) == 0

@@ -127,31 +127,44 @@ def _nullable(kind: type) -> typing.Callable[[str], Any]:
     return parse
 
 
-def end_ray_before_error_line() -> None:
+def ray_is_connected() -> bool:
+    """True when this process is connected to a Ray cluster (without importing Ray to find out)."""
+    if "ray" not in sys.modules:
+        return False
+    import ray
+
+    return bool(ray.is_initialized())
+
+
+def end_ray_before_error_line(*, caller_holds_ray: bool = False) -> None:
     """Disconnect from Ray (if connected) before a command prints its one-line error.
 
     Ray streams the workers' and the controller's output into the driver's from a background
     thread; without this, tracebacks from the failed run can arrive after the error line and bury
     it. Disconnecting stops that stream; a local cluster this process started is shut down too.
+    `caller_holds_ray`: the command's `main` was called in a process that was already connected
+    (a notebook, a test session); that connection, and the cluster behind it, is the caller's to
+    end, so it is left as it is.
     """
-    if "ray" not in sys.modules:
-        return
-    import ray
+    if not caller_holds_ray and ray_is_connected():
+        import ray
 
-    if ray.is_initialized():
         ray.shutdown()
 
 
-def report_known_failure(program: str, error: BaseException) -> bool:
+def report_known_failure(
+    program: str, error: BaseException, *, caller_holds_ray: bool = False
+) -> bool:
     """For a failure `raytrain_common.known_errors` recognises: print the real traceback, then one
     last line with the cause and the fix, and return True; return False for any other error (the
-    caller re-raises it). Ray is disconnected first, so no streamed worker output lands after it."""
+    caller re-raises it). Ray is disconnected first, so no streamed worker output lands after it
+    (see `end_ray_before_error_line` for `caller_holds_ray`)."""
     from raytrain_common.known_errors import explain
 
     hint = explain(error)
     if hint is None:
         return False
-    end_ray_before_error_line()
+    end_ray_before_error_line(caller_holds_ray=caller_holds_ray)
     traceback.print_exception(error, file=sys.stderr)
     print(f"{program}: {hint}", file=sys.stderr, flush=True)
     return True
