@@ -25,6 +25,7 @@ from raytrain_common.cli import (
     add_config_options,
     config_from_args,
     end_ray_before_error_line,
+    ray_is_connected,
     report_known_failure,
 )
 from raytrain_common.configs import ConfigError
@@ -83,16 +84,19 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
+    caller_holds_ray = ray_is_connected()
     try:
         return COMMANDS[args.command](args)
     except USER_ERRORS as error:
-        end_ray_before_error_line()
+        end_ray_before_error_line(caller_holds_ray=caller_holds_ray)
         print(f"mnist-resnet {args.command}: error: {error}", file=sys.stderr)
         return 2
     except Exception as error:
         # A known cause (GPU or node out of memory, a collective timeout, a missing module, …) gets
         # one line with its fix under the traceback; anything else propagates as it is.
-        if not report_known_failure(f"mnist-resnet {args.command}", error):
+        if not report_known_failure(
+            f"mnist-resnet {args.command}", error, caller_holds_ray=caller_holds_ray
+        ):
             raise
         return 1
 
