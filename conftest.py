@@ -20,18 +20,23 @@ os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
 os.environ.pop("RAY_AUTH_TOKEN_PATH", None)
 
 
+OWN_SESSION_MARKERS = ("faults", "memory_cap")
+
+
 @pytest.hookimpl(trylast=True)  # after `-m` has deselected: `items` is what will run
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """`gpu` tests run where CUDA is and are skipped, with the reason, everywhere else. `faults`
-    tests start their own multi-node clusters, which cannot share this process with the session's
-    single-node one: they run only in a session of their own (`pytest -m faults`)."""
+    and `memory_cap` tests start their own multi-node clusters, which cannot share this process
+    with the session's single-node one: they run only in a session of their own
+    (`pytest -m faults`, `pytest -m memory_cap`)."""
     import torch
 
-    if any("faults" not in item.keywords for item in items):
-        skip_faults = pytest.mark.skip(reason="run fault tests on their own: `nox -s faults`")
-        for item in items:
-            if "faults" in item.keywords:
-                item.add_marker(skip_faults)
+    for marker in OWN_SESSION_MARKERS:
+        if any(marker not in item.keywords for item in items):
+            skip = pytest.mark.skip(reason=f"run {marker} tests on their own: `nox -s {marker}`")
+            for item in items:
+                if marker in item.keywords:
+                    item.add_marker(skip)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")

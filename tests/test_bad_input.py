@@ -197,7 +197,7 @@ CASES = [
     Case("NaN in the label column", "hf-finetune",
          lambda r: hf_prepare(r, "--dataset", str(text(r / "n.csv",
              "text,label\n" + "".join(f"row {i},{'NaN' if i == 3 else i % 2}\n" for i in range(30))))),
-         r"column 'label' of .* has no value \(blank, NA or NaN\) at row 3 \(1 such rows in all\)"),
+         r"column 'label' of .*n\.csv has no value \(blank, NA or NaN\) at row 3 \(1 such rows in rows 0–29\)"),
     Case("score labels", "hf-finetune",
          lambda r: hf_prepare(r, "--dataset", str(text(r / "s.csv",
              "text,label\n" + "".join(f"row {i},{i / 7:.3f}\n" for i in range(30))))),

@@ -14,13 +14,15 @@ from hf_finetune.cli import main
 from hf_finetune.config import PrepareConfig
 from hf_finetune.data import (
     DataError,
+    PartLabels,
     inspect_dataset,
-    label_ids,
     label_names,
     prepare,
+    read_labels_of,
     read_split,
     read_vader,
     split_indices,
+    table_part,
 )
 from hf_finetune.model import ModelError, resolve_model
 from raytrain_common.storage import StoragePath, resolve_storage
@@ -49,16 +51,24 @@ def test_split_is_stratified_disjoint_complete_and_seeded() -> None:
     assert all(np.array_equal(split[k], again[k]) for k in split)
 
 
+def labels_of(values: pa.Array) -> PartLabels:
+    table = pa.table({"text": [f"row {i}" for i in range(len(values))], "y": values})
+    options = PrepareConfig(text_column="text", label_column="y")
+    return read_labels_of(table_part("all", "a table", table), options, stratify="y")
+
+
 def test_label_names_and_ids() -> None:
-    numbers = pa.array([10, 2, 2, 10, 7])
-    assert label_names(numbers, "stars") == ["2", "7", "10"]  # numeric order, not text order
-    assert label_ids(numbers, ["2", "7", "10"]).tolist() == [2, 0, 0, 2, 1]
-    words = pa.array(["pos", "neg", "neutral"])
-    assert label_names(words, "y") == ["neg", "neutral", "pos"]
+    numbers = labels_of(pa.array([10, 2, 2, 10, 7]))
+    assert label_names([numbers], "y") == ["2", "7", "10"]  # numeric order, not text order
+    assert numbers.labels.ids(["2", "7", "10"]).tolist() == [2, 0, 0, 2, 1]
+    words = labels_of(pa.array(["pos", "neg", "neutral"]))
+    assert label_names([words], "y") == ["neg", "neutral", "pos"]
+    assert label_names([numbers, words], "y")[:3] == ["10", "2", "7"]  # mixed: text order
     with pytest.raises(DataError, match=r"label column 'y' has one class \('pos'\) in 2 rows"):
-        label_names(pa.array(["pos", "pos"]), "y")
+        label_names([labels_of(pa.array(["pos", "pos"]))], "y")
     with pytest.raises(DataError, match=r"holds floats .*map the scores to classes first"):
-        label_names(pa.array([0.5, -1.2]), "score")
+        labels_of(pa.array([0.5, -1.2]))
+    assert label_names([labels_of(pa.array([1.0, 2.0]))], "y") == ["1", "2"]  # a spreadsheet's
 
 
 @pytest.mark.ray
@@ -146,7 +156,7 @@ def test_a_users_csv_with_three_classes_and_truncation(
         (
             "comment,rating\nhi,good\n  ,bad\nho,bad\n",
             ("comment", "rating"),
-            r"column 'comment' .* has no value \(blank, NA or NaN\) at row 1 \(1 such rows in all\)",
+            r"column 'comment' .* has no value \(blank, NA or NaN\) at row 1 \(1 such rows in rows 0–2\)",
         ),
         (
             "comment,rating\nhi,good\nho,bad\n",

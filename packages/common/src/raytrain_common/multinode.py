@@ -28,6 +28,8 @@ from typing import Any
 import ray
 from ray.cluster_utils import Cluster
 
+from raytrain_common.memory_cap import MemoryCap
+
 NodeHandle = Any  # ray._private.node.Node: the processes of one node
 
 
@@ -59,12 +61,20 @@ class MultiNodeCluster:
     def address(self) -> str:
         return self.cluster.address
 
-    def add_node(self, cpus: float, **resources: float) -> NodeHandle:
+    def add_node(
+        self, cpus: float, *, memory_cap: MemoryCap | None = None, **resources: float
+    ) -> NodeHandle:
+        """A worker node with `cpus`; inside `memory_cap` (its raylet, and so every worker it
+        starts) when given, as a pod under its memory limit."""
         node = self.cluster.add_node(
             num_cpus=cpus,
             resources=resources or None,
             object_store_memory=self.object_store_bytes,
         )
+        if memory_cap is not None:
+            for infos in node.all_processes.values():
+                for info in infos:
+                    memory_cap.adopt(info.process.pid)
         self.cluster.wait_for_nodes()
         return node
 

@@ -16,9 +16,10 @@ import logging
 import subprocess
 import sys
 import tarfile
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -30,7 +31,7 @@ import pyarrow.parquet as pq
 from hf_finetune.config import VADER_SOURCE, PrepareConfig
 from raytrain_common.pretokenize import TokenStats, read_stats
 from raytrain_common.storage import StoragePath, resolve_storage, staged_folder
-from raytrain_common.text import UTF8, decode_text
+from raytrain_common.text import UTF8, TextEncodingError, iter_decoded
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,10 @@ VADER_FILES = {  # file in the sdist's inner archive → source name
     "nytEditorialSnippets_GroundTruth.txt": "nyt_editorials",
 }
 TEXT_SUFFIXES = (".csv", ".tsv", ".jsonl", ".json", ".parquet")
+READ_BYTES = 4 << 20  # a source file is read, transcoded and parsed this much at a time
+READ_ROWS = 16_384  # rows of a table source (or a Parquet file) handled at a time
+RAW_ROWS_PER_FILE = 2048  # at least, per split file to tokenise: both tokenizer actors get work
+SMALL_SPLIT_BYTES = 64 << 20  # a split's rows read into prepare's process, not by Ray Data
 MIN_VOCABULARY = 100  # fewer tokens: a tokenizer folder without its vocabulary files
 
 
@@ -119,62 +124,133 @@ def read_vader(sdist: Path) -> pa.Table:
     return pa.table({"text": texts, "label": labels, "source": sources})
 
 
-def read_files(locations: Sequence[str], encoding: str = UTF8) -> pa.Table:
-    """CSV / TSV / JSONL / Parquet files (local or object storage), concatenated in the order given;
-    text files in `encoding`, folders at any depth."""
-    tables = []
+@dataclass(frozen=True)
+class RawPart:
+    """One named part of a source ("all", or a hub split) that can be read again, a table of rows
+    at a time: prepare reads it twice (the labels, then the rows into their splits), never whole."""
+
+    name: str
+    where: str  # for messages: the file, or the source and split
+    tables: Callable[[], Iterator[tuple[pa.Table, str, int]]]  # (rows, where, first row's index)
+
+
+def data_files(locations: Sequence[str]) -> list[StoragePath]:
+    """CSV / TSV / JSONL / Parquet files (local or object storage) in the order given, folders at
+    any depth; an error naming a location that holds none."""
+    files = []
     for location in locations:
         storage = resolve_storage(location)
         if not storage.exists():
             raise DataError(f"no data files at {location!r}: the path does not exist")
-        files = [f for _, f in storage.walk_files()] if storage.is_dir() else [storage]
-        files = [f for f in files if f.path.lower().endswith(TEXT_SUFFIXES)]
-        if not files:
+        found = [f for _, f in storage.walk_files()] if storage.is_dir() else [storage]
+        found = [f for f in found if f.path.lower().endswith(TEXT_SUFFIXES)]
+        if not found:
             raise DataError(
                 f"no data files at {location!r}: give CSV, TSV, JSONL or Parquet files "
                 f"({', '.join(TEXT_SUFFIXES)})"
             )
-        tables += [_read_one(file, encoding) for file in files]
-    try:
-        return pa.concat_tables(tables, promote_options="permissive")
-    except (pa.ArrowInvalid, pa.ArrowTypeError) as error:
-        raise DataError(
-            f"the files' columns do not agree ({error}): give files of one layout"
-        ) from error
+        files += found
+    return files
 
 
-def _read_one(file: StoragePath, encoding: str) -> pa.Table:
+def files_part(files: list[StoragePath], encoding: str) -> RawPart:
+    def tables() -> Iterator[tuple[pa.Table, str, int]]:
+        for file in files:
+            first_row = 0
+            for table in file_tables(file, encoding):
+                yield table, file.uri, first_row
+                first_row += table.num_rows
+
+    where = files[0].uri if len(files) == 1 else f"{len(files)} files ({files[0].uri}, …)"
+    return RawPart("all", where, tables)
+
+
+def table_part(name: str, where: str, table: pa.Table) -> RawPart:
+    """A table already at hand (VADER's, or a hub split, which `datasets` memory-maps)."""
+
+    def tables() -> Iterator[tuple[pa.Table, str, int]]:
+        for start in range(0, table.num_rows, READ_ROWS):
+            yield table.slice(start, READ_ROWS), where, start
+
+    return RawPart(name, where, tables)
+
+
+class Utf8Stream(io.RawIOBase):
+    """A text file in any encoding, read a chunk at a time and handed on as UTF-8 (what Arrow's
+    readers take); a byte that is not `encoding` fails with its place and the fix."""
+
+    def __init__(self, file: StoragePath, encoding: str) -> None:
+        self.file = file
+        self.pending = b""
+        self.decoded = iter_decoded(self._chunks(), encoding, file.uri)
+
+    def _chunks(self) -> Iterator[bytes]:
+        with self.file.filesystem.open_input_stream(self.file.path) as stream:
+            while chunk := stream.read(READ_BYTES):
+                yield chunk
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        while not self.pending:
+            text = next(self.decoded, None)
+            if text is None:
+                return 0
+            self.pending = text[0].encode(UTF8)
+        count = min(len(buffer), len(self.pending))
+        buffer[:count] = self.pending[:count]
+        self.pending = self.pending[count:]
+        return count
+
+
+def file_tables(file: StoragePath, encoding: str) -> Iterator[pa.Table]:
+    """One file's rows a few MiB at a time: Parquet by row group batches, CSV / TSV / JSONL
+    transcoded to UTF-8 on the way (Arrow's readers take UTF-8 alone)."""
     suffix = Path(file.path).suffix.lower()
-    data = file.read_bytes()
-    if not data.strip():
+    with file.filesystem.open_input_stream(file.path) as stream:
+        head = stream.read(4096)
+    if not head.strip():
         raise DataError(f"{file.uri} is empty: give a file with a header and rows")
-    if suffix != ".parquet":
-        if b"\x00" in data[:4096] and not data.startswith((b"\xff\xfe", b"\xfe\xff")):
-            raise DataError(
-                f"{file.uri} holds NUL bytes, so it is no {suffix[1:].upper()} text (a binary file "
-                "named like one?); if it is UTF-16 or UTF-32 text, pass --encoding utf-16 / utf-32"
-            )
-        # Arrow's readers take UTF-8 alone: decode in the user's encoding first, so bytes in
-        # another one are refused with their place and the fix, never read as 'binary' columns.
-        data = decode_text(data, encoding, file.uri).encode(UTF8)
+    if suffix != ".parquet" and b"\x00" in head and not head.startswith((b"\xff\xfe", b"\xfe\xff")):
+        raise DataError(
+            f"{file.uri} holds NUL bytes, so it is no {suffix[1:].upper()} text (a binary file "
+            "named like one?); if it is UTF-16 or UTF-32 text, pass --encoding utf-16 / utf-32"
+        )
     try:
         if suffix == ".parquet":
-            return pq.read_table(io.BytesIO(data))
+            with file.filesystem.open_input_file(file.path) as source:
+                for batch in pq.ParquetFile(source).iter_batches(batch_size=READ_ROWS):
+                    yield pa.Table.from_batches([batch])
+            return
+        text = Utf8Stream(file, encoding)
         if suffix in (".jsonl", ".json"):
-            return pa.json.read_json(io.BytesIO(data))
-        delimiter = "\t" if suffix == ".tsv" else ","
-        # Quoted fields may span lines (a review with paragraphs), as spreadsheets write them.
-        options = pa.csv.ParseOptions(delimiter=delimiter, newlines_in_values=True)
-        return pa.csv.read_csv(io.BytesIO(data), parse_options=options)
+            reader: Any = pa.json.open_json(
+                text, read_options=pa.json.ReadOptions(block_size=READ_BYTES)
+            )
+        else:
+            # Quoted fields may span lines (a review with paragraphs), as spreadsheets write them.
+            reader = pa.csv.open_csv(
+                text,
+                read_options=pa.csv.ReadOptions(block_size=READ_BYTES),
+                parse_options=pa.csv.ParseOptions(
+                    delimiter="\t" if suffix == ".tsv" else ",", newlines_in_values=True
+                ),
+            )
+        for batch in reader:
+            yield pa.Table.from_batches([batch])
     except (pa.ArrowInvalid, OSError) as error:
+        if isinstance(error.__context__, TextEncodingError):  # raised inside Arrow's read
+            raise error.__context__ from None
         first_line = (
             str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         )
         raise DataError(f"cannot read {file.uri} as {suffix[1:]}: {first_line}") from error
 
 
-def read_hub(name: str, config_name: str | None) -> dict[str, pa.Table]:
-    """A Hugging Face hub dataset's splits (needs the hub; HF_HUB_OFFLINE=1 turns it off)."""
+def read_hub(name: str, config_name: str | None) -> list[RawPart]:
+    """A Hugging Face hub dataset's splits (needs the hub; HF_HUB_OFFLINE=1 turns it off), read
+    from the memory-mapped Arrow files `datasets` keeps."""
     import datasets
 
     try:
@@ -184,7 +260,9 @@ def read_hub(name: str, config_name: str | None) -> dict[str, pa.Table]:
             f"cannot load dataset {name!r} from the Hugging Face hub ({type(error).__name__}: "
             f"{str(error)[:300]}); without the hub, give local CSV / JSONL / Parquet files"
         ) from error
-    return {split: part.data.table for split, part in loaded.items()}
+    return [
+        table_part(split, f"{name} ({split})", part.data.table) for split, part in loaded.items()
+    ]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -193,9 +271,10 @@ def read_hub(name: str, config_name: str | None) -> dict[str, pa.Table]:
 
 
 def select_columns(
-    table: pa.Table, text_column: str, label_column: str, where: str
-) -> tuple[pa.Table, pa.Array]:
-    """The text and label columns, checked: text must be strings, neither may have gaps."""
+    table: pa.Table, text_column: str, label_column: str, where: str, first_row: int = 0
+) -> tuple[pa.Array, pa.Array]:
+    """The text and label columns of rows `first_row`… of `where`, checked: text must be strings,
+    neither may have gaps. Integral float labels (1.0, 2.0) become integers."""
     missing = [c for c in (text_column, label_column) if c not in table.column_names]
     if missing:
         raise DataError(
@@ -222,10 +301,10 @@ def select_columns(
         nan = pc.fill_null(pc.is_nan(labels), False)
         count = pc.sum(nan).as_py() or 0
         if count:
-            row = int(pc.index(nan, True).as_py())
+            row = first_row + int(pc.index(nan, True).as_py())
             raise DataError(
-                f"column {label_column!r} of {where} is NaN at row {row} ({count} such rows): "
-                "fill or drop those rows"
+                f"column {label_column!r} of {where} is NaN at row {row} ({count} such rows in "
+                f"rows {first_row}–{first_row + table.num_rows - 1}): fill or drop those rows"
             )
         values = labels.drop_null()
         if len(values) and pc.all(pc.equal(pc.floor(values), values)).as_py():
@@ -236,40 +315,89 @@ def select_columns(
     for name, blank in ((text_column, blank_text), (label_column, pc.is_null(labels))):
         count = pc.sum(pc.fill_null(blank, True)).as_py() or 0
         if count:
-            row = int(pc.index(pc.fill_null(blank, True), True).as_py())
+            row = first_row + int(pc.index(pc.fill_null(blank, True), True).as_py())
             raise DataError(
                 f"column {name!r} of {where} has no value (blank, NA or NaN) at row {row} "
-                f"({count} such rows in all): fill or drop those rows"
+                f"({count} such rows in rows {first_row}–{first_row + table.num_rows - 1}): "
+                "fill or drop those rows"
             )
     return text.cast(pa.string()), labels
 
 
-def label_names(labels: pa.Array | pa.ChunkedArray, label_column: str) -> list[str]:
-    """The sorted class names (numeric order for integer labels); at least two, or an error."""
-    if pa.types.is_floating(labels.type):
-        raise DataError(
-            f"label column {label_column!r} holds floats (e.g. {labels[0].as_py()}): "
-            "a classifier needs class labels; map the scores to classes first"
+class Codes:
+    """A column's distinct values as seen batch by batch, and every row as the code of its value
+    (first-seen order, 4 bytes a row): what prepare keeps of the labels and strata, not the rows."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, int] = {}
+        self.chunks: list[np.ndarray] = []
+
+    def add(self, column: pa.Array) -> None:
+        as_text = pc.fill_null(pc.cast(column, pa.string()), "")  # a stratum may be missing
+        for value in pc.unique(as_text).to_pylist():
+            self.values.setdefault(value, len(self.values))
+        codes = pc.index_in(as_text, value_set=pa.array(list(self.values), pa.string()))
+        self.chunks.append(codes.to_numpy(zero_copy_only=False).astype(np.int32))
+
+    def ids(self, names: Sequence[str]) -> np.ndarray:
+        """Each row's position in `names` (which holds every value seen)."""
+        position = {name: index for index, name in enumerate(names)}
+        remap = np.array([position[value] for value in self.values], dtype=np.int64)
+        codes = np.concatenate(self.chunks) if self.chunks else np.zeros(0, np.int32)
+        return remap[codes] if len(remap) else codes.astype(np.int64)
+
+
+@dataclass
+class PartLabels:
+    """What the first pass keeps of one part: its rows' class codes and strata, and the labels'
+    kind (numeric order for integer labels, "2" before "10")."""
+
+    labels: Codes = field(default_factory=Codes)
+    strata: Codes = field(default_factory=Codes)
+    rows: int = 0
+    kinds: set[str] = field(default_factory=set)
+
+
+def read_labels_of(part: RawPart, options: PrepareConfig, stratify: str) -> PartLabels:
+    """First pass: every table of the part checked (columns, text, gaps); its labels and strata
+    kept as codes."""
+    seen = PartLabels()
+    for table, where, first_row in part.tables():
+        _, labels = select_columns(
+            table, options.text_column, options.label_column, where, first_row
         )
-    values = pc.unique(labels).to_pylist()
-    if pa.types.is_integer(labels.type):
-        names = [str(v) for v in sorted(values)]  # numeric order: "2" before "10"
-    else:
-        names = sorted(pc.unique(pc.cast(labels, pa.string())).to_pylist())
-    if len(names) < 2:
+        if pa.types.is_floating(labels.type):
+            raise DataError(
+                f"label column {options.label_column!r} holds floats (e.g. {labels[0].as_py()}): "
+                "a classifier needs class labels; map the scores to classes first"
+            )
+        if stratify not in table.column_names:
+            raise DataError(
+                f"no column {stratify!r} to stratify the split by ({where} has "
+                f"{table.column_names}): set --stratify-column"
+            )
+        seen.kinds.add("integer" if pa.types.is_integer(labels.type) else "text")
+        seen.labels.add(labels)
+        seen.strata.add(table.column(stratify).combine_chunks())
+        seen.rows += table.num_rows
+    if seen.rows == 0:
+        raise DataError(f"{part.where} has no rows")
+    return seen
+
+
+def label_names(parts: Sequence[PartLabels], label_column: str) -> list[str]:
+    """The sorted class names over every part (numeric order when every label is an integer); at
+    least two, or an error."""
+    values = sorted({value for part in parts for value in part.labels.values})
+    if all(part.kinds == {"integer"} for part in parts):
+        values.sort(key=int)
+    if len(values) < 2:
+        rows = sum(part.rows for part in parts)
         raise DataError(
-            f"label column {label_column!r} has one class ({names[0]!r}) in {len(labels)} rows: "
+            f"label column {label_column!r} has one class ({values[0]!r}) in {rows} rows: "
             "a classifier needs at least two; check --label-column"
         )
-    return names
-
-
-def label_ids(labels: pa.Array, names: Sequence[str]) -> np.ndarray:
-    as_text = pc.cast(labels, pa.string()) if not pa.types.is_string(labels.type) else labels
-    ids = pc.index_in(as_text, value_set=pa.array(list(names))).to_numpy(zero_copy_only=False)
-    if np.isnan(ids.astype(float)).any():
-        raise DataError(f"labels outside the label set {list(names)}")
-    return ids.astype(np.int64)
+    return values
 
 
 MIN_HELD_OUT_ROWS = 32  # one global batch of the default presets
@@ -389,83 +517,165 @@ def read_labels(data_dir: StoragePath, split: str) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------
 
 
-def load_source(options: PrepareConfig, download_dir: Path) -> tuple[dict[str, pa.Table], str]:
-    """The raw tables (one, or the hub's named splits) and a description of where they came from."""
+def load_source(options: PrepareConfig, download_dir: Path) -> tuple[list[RawPart], str]:
+    """The source's parts (one, or the hub's named splits) and a description of where they came
+    from; nothing is read yet but VADER's few thousand sentences."""
     if options.dataset == VADER_SOURCE:
         sdist = Path(options.vader_sdist) if options.vader_sdist else download_vader(download_dir)
-        return {"all": read_vader(sdist)}, f"VADER human-rated sentences ({sdist.name})"
+        where = f"VADER human-rated sentences ({sdist.name})"
+        return [table_part("all", where, read_vader(sdist))], where
     looks_like_files = (
         any(options.dataset.lower().endswith(s) for s in TEXT_SUFFIXES)
         or resolve_storage(options.dataset).exists()
     )
     if looks_like_files or "://" in options.dataset:
-        locations = options.dataset.split(",")
-        return {"all": read_files(locations, options.encoding)}, options.dataset
+        files = data_files(options.dataset.split(","))
+        return [files_part(files, options.encoding)], options.dataset
     return read_hub(options.dataset, options.dataset_config), options.dataset
 
 
-def assign_splits(raw: dict[str, pa.Table], options: PrepareConfig) -> dict[str, pa.Table]:
-    """Use a source's own train/validation/test splits; carve any missing one out of its train rows.
+SPLIT_NAMES = {"train": "train", "validation": "validation", "valid": "validation", "dev": "validation", "test": "test"}  # fmt: skip
 
-    Carving is stratified by the `stratum` column, so each split keeps the source's mix.
-    """
-    aliases = {"train": "train", "validation": "validation", "valid": "validation", "dev": "validation", "test": "test"}  # fmt: skip
-    named = {aliases[k]: v for k, v in raw.items() if k in aliases}
+
+@dataclass(frozen=True)
+class Placement:
+    """Where each row of a part goes: its split (an index into SPLITS; -1: nowhere) and its row id
+    in that split (its place in the split's seeded order)."""
+
+    split: np.ndarray  # (rows,) int8
+    row: np.ndarray  # (rows,) int64
+
+
+def place_rows(
+    parts: Sequence[RawPart], seen: Sequence[PartLabels], options: PrepareConfig
+) -> list[Placement]:
+    """Use a source's own train/validation/test splits; carve any missing one out of its train rows,
+    stratified by the `stratum` codes so each split keeps the source's mix."""
+    named = {SPLIT_NAMES[p.name]: i for i, p in enumerate(parts) if p.name in SPLIT_NAMES}
+    placements = [
+        Placement(np.full(part.rows, -1, np.int8), np.zeros(part.rows, np.int64)) for part in seen
+    ]
+
+    def whole(index: int, split: str) -> None:
+        placements[index].split[:] = SPLITS.index(split)
+        placements[index].row[:] = np.arange(seen[index].rows)
+
     if named.keys() >= set(SPLITS):
-        return {split: named[split] for split in SPLITS}
-    pool = named.get("train", next(iter(raw.values())))
+        for split in SPLITS:
+            whole(named[split], split)
+        return placements
+    pool = named.get("train", 0)
+    rows = seen[pool].rows
     fractions = (
         0.0 if "validation" in named else options.validation_fraction,
         0.0 if "test" in named else options.test_fraction,
     )
-    strata = np.asarray(pool.column("stratum").to_pylist(), dtype=str)
-    if pool.num_rows < 10:
+    if rows < 10:
         raise DataError(
-            f"{pool.num_rows} rows cannot make a train, a validation and a test split worth the name: "
+            f"{rows} rows cannot make a train, a validation and a test split worth the name: "
             "give at least 10 labelled rows (a few hundred to learn anything)"
         )
     for split, fraction in zip(("validation", "test"), fractions, strict=True):
-        size = held_out_rows(pool.num_rows, fraction)
-        if fraction and size > round(pool.num_rows * fraction):
+        size = held_out_rows(rows, fraction)
+        if fraction and size > round(rows * fraction):
             log.warning(
                 "%s: %d rows, not the %d that --%s-fraction %.2f gives, so it holds one batch of "
                 "%d (or %.0f %% of a small dataset)",
-                split, size, round(pool.num_rows * fraction), split, fraction,
+                split, size, round(rows * fraction), split, fraction,
                 MIN_HELD_OUT_ROWS, 100 * MAX_HELD_OUT_SHARE,
             )  # fmt: skip
-    carved = {
-        split: pool.take(pa.array(rows))
-        for split, rows in split_indices(pool.num_rows, strata, fractions, options.seed).items()
-    }
-    return {
-        split: carved[split] if split == "train" else named.get(split, carved[split])
+    strata = seen[pool].strata.ids(sorted(seen[pool].strata.values))
+    for split, chosen in split_indices(rows, strata, fractions, options.seed).items():
+        placements[pool].split[chosen] = SPLITS.index(split)
+        placements[pool].row[chosen] = np.arange(len(chosen))
+    for split in ("validation", "test"):
+        if split in named:
+            whole(named[split], split)
+    return placements
+
+
+def write_raw_splits(
+    parts: Sequence[RawPart],
+    codes: Sequence[np.ndarray],
+    placements: Sequence[Placement],
+    options: PrepareConfig,
+    counts: dict[str, int],
+    folder: StoragePath,
+) -> None:
+    """Second pass: every part read again and each row (row id, text, class id) appended to its
+    split's Parquet files under `folder`, a table at a time."""
+    writers = {
+        split: PartWriter(folder.join(split), max(RAW_ROWS_PER_FILE, counts[split] // 64))
         for split in SPLITS
     }
+    for part, labels, place in zip(parts, codes, placements, strict=True):
+        offset = 0
+        for table, _, _ in part.tables():
+            end = offset + table.num_rows
+            text = table.column(options.text_column).combine_chunks().cast(pa.string())
+            for index, split in enumerate(SPLITS):
+                mask = place.split[offset:end] == index
+                if mask.any():
+                    writers[split].write(
+                        pa.table(
+                            {
+                                "row": place.row[offset:end][mask],
+                                "text": text.filter(pa.array(mask)),
+                                "label": labels[offset:end][mask],
+                            }
+                        )
+                    )
+            offset = end
+    for writer in writers.values():
+        writer.close()
 
 
-def normalise(
-    raw: dict[str, pa.Table], options: PrepareConfig, stratify: str, where: str
-) -> tuple[dict[str, pa.Table], list[str]]:
-    """Every raw table as columns text, label (class id) and stratum; and the class names."""
-    checked = {
-        name: select_columns(table, options.text_column, options.label_column, f"{where} ({name})")
-        for name, table in raw.items()
-    }
-    names = label_names(
-        pa.chunked_array([labels for _, labels in checked.values()]), options.label_column
+class PartWriter:
+    """Tables appended to part-NNNNN.parquet files of at most `rows_per_file` rows each."""
+
+    def __init__(self, folder: StoragePath, rows_per_file: int) -> None:
+        self.folder, self.rows_per_file = folder, rows_per_file
+        self.writer: pq.ParquetWriter | None = None
+        self.files = self.rows = 0
+
+    def write(self, table: pa.Table) -> None:
+        while table.num_rows:
+            if self.writer is None:
+                target = self.folder.join(f"part-{self.files:05d}.parquet")
+                self.folder.mkdir()
+                self.writer = pq.ParquetWriter(
+                    target.path, table.schema, filesystem=target.filesystem
+                )
+                self.files, self.rows = self.files + 1, 0
+            taken = table.slice(0, self.rows_per_file - self.rows)
+            self.writer.write_table(taken)
+            self.rows += taken.num_rows
+            table = table.slice(taken.num_rows)
+            if self.rows == self.rows_per_file:
+                self.close()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+
+def raw_rows(folder: StoragePath) -> Any:
+    """A split's rows to tokenise as a Ray Dataset: read here when small (Ray Data's Parquet reader
+    costs seconds of start-up per split, most of a small dataset's prepare), else read by Ray Data
+    across the cluster."""
+    import ray.data
+
+    files = folder.list_files(".parquet")
+    if sum(file.filesystem.get_file_info(file.path).size for file in files) > SMALL_SPLIT_BYTES:
+        return ray.data.read_parquet(folder.path, filesystem=folder.filesystem)
+    table = pa.concat_tables(
+        [pq.read_table(file.path, filesystem=file.filesystem) for file in files]
     )
-    normalised = {}
-    for name, (text, labels) in checked.items():
-        if stratify not in raw[name].column_names:
-            raise DataError(
-                f"no column {stratify!r} to stratify the split by (the data has "
-                f"{raw[name].column_names}): set --stratify-column"
-            )
-        stratum = pc.cast(raw[name].column(stratify), pa.string())
-        normalised[name] = pa.table(
-            {"text": text, "label": pa.array(label_ids(labels, names)), "stratum": stratum}
-        )
-    return normalised, names
+    step = RAW_ROWS_PER_FILE
+    return ray.data.from_arrow(
+        [table.slice(start, step) for start in range(0, table.num_rows, step)]
+    )
 
 
 def prepare(
@@ -475,8 +685,13 @@ def prepare(
     download_dir: Path,
     force: bool = False,
 ) -> DatasetInfo:
-    """Read, check, split and pre-tokenise a labelled text dataset; idempotent unless `force`."""
-    import ray.data
+    """Read, check, split and pre-tokenise a labelled text dataset; idempotent unless `force`.
+
+    The source is read twice, a table at a time, never whole: first its labels (kept as 4-byte
+    codes a row, for the stratified split), then its rows, each appended to its split's Parquet
+    in a staging folder, which Ray Data then tokenises across the cluster. Memory grows with the
+    row count by ~20 bytes a row, not with the text.
+    """
 
     from raytrain_common.pretokenize import pretokenize
     from raytrain_common.ray_start import init_ray
@@ -507,34 +722,30 @@ def prepare(
         if not data_dir.is_local:  # rewritten in place: unmarked until complete
             marker.filesystem.delete_file(marker.path)
 
-    raw, source = load_source(options, download_dir)
+    parts, source = load_source(options, download_dir)
     is_vader = options.dataset == VADER_SOURCE
     stratify = options.stratify_column or ("source" if is_vader else options.label_column)
-    normalised, names = normalise(raw, options, stratify, source)
-    splits = assign_splits(normalised, options)
-    for split, table in splits.items():
-        if table.num_rows == 0:
+    seen = [read_labels_of(part, options, stratify) for part in parts]
+    names = label_names(seen, options.label_column)
+    placements = place_rows(parts, seen, options)
+    counts = {split: int(sum((p.split == i).sum() for p in placements)) for i, split in enumerate(SPLITS)}  # fmt: skip
+    for split, count in counts.items():
+        if count == 0:
             raise DataError(
-                f"the {split} split of {source} has no rows ({sum(t.num_rows for t in splits.values())} "
-                "rows in all): give more data, or a larger --validation-fraction / --test-fraction"
+                f"the {split} split of {source} has no rows ({sum(counts.values())} rows in all): "
+                "give more data, or a larger --validation-fraction / --test-fraction"
             )
 
     init_ray(train_cpus=1)  # only now: every check above runs without a cluster
     token_stats = {}
     with staged_folder(data_dir, DATASET_FILE) as staging:
-        for split, table in splits.items():
-            table = pa.table(
-                {
-                    "row": pa.array(np.arange(table.num_rows)),
-                    "text": table["text"],
-                    "label": table["label"],
-                }
-            )
+        raw = staging.join(".raw")
+        codes = [part.labels.ids(names) for part in seen]
+        write_raw_splits(parts, codes, placements, options, counts, raw)
+        del codes
+        for split in SPLITS:
             stats = pretokenize(
-                # Blocks of a few thousand rows, so that both tokenizer actors get work.
-                ray.data.from_arrow(
-                    [table.slice(start, 2048) for start in range(0, table.num_rows, 2048)]
-                ),
+                raw_rows(raw.join(split)),
                 staging.join(split),
                 tokenizer_path=model,
                 text_column="text",
@@ -547,10 +758,11 @@ def prepare(
                 split, stats.rows, stats.length_p50, stats.length_p99,
                 100 * stats.truncated_share, options.max_length,
             )  # fmt: skip
+        raw.filesystem.delete_dir(raw.path)
         info = DatasetInfo(
             source=source,
             labels=names,
-            rows={split: table.num_rows for split, table in splits.items()},
+            rows=counts,
             tokenizer=model,
             tokenizer_sha256=fingerprint,
             max_length=options.max_length,

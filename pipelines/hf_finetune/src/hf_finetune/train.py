@@ -120,22 +120,30 @@ class TokenizedSplit(torch.utils.data.Dataset):
 
     The token ids are read by row index from a node-local row file built once from the Parquet
     (raytrain_common.rowfile), so a worker holds the rows of its batches, not the split: in memory
-    stay the labels and lengths alone (8 bytes a row), which the length-grouped sampler needs. The
+    stay the labels and lengths alone (16 bytes a row), which the length-grouped sampler needs. The
     Trainer's distributed sampler gives every rank its part, evaluation gathers the predictions
     exactly (no row lost or counted twice), and a resumed run skips the batches already seen.
     """
 
-    def __init__(self, ids: RowSource, labels: np.ndarray, lengths: np.ndarray) -> None:
+    def __init__(
+        self,
+        ids: RowSource,
+        labels: np.ndarray,
+        lengths: np.ndarray,
+        rows: np.ndarray | None = None,
+    ) -> None:
         self.ids = ids  # (rows, 1 + max_length) int32: the kept length, then the ids, zero-padded
         self.labels = labels
         # Untruncated lengths capped at the truncation: what the length-grouped sampler needs.
         self.lengths = lengths
+        self.rows = rows  # item i is row rows[i] of the row file (None: row i)
 
     @classmethod
     def open(
         cls, data_dir: StoragePath, split: str, max_length: int, limit: int | None
     ) -> TokenizedSplit:
-        """The split's first `limit` rows (all if None), read through this node's row files."""
+        """The split's first `limit` rows of its seeded order (row ids below `limit`: a random
+        sample whatever order the files hold), all if None, read through this node's row files."""
         split_dir = data_dir.join(split)
         layout = f"ids{max_length}-i32-v1"
         ids = row_file(
@@ -143,12 +151,13 @@ class TokenizedSplit(torch.utils.data.Dataset):
             functools.partial(token_rows, max_length=max_length), layout,
         )  # fmt: skip
         labelled = row_file(
-            split_dir, "label_length", ["label", "length"],
-            functools.partial(label_length_rows, max_length=max_length), layout,
+            split_dir, "label_length_row", ["label", "length", "row"],
+            functools.partial(label_length_rows, max_length=max_length), f"{layout}-row",
         )  # fmt: skip
-        both = np.concatenate(list(labelled.read_all())) if len(labelled) else np.zeros((0, 2))
-        count = len(both) if limit is None else min(limit, len(both))
-        return cls(ids, both[:count, 0].astype(np.int64), both[:count, 1].astype(np.int64))
+        rows = np.concatenate(list(labelled.read_all())) if len(labelled) else np.zeros((0, 3))
+        kept = np.arange(len(rows)) if limit is None else np.flatnonzero(rows[:, 2] < limit)
+        labels, lengths = rows[kept, 0].astype(np.int64), rows[kept, 1].astype(np.int64)
+        return cls(ids, labels, lengths, None if limit is None else kept)
 
     @classmethod
     def from_table(cls, table: pa.Table, max_length: int) -> TokenizedSplit:
@@ -165,7 +174,7 @@ class TokenizedSplit(torch.utils.data.Dataset):
         return len(self.labels)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
-        row = self.ids.take([index])[0]
+        row = self.ids.take([index if self.rows is None else int(self.rows[index])])[0]
         return {"input_ids": row[1 : 1 + row[0]].tolist(), "labels": int(self.labels[index])}
 
 
@@ -183,9 +192,12 @@ def token_rows(batch: pa.RecordBatch, max_length: int) -> np.ndarray:
 
 
 def label_length_rows(batch: pa.RecordBatch, max_length: int) -> np.ndarray:
+    """(label, length capped at max_length, row id) of each row; row id 0.. when there is none."""
     labels = batch.column(batch.schema.get_field_index("label")).to_numpy()
     lengths = batch.column(batch.schema.get_field_index("length")).to_numpy()
-    return np.stack([labels, np.minimum(lengths, max_length)], axis=1).astype(np.int32)
+    index = batch.schema.get_field_index("row")
+    rows = batch.column(index).to_numpy() if index >= 0 else np.arange(len(labels))
+    return np.stack([labels, np.minimum(lengths, max_length), rows], axis=1).astype(np.int64)
 
 
 class EpochSeededLengthGroupedSampler(LengthGroupedSampler):

