@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 MEMORY_ROOT = Path("/sys/fs/cgroup/memory")
@@ -42,18 +44,18 @@ class MemoryCap:
         self.path.mkdir()
         self.limit_mb = 0
         self.set_limit(limit_mb)
-        # A process that joins brings the memory it already holds (anonymous and file pages).
-        self._write("memory.move_charge_at_immigrate", 3)
 
     def set_limit(self, limit_mb: int) -> None:
         """Cap the group at `limit_mb` MiB (lowering it reclaims page cache first). Where swap is
         accounted, memory + swap gets the same cap, so a capped process cannot swap instead."""
         memsw = self.path / "memory.memsw.limit_in_bytes"
+        current = int((self.path / "memory.limit_in_bytes").read_text())
         # The kernel keeps memsw >= memory: raise memsw first, lower it last.
-        if memsw.exists() and limit_mb > self.limit_mb:
+        raising = (limit_mb << 20) > current
+        if memsw.exists() and raising:
             self._write(memsw.name, limit_mb << 20)
         self._write("memory.limit_in_bytes", limit_mb << 20)
-        if memsw.exists() and limit_mb <= self.limit_mb:
+        if memsw.exists() and not raising:
             self._write(memsw.name, limit_mb << 20)
         self.limit_mb = limit_mb
 
@@ -64,7 +66,9 @@ class MemoryCap:
         (self.path / name).write_text(f"{value}\n")
 
     def adopt(self, pid: int) -> None:
-        """Move `pid` and everything it has started into the cap; what it starts later follows."""
+        """Move `pid` and everything it has started into the cap; what it starts later follows.
+        Memory a process held before it joined stays charged where it was (kernels since 6.x no
+        longer move charges): adopt a node's processes before its workers start."""
         import psutil
 
         process = psutil.Process(pid)
@@ -78,6 +82,31 @@ class MemoryCap:
     def peak_mb(self) -> float:
         """The most memory the capped processes held together, page cache included."""
         return int((self.path / "memory.max_usage_in_bytes").read_text()) / 2**20
+
+    @property
+    def held_mb(self) -> float:
+        """What the group holds now that the kernel cannot reclaim: anonymous memory and shared
+        memory (Ray's object store), not page cache."""
+        stat = dict(line.split() for line in (self.path / "memory.stat").read_text().splitlines())
+        return (int(stat["total_rss"]) + int(stat["total_shmem"])) / 2**20
+
+    @contextlib.contextmanager
+    def sampling_held(self, every_s: float = 0.2) -> Iterator[list[float]]:
+        """Samples `held_mb` in a thread while the block runs; the list's max is the peak."""
+        samples: list[float] = []
+        done = threading.Event()
+
+        def sample() -> None:
+            while not done.wait(every_s):
+                samples.append(self.held_mb)
+
+        thread = threading.Thread(target=sample, daemon=True)
+        thread.start()
+        try:
+            yield samples
+        finally:
+            done.set()
+            thread.join()
 
     @property
     def oom_kills(self) -> int:
