@@ -365,7 +365,11 @@ def rows_per_file(image_bytes: int) -> int:
 
 
 def split_tables(
-    split: Split | FileSplit, seed: int, side: int, channels: int
+    split: Split | FileSplit,
+    seed: int,
+    side: int,
+    channels: int,
+    failures: image_tree.DecodeFailures,
 ) -> Iterator[pa.Table]:
     """The split's (image, label) rows in a seeded random order (a sorted source's first rows would
     be one class), a file's worth at a time; an image tree's files are decoded on the way."""
@@ -376,21 +380,18 @@ def split_tables(
             yield to_arrow(split.take(order[start : start + per_file]))
         return
     shuffled = split.take(order)
-    decoded = image_tree.decode_in_order(shuffled.paths, shuffled.labels, side, channels)
+    decoded = image_tree.decode_in_order(shuffled.paths, shuffled.labels, side, channels, failures)
     held: list[pa.Table] = []
     count = 0
-    try:
-        for table in decoded:
-            while table.num_rows:
-                part = table.slice(0, per_file - count)
-                held.append(part)
-                count += part.num_rows
-                table = table.slice(part.num_rows)
-                if count == per_file:
-                    yield pa.concat_tables(held)
-                    held, count = [], 0
-    except image_tree.ImageFolderError as error:
-        raise DataError(str(error)) from error
+    for table in decoded:
+        while table.num_rows:
+            part = table.slice(0, per_file - count)
+            held.append(part)
+            count += part.num_rows
+            table = table.slice(part.num_rows)
+            if count == per_file:
+                yield pa.concat_tables(held)
+                held, count = [], 0
     if held:
         yield pa.concat_tables(held)
 
@@ -471,6 +472,7 @@ def prepare(
     if isinstance(train, FileSplit):
         init_ray(train_cpus=1)  # only now: the checks above run without a cluster
     stats = PixelStats(loaded.channels)
+    failures = image_tree.DecodeFailures()
     if marker.exists() and not data_dir.is_local:  # rewritten in place: unmarked until complete
         marker.filesystem.delete_file(marker.path)
     with staged_folder(data_dir, DATASET_FILE) as staging:
@@ -478,8 +480,10 @@ def prepare(
             folder = staging.join(name)
             if folder.exists():
                 folder.filesystem.delete_dir_contents(folder.path)
-            tables = split_tables(split, seed, loaded.side, loaded.channels)
+            tables = split_tables(split, seed, loaded.side, loaded.channels, failures)
             write_split(folder, counted(tables, stats, loaded.side) if name == "train" else tables)
+        if failures.failed:  # every split was tried, so the count is the tree's
+            raise DataError(failures.message())
         mean, std = stats.mean_std()
         info = DatasetInfo(
             source=_source_id(source),

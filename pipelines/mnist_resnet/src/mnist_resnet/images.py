@@ -200,12 +200,27 @@ def decode_batch(batch: dict[str, np.ndarray], side: int, channels: int) -> dict
     }
 
 
+@dataclass
+class DecodeFailures:
+    """Files that could not be decoded, counted over every split a prepare decodes."""
+
+    tried: int = 0
+    failed: int = 0
+    shown: list[str] = field(default_factory=list)  # the first three, with their errors
+
+    def message(self) -> str:
+        return (
+            f"{self.failed} of {self.tried} images cannot be decoded: {'; '.join(self.shown)}. "
+            "Replace or remove them"
+        )
+
+
 def decode_in_order(
-    paths: Sequence[str], labels: np.ndarray, side: int, channels: int
+    paths: Sequence[str], labels: np.ndarray, side: int, channels: int, failures: DecodeFailures
 ) -> Iterator[pa.Table]:
     """Tables of (image, label) rows, the files decoded in Ray Data tasks across the cluster and
     yielded in the order given, a block at a time: the caller holds a few blocks, never the split.
-    Unreadable files are counted as the stream passes; once it has, an error names them."""
+    Unreadable files are counted into `failures` (their rows hold blank pixels)."""
     import ray.data
 
     files = pa.table({"path": pa.array(paths, pa.string()), "label": pa.array(labels, pa.int64())})
@@ -216,21 +231,15 @@ def decode_in_order(
         decode_batch, batch_size=DECODE_BATCH, fn_kwargs={"side": side, "channels": channels}
     )
     dataset.context.execution_options.preserve_order = True  # this dataset's own context
-    failed = 0
-    shown: list[str] = []
+    failures.tried += files.num_rows
     for batch in dataset.iter_batches(batch_format="pyarrow", batch_size=None):
         bad = pc.not_equal(batch.column("error"), "")
         count = pc.sum(bad).as_py() or 0
         if count:
-            failed += count
-            for row in batch.filter(bad).slice(0, 3 - len(shown)).to_pylist():
-                shown.append(f"{row['path']} ({row['error']})")
+            failures.failed += count
+            for row in batch.filter(bad).slice(0, 3 - len(failures.shown)).to_pylist():
+                failures.shown.append(f"{row['path']} ({row['error']})")
         yield pa.table({"image": batch.column("pixels"), "label": batch.column("label")})
-    if failed:
-        raise ImageFolderError(
-            f"{failed} of {files.num_rows} images cannot be decoded: {'; '.join(shown)}. "
-            "Replace or remove them"
-        )
 
 
 def held_out_rows(rows: int, fraction: float) -> int:
