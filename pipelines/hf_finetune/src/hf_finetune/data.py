@@ -181,7 +181,7 @@ class Utf8Stream(io.RawIOBase):
 
     def __init__(self, file: StoragePath, encoding: str) -> None:
         self.file = file
-        self.pending = b""
+        self.pending = memoryview(b"")  # UTF-8 bytes decoded but not yet read
         self.decoded = iter_decoded(self._chunks(), encoding, file.uri)
 
     def _chunks(self) -> Iterator[bytes]:
@@ -197,7 +197,7 @@ class Utf8Stream(io.RawIOBase):
             text = next(self.decoded, None)
             if text is None:
                 return 0
-            self.pending = text[0].encode(UTF8)
+            self.pending = memoryview(text[0].encode(UTF8))
         count = min(len(buffer), len(self.pending))
         buffer[:count] = self.pending[:count]
         self.pending = self.pending[count:]
@@ -334,17 +334,18 @@ class Codes:
 
     def add(self, column: pa.Array) -> None:
         as_text = pc.fill_null(pc.cast(column, pa.string()), "")  # a stratum may be missing
-        for value in pc.unique(as_text).to_pylist():
-            self.values.setdefault(value, len(self.values))
-        codes = pc.index_in(as_text, value_set=pa.array(list(self.values), pa.string()))
-        self.chunks.append(codes.to_numpy(zero_copy_only=False).astype(np.int32))
+        encoded = as_text.dictionary_encode()  # this batch's values, and each row's index in them
+        codes = np.array(
+            [self.values.setdefault(v, len(self.values)) for v in encoded.dictionary.to_pylist()],
+            dtype=np.int32,
+        )
+        self.chunks.append(codes[encoded.indices.to_numpy(zero_copy_only=False)])
 
     def ids(self, names: Sequence[str]) -> np.ndarray:
         """Each row's position in `names` (which holds every value seen)."""
         position = {name: index for index, name in enumerate(names)}
         remap = np.array([position[value] for value in self.values], dtype=np.int64)
-        codes = np.concatenate(self.chunks) if self.chunks else np.zeros(0, np.int32)
-        return remap[codes] if len(remap) else codes.astype(np.int64)
+        return remap[np.concatenate(self.chunks)] if self.chunks else np.zeros(0, np.int64)
 
 
 @dataclass
@@ -690,9 +691,8 @@ def prepare(
     The source is read twice, a table at a time, never whole: first its labels (kept as 4-byte
     codes a row, for the stratified split), then its rows, each appended to its split's Parquet
     in a staging folder, which Ray Data then tokenises across the cluster. Memory grows with the
-    row count by ~20 bytes a row, not with the text.
+    row count by ~25 bytes a row (codes, placements, class ids), not with the text.
     """
-
     from raytrain_common.pretokenize import pretokenize
     from raytrain_common.ray_start import init_ray
 
@@ -740,9 +740,8 @@ def prepare(
     token_stats = {}
     with staged_folder(data_dir, DATASET_FILE) as staging:
         raw = staging.join(".raw")
-        codes = [part.labels.ids(names) for part in seen]
-        write_raw_splits(parts, codes, placements, options, counts, raw)
-        del codes
+        class_ids = [part.labels.ids(names) for part in seen]
+        write_raw_splits(parts, class_ids, placements, options, counts, raw)
         for split in SPLITS:
             stats = pretokenize(
                 raw_rows(raw.join(split)),

@@ -152,7 +152,7 @@ class TokenizedSplit(torch.utils.data.Dataset):
         )  # fmt: skip
         labelled = row_file(
             split_dir, "label_length_row", ["label", "length", "row"],
-            functools.partial(label_length_rows, max_length=max_length), f"{layout}-row",
+            functools.partial(label_length_rows, max_length=max_length), f"{layout}-row-i32",
         )  # fmt: skip
         rows = np.concatenate(list(labelled.read_all())) if len(labelled) else np.zeros((0, 3))
         kept = np.arange(len(rows)) if limit is None else np.flatnonzero(rows[:, 2] < limit)
@@ -197,7 +197,7 @@ def label_length_rows(batch: pa.RecordBatch, max_length: int) -> np.ndarray:
     lengths = batch.column(batch.schema.get_field_index("length")).to_numpy()
     index = batch.schema.get_field_index("row")
     rows = batch.column(index).to_numpy() if index >= 0 else np.arange(len(labels))
-    return np.stack([labels, np.minimum(lengths, max_length), rows], axis=1).astype(np.int64)
+    return np.stack([labels, np.minimum(lengths, max_length), rows], axis=1).astype(np.int32)
 
 
 class EpochSeededLengthGroupedSampler(LengthGroupedSampler):

@@ -153,7 +153,8 @@ def predict(storage_path: str, run_name: str, count: int, output: str | None) ->
     test = ImageRows.read(resolve_storage(state["config"]["data_dir"]), "test")
     head = min(count - count // 4, len(test))
     correct = 0
-    shown: list[tuple[int, int, int]] = []  # (row, label, predicted)
+    # (row, label, predicted) in row order: rows below `head` all, then mistakes, `count` in all.
+    shown: list[tuple[int, int, int]] = []
     for start in range(0, len(test), PREDICT_BATCH):
         rows = np.arange(start, min(start + PREDICT_BATCH, len(test)))
         batch = test.batch(rows, torch.device("cpu"))
@@ -161,8 +162,8 @@ def predict(storage_path: str, run_name: str, count: int, output: str | None) ->
         labels = batch["label"].numpy()
         correct += int((predicted == labels).sum())
         wanted = (rows < head) | (predicted != labels)
-        shown += list(zip(rows[wanted], labels[wanted], predicted[wanted], strict=True))
-        shown = shown[:head] + [item for item in shown[head:] if item[0] >= head][: count - head]
+        shown += zip(rows[wanted], labels[wanted], predicted[wanted], strict=True)
+        del shown[count:]
     chosen = np.array([row for row, _, _ in shown], dtype=np.int64)
     pixels = test.images.take(chosen)  # (n, C, H, W) uint8
     pixels = pixels[:, 0] if info.channels == 1 else pixels.transpose(0, 2, 3, 1)
