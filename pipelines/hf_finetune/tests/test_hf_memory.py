@@ -1,0 +1,114 @@
+"""A large CSV fine-tuned on a node whose memory is capped below what holding its training split
+would take (`nox -s memory_cap`: a cgroup v1 limit on the node, as a pod's limit; root needed).
+
+Calibrated as the llm and mnist tests are: a run on the first 4,096 training rows, on the same node
+without a cap, gives the baseline (the most memory the node held that the kernel cannot reclaim:
+Ray's node processes, two workers with torch, MiniLM and the Trainer). The whole training split
+(VADER's sentences repeated to 250,000 CSV rows, each copy marked) is then trained under a cap at
+that baseline plus half the split's token rows (int32, as the row file holds them), page cache
+included. hf-finetune 0.6 turned the split into Python lists on every worker (~250 bytes a row for
+these sentences, so ~100 MB over the two workers here, twice what the cap leaves); a worker now reads
+each batch's rows from the node-local row file and keeps 16 bytes a row (labels and lengths),
+yet the capped run is still killed: see the mark below.
+
+A full epoch of 200,000 sentences takes hours on two CPU workers, so both runs stop at step 64
+(`--stop-at-step`, which evaluates and checkpoints), with the warm-up off so that those steps learn
+at the peak rate; the bar is the lost-worker test's (64 steps of 32 sentences).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hf_finetune.bench_data import write_dataset
+from hf_finetune.data import read_vader
+from raytrain_common.memory_cap import MemoryCap, unavailable
+from raytrain_common.multinode import Driver, multinode_cluster
+
+pytestmark = [
+    pytest.mark.memory_cap,
+    pytest.mark.skipif(unavailable() is not None, reason=f"{unavailable()}"),
+    # Measured 2026-11-24: the capped run's worker was OOM-killed between steps 16 and 32, twice
+    # (the restart too), under a cap of the baseline plus 49 MiB. Not yet explained; one O(rows)
+    # holder is transformers' LengthGroupedSampler, which builds each epoch's order as Python lists
+    # (~50 bytes a row on every worker). Strict: the test fails once the run passes, so the mark
+    # goes with the fix.
+    pytest.mark.xfail(
+        strict=True,
+        raises=AssertionError,
+        reason="the hf worker still holds memory that grows with the split",
+    ),
+]
+
+CSV_ROWS = 250_000
+BASELINE_ROWS = 4096
+STEPS = 64
+MAX_LENGTH = 128  # the cpu preset's: a row file row is 1 + 128 int32
+
+
+def prepare_csv(vader_sdist: Path, root: Path) -> Path:
+    """The CSV prepared by the CLI in a process and a local cluster of its own (not under the cap:
+    the cap is on training)."""
+    vader = read_vader(vader_sdist)
+    sentences = list(zip(vader["text"].to_pylist(), vader["label"].to_pylist(), strict=True))
+    source, data_dir = root / "reviews.csv", root / "data"
+    write_dataset(sentences, CSV_ROWS, source)
+    subprocess.run(
+        [sys.executable, "-m", "hf_finetune", "prepare", "--dataset", str(source),
+         "--data-dir", str(data_dir)],
+        check=True, capture_output=True, text=True,
+        env={key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"},
+    )  # fmt: skip
+    return data_dir
+
+
+def train(data_dir: Path, root: Path, name: str, address: str, *extra: str) -> tuple[int, str]:
+    command = [
+        sys.executable, "-m", "hf_finetune", "train", "--data-dir", str(data_dir),
+        "--storage-path", str(root), "--storage-is-shared", "--run-name", name, "--epochs", "1",
+        "--stop-at-step", str(STEPS), "--warmup-fraction", "0", "--limit-val-rows", "384",
+        "--log-every-steps", "16", "--tracking", "none", *extra,
+    ]  # fmt: skip
+    driver = Driver(command, address, root / f"{name}.log")
+    return driver.wait(timeout_s=1500), driver.log()
+
+
+def test_a_large_csv_fine_tunes_on_a_node_capped_below_its_baseline_plus_its_training_split(
+    vader_sdist: Path, tmp_path: Path
+) -> None:
+    data_dir = prepare_csv(vader_sdist, tmp_path)
+    info = json.loads((data_dir / "dataset.json").read_text())
+    train_rows = info["rows"]["train"]
+    split_mb = train_rows * (1 + MAX_LENGTH) * 4 / 2**20
+    cap = MemoryCap(limit_mb=16 << 10)  # no real cap yet: the baseline run measures the node
+    try:
+        with multinode_cluster(head_cpus=0, connect=False) as cluster:
+            cluster.add_node(cpus=2, memory_cap=cap)
+            with cap.sampling_held() as held:
+                code, log = train(
+                    data_dir, tmp_path, "baseline", cluster.address,
+                    "--limit-train-rows", str(BASELINE_ROWS),
+                )  # fmt: skip
+            assert code == 0, log
+            baseline_mb = max(held)
+            cap.set_limit(int(baseline_mb + split_mb / 2))
+            with cap.sampling_held() as held:
+                code, log = train(data_dir, tmp_path, "capped", cluster.address)
+            print(
+                f"baseline {baseline_mb:.0f} MiB held (anonymous and shared memory), training "
+                f"split {split_mb:.0f} MiB ({train_rows:,} rows), cap {cap.limit_mb} MiB, the "
+                f"capped run held at most {max(held):.0f} MiB, OOM kills {cap.oom_kills}"
+            )
+            assert code == 0 and cap.oom_kills == 0, log[-3000:]
+            summary = json.loads((tmp_path / "capped" / "summary.json").read_text())
+    finally:
+        cap.close()
+    assert summary["steps_done"] == STEPS
+    assert summary["dataset"]["rows"]["train"] == train_rows
+    assert summary["best"]["val_accuracy"] >= 0.72
