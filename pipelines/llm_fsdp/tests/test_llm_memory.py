@@ -22,8 +22,8 @@ import pytest
 
 from llm_fsdp.bench_data import write_corpus
 from llm_fsdp.data import GPT2_TOKENIZER, read_shakespeare
-from raytrain_common.memory_cap import MemoryCap, unavailable
-from raytrain_common.multinode import Driver, multinode_cluster
+from raytrain_common.memory_cap import train_capped_after_baseline, unavailable
+from raytrain_common.multinode import Driver
 
 pytestmark = [
     pytest.mark.memory_cap,
@@ -67,25 +67,13 @@ def test_a_corpus_trains_on_a_node_capped_below_its_baseline_plus_its_training_s
     small, large = prepare_corpus(works, 1, tmp_path), prepare_corpus(works, 16, tmp_path)
     tokens = json.loads((large / "dataset.json").read_text())["packing"]["train"]["tokens"]
     split_mb = tokens * 4 / 2**20  # int32 blocks, as the row file holds them
-    cap = MemoryCap(limit_mb=16 << 10)  # no real cap yet: the baseline run measures the node
-    try:
-        with multinode_cluster(head_cpus=0, connect=False) as cluster:
-            cluster.add_node(cpus=2, memory_cap=cap)
-            with cap.sampling_held() as held:
-                code, log = train(small, tmp_path, "baseline", cluster.address)
-            assert code == 0, log
-            baseline_mb = max(held)
-            cap.set_limit(int(baseline_mb + split_mb / 2))
-            with cap.sampling_held() as held:
-                code, log = train(large, tmp_path, "capped", cluster.address)
-            summary = json.loads((tmp_path / "capped" / "summary.json").read_text())
-            print(
-                f"baseline {baseline_mb:.0f} MiB held (anonymous and shared memory), training "
-                f"split {split_mb:.0f} MiB ({tokens:,} tokens), cap {cap.limit_mb} MiB, the "
-                f"capped run held at most {max(held):.0f} MiB, OOM kills {cap.oom_kills}"
-            )
-            assert code == 0 and cap.oom_kills == 0, log
-    finally:
-        cap.close()
+    result = train_capped_after_baseline(
+        lambda address: train(small, tmp_path, "baseline", address),
+        lambda address: train(large, tmp_path, "capped", address),
+        margin_mb=split_mb / 2,
+    )
+    print(result.report(f"training split {split_mb:.0f} MiB ({tokens:,} tokens)"))
+    assert result.exit_code == 0 and result.oom_kills == 0, result.log
+    summary = json.loads((tmp_path / "capped" / "summary.json").read_text())
     assert summary["steps_done"] == STEPS
     assert summary["final"]["val_loss"] < 0.85 * summary["first"]["val_loss"]

