@@ -180,7 +180,8 @@ class CappedRun:
         return (
             f"baseline {self.baseline.peak_mb:.0f} MiB held (anonymous and shared memory), "
             f"{what}, cap {self.limit_mb} MiB, the capped run held at most "
-            f"{self.capped.peak_mb:.0f} MiB, OOM kills {self.oom_kills}; its largest processes: "
+            f"{self.capped.peak_mb:.0f} MiB, OOM kills {self.oom_kills}; the largest processes "
+            f"of the baseline run: {self.baseline.largest()}; of the capped run: "
             f"{self.capped.largest()}"
         )
 
