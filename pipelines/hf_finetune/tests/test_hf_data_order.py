@@ -8,6 +8,7 @@ import numpy as np
 import pyarrow as pa
 from accelerate.data_loader import BatchSamplerShard
 from torch.utils.data import BatchSampler
+from transformers.trainer_pt_utils import get_length_grouped_indices
 
 from hf_finetune.train import EpochSeededLengthGroupedSampler, TokenizedSplit
 
@@ -53,3 +54,19 @@ def test_each_worker_trains_on_the_whole_label_sorted_split_in_a_fresh_order_eve
         assert len(np.unique(labels[: len(labels) // 10])) == 3  # mixed from the start
     assert not np.array_equal(labels_of_worker(split, 1, 0), first[0])
     assert np.array_equal(labels_of_worker(split, 0, 0), first[0])
+
+
+def test_the_sampler_draws_transformers_length_grouped_order_in_numpy() -> None:
+    """The numpy sampler (8 bytes a row) draws exactly the order of transformers' own
+    `get_length_grouped_indices` (Python lists, ~40 bytes a row) from the same generator: ties,
+    a last short mega-batch and tiny splits included."""
+    rng = np.random.default_rng(3)
+    for rows, batch in ((2400, 16), (1000, 7), (5, 4), (1, 8)):
+        lengths = rng.integers(4, 12, size=rows)  # few distinct lengths: many ties
+        sampler = EpochSeededLengthGroupedSampler(batch, lengths=lengths, seed=7)
+        for epoch in (0, 3):
+            sampler.set_epoch(epoch)
+            ours = list(sampler)
+            sampler.set_epoch(epoch)
+            theirs = get_length_grouped_indices(lengths, batch, generator=sampler.generator)
+            assert ours == theirs, (rows, batch, epoch)

@@ -4,14 +4,15 @@ would take (`nox -s memory_cap`: a cgroup v1 limit on the node, as a pod's limit
 Calibrated as the llm and mnist tests are: a run on the first 4,096 training rows, on the same node
 without a cap, gives the baseline (the most memory the node held that the kernel cannot reclaim:
 Ray's node processes, two workers with torch, MiniLM and the Trainer). The whole training split
-(VADER's sentences repeated to 250,000 CSV rows, each copy marked) is then trained under a cap at
-that baseline plus half the split's token rows (int32, as the row file holds them), page cache
-included. hf-finetune 0.6 turned the split into Python lists on every worker (~250 bytes a row for
-these sentences, so ~100 MB over the two workers here, twice what the cap leaves); a worker now reads
-each batch's rows from the node-local row file and keeps 16 bytes a row (labels and lengths),
-yet the capped run is still killed: see the mark below.
+(VADER's sentences repeated to 1,000,000 CSV rows, each copy marked: 800,000 training rows) is then
+trained under a cap at that baseline plus half the split's token rows (int32, as the row file holds
+them: 394 MiB, so a 197 MiB margin, well above the ~50-100 MiB a worker varies from run to run),
+page cache included. hf-finetune 0.6 turned the split into Python lists on every worker (~250 bytes
+a row for these sentences, ~400 MB over the two workers here, twice what the cap leaves); a worker
+now reads each batch's rows from the node-local row file and keeps 8 bytes a row (label and
+length) and the sampler's order (8 more).
 
-A full epoch of 200,000 sentences takes hours on two CPU workers, so both runs stop at step 64
+A full epoch of 800,000 sentences takes days on two CPU workers, so both runs stop at step 64
 (`--stop-at-step`, which evaluates and checkpoints), with the warm-up off so that those steps learn
 at the peak rate; the bar is the lost-worker test's (64 steps of 32 sentences).
 """
@@ -34,22 +35,9 @@ from raytrain_common.multinode import Driver
 pytestmark = [
     pytest.mark.memory_cap,
     pytest.mark.skipif(unavailable() is not None, reason=f"{unavailable()}"),
-    # Measured 2026-11-24: the capped run's workers were OOM-killed after step 32, three times
-    # (every restart too), under a cap of the baseline plus 49 MiB. Per process (anonymous and
-    # shared memory): rank 0 held 1,554 MiB against 1,439 in the baseline, rank 1 1,293 against
-    # 1,313. Not the batches: both runs' length-grouped order starts with a batch padded to the
-    # full 128 tokens. Not found yet: something on rank 0 grows with the split (~0.6 KiB a row),
-    # or a worker varies that much from run to run (the llm test, at a 59 MiB margin, was
-    # killed once in two runs): the margin must grow before this can tell.
-    # Strict: the test fails once the run passes, so the mark goes with the fix.
-    pytest.mark.xfail(
-        strict=True,
-        raises=AssertionError,
-        reason="the hf worker still holds memory that grows with the split",
-    ),
 ]
 
-CSV_ROWS = 250_000
+CSV_ROWS = 1_000_000
 BASELINE_ROWS = 4096
 STEPS = 64
 MAX_LENGTH = 128  # the cpu preset's: a row file row is 1 + 128 int32

@@ -183,6 +183,7 @@ def test_a_run_stopped_mid_epoch_resumes_with_the_steps_it_had_not_taken(
     assert stopped["steps_done"] == 10
     resumed = run(small_config(tmp_path, vader_dir, run_name="cut", **common))
     assert resumed["steps_done"] == whole["steps_done"] == 16
+    assert whole["sentences_per_s"] > 0  # the steady rate over the progress lines after the first
 
     def step_losses(summary: dict[str, Any]) -> dict[int, float]:
         state = json.loads((Path(summary["latest_checkpoint"]) / "trainer_state.json").read_text())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import io
 import json
 import os
@@ -105,10 +106,43 @@ def test_idx_folder_round_trips(tmp_path: Path, write_idx: Callable[..., Any]) -
     train = Split(rng.integers(0, 256, (50, 28, 28), dtype=np.uint8), rng.integers(0, 5, 50))
     test = Split(rng.integers(0, 256, (20, 28, 28), dtype=np.uint8), rng.integers(0, 5, 20))
     loaded_train, loaded_test = load_idx_folder(
-        make_idx_folder(tmp_path / "idx", train, test, write_idx)
+        make_idx_folder(tmp_path / "idx", train, test, write_idx), tmp_path / "unpacked"
     )
     assert np.array_equal(loaded_train.images, train.images)
     assert np.array_equal(loaded_test.labels, test.labels)
+
+
+def test_an_idx_source_is_memory_mapped_not_read_whole(
+    tmp_path: Path, write_idx: Callable[..., Any]
+) -> None:
+    """Gzipped files are unpacked to disk and mapped; plain ones mapped where they lie: prepare
+    then reads the rows it writes, so an IDX source larger than memory prepares."""
+    rng = np.random.default_rng(1)
+    train = Split(rng.integers(0, 256, (64, 28, 28), dtype=np.uint8), rng.integers(0, 3, 64))
+    packed = make_idx_folder(tmp_path / "packed", train, train, write_idx)
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    for file in packed.iterdir():
+        with gzip.open(file, "rb") as stream:
+            (plain / file.stem).write_bytes(stream.read())
+    for folder in (packed, plain):
+        images = load_idx_folder(folder, tmp_path / f"unpacked-{folder.name}")[0].images
+        assert isinstance(images, np.memmap) and np.array_equal(images, train.images)
+        assert Path(images.filename).parent == (
+            folder if folder == plain else tmp_path / "unpacked-packed"
+        )
+    # A download cut short is named as such, not as a bad array.
+    cut = (packed / "train-images-idx3-ubyte.gz").read_bytes()
+    (packed / "train-images-idx3-ubyte.gz").write_bytes(cut[: len(cut) // 2])
+    with pytest.raises(DataError, match=r"train-images-idx3-ubyte\.gz is not a whole gzip file"):
+        load_idx_folder(packed, tmp_path / "unpacked-cut")
+    (plain / "t10k-images-idx3-ubyte").write_bytes(
+        (plain / "t10k-images-idx3-ubyte").read_bytes()[:-5]
+    )
+    with pytest.raises(
+        DataError, match=r"t10k-images-idx3-ubyte is truncated: header says \(64, 28, 28\)"
+    ):
+        load_idx_folder(plain, tmp_path / "unpacked-plain")
 
 
 def test_idx_images_of_another_size_are_refused(
@@ -126,7 +160,7 @@ def test_idx_images_of_another_size_are_refused(
 def test_idx_folder_missing_a_file_names_it(tmp_path: Path) -> None:
     (tmp_path / "idx").mkdir()
     with pytest.raises(DataError, match="lacks train-images-idx3-ubyte"):
-        load_idx_folder(tmp_path / "idx")
+        load_idx_folder(tmp_path / "idx", tmp_path / "unpacked")
 
 
 def copy_dataset(source: StoragePath, target: Path) -> StoragePath:

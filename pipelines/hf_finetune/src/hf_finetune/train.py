@@ -16,7 +16,7 @@ import math
 import posixpath
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import closing
 from pathlib import Path
 from typing import Any, ClassVar
@@ -107,7 +107,8 @@ SCORE = "val_f1"  # Ray keeps the best checkpoints by this (and a sweep ranks tr
 # the split that chooses checkpoints in every pipeline, `test_*` the one reported once.
 VAL_PREFIX = "val"
 HF_CHECKPOINT = RayTrainReportCallback.CHECKPOINT_NAME  # the HF folder inside a Ray checkpoint
-RECORD_FILE = "run_record.json"  # compute dtype and faults, beside the Trainer's files
+RECORD_FILE = "run_record.json"
+RATE_KEY = "train_sentences_per_s"  # a progress line's rate, in the Trainer's log history  # compute dtype and faults, beside the Trainer's files
 
 
 # ---------------------------------------------------------------------------------------------
@@ -154,10 +155,22 @@ class TokenizedSplit(torch.utils.data.Dataset):
             split_dir, "label_length_row", ["label", "length", "row"],
             functools.partial(label_length_rows, max_length=max_length), f"{layout}-row-i32",
         )  # fmt: skip
-        rows = np.concatenate(list(labelled.read_all())) if len(labelled) else np.zeros((0, 3))
-        kept = np.arange(len(rows)) if limit is None else np.flatnonzero(rows[:, 2] < limit)
-        labels, lengths = rows[kept, 0].astype(np.int64), rows[kept, 1].astype(np.int64)
-        return cls(ids, labels, lengths, None if limit is None else kept)
+        # Filled a chunk at a time: 8 bytes a row (int32 label and length), the row ids dropped.
+        labels, lengths, kept = [], [], []
+        start = 0
+        for chunk in labelled.read_all():
+            chosen = slice(None) if limit is None else np.flatnonzero(chunk[:, 2] < limit)
+            labels.append(chunk[chosen, 0])
+            lengths.append(chunk[chosen, 1])
+            if limit is not None:
+                kept.append(chosen + start)
+            start += len(chunk)
+        rows = None if limit is None else np.concatenate(kept or [np.zeros(0, np.int64)])
+
+        def joined(parts: list[np.ndarray]) -> np.ndarray:
+            return np.concatenate(parts) if parts else np.zeros(0, np.int32)
+
+        return cls(ids, joined(labels), joined(lengths), rows)
 
     @classmethod
     def from_table(cls, table: pa.Table, max_length: int) -> TokenizedSplit:
@@ -216,6 +229,23 @@ class EpochSeededLengthGroupedSampler(LengthGroupedSampler):
 
     def set_epoch(self, epoch: int) -> None:
         self.generator = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
+
+    def __iter__(self) -> Iterator[int]:
+        """Transformers' order (`get_length_grouped_indices`: a permutation cut into mega-batches
+        of up to 50 batches, each sorted longest first, the longest row's mega-batch swapped to the
+        front), computed in numpy: 8 bytes a row, where its Python lists take ~40."""
+        lengths = np.asarray(self.lengths)
+        rows = len(lengths)
+        megabatch = max(min(rows // (self.batch_size * 4), 50), 1) * self.batch_size
+        order = torch.randperm(rows, generator=self.generator).numpy()
+        for start in range(0, rows, megabatch):
+            part = order[start : start + megabatch]
+            # Stable, as Python's sorted(reverse=True) is: equal lengths keep the drawn order.
+            order[start : start + megabatch] = part[np.argsort(-lengths[part], kind="stable")]
+        if rows:
+            longest = int(np.argmax(lengths[order[::megabatch]])) * megabatch
+            order[[0, longest]] = order[[longest, 0]]
+        return (int(row) for row in order)
 
 
 class LengthGroupedTrainer(Trainer):
@@ -306,6 +336,8 @@ class ProgressLog(TrainerCallback):
             return
         if "loss" in logs:
             rate = self.meter.window()
+            # Kept in the Trainer's state (saved with each checkpoint) for summary.json.
+            state.log_history[-1][RATE_KEY] = rate.items_per_s
             log.info(
                 "step %d/%d  epoch %.2f  loss %.4f  lr %.2e  %.1f sentences/s  %s",
                 state.global_step, state.max_steps, state.epoch or 0.0, logs["loss"],
@@ -680,6 +712,13 @@ def epoch_history(
     return history, step_log
 
 
+def steady_rate(trainer_state: dict[str, Any]) -> float | None:
+    """Median training sentences/s over the progress lines after the first (start-up and the
+    first steps' warm-up left out; evaluations and checkpoints are outside every window)."""
+    rates = [row[RATE_KEY] for row in trainer_state["log_history"] if RATE_KEY in row]
+    return float(np.median(rates[1:])) if len(rates) > 1 else None
+
+
 def read_trainer_state(checkpoint: Checkpoint) -> dict[str, Any]:
     """The Trainer's state of a checkpoint, with the run's record: compute dtype and faults."""
     with checkpoint.as_directory() as folder:
@@ -724,6 +763,7 @@ def write_run_outputs(
         **FaultLog(**state["faults"]).summary(),
         "compute_dtype": state["compute_dtype"],
         "worker_peak_rss_mb": state["worker_peak_rss_mb"],
+        "sentences_per_s": steady_rate(state),
         "labels": info.labels,
         "val_majority_share": majority_share(
             resolve_storage(config.resolved_data_dir()), "validation"

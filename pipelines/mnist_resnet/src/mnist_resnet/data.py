@@ -17,12 +17,12 @@ from __future__ import annotations
 import functools
 import gzip
 import importlib.util
-import io
 import json
 import logging
 import pickle
+import shutil
 import struct
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,6 +53,7 @@ FILE_BYTES = 64 << 20
 MAX_CLASSES = 1000
 SCHEMA = pa.schema([("image", pa.binary()), ("label", pa.int64())])
 TORCHVISION_SOURCE = "torchvision"
+IDX_UNPACK_CHUNK = 16 << 20  # bytes of a gzipped IDX file unpacked at a time
 
 
 class DataError(ValueError):
@@ -182,8 +183,11 @@ IDX_FILES = {
 }
 
 
-def load_idx_folder(folder: Path) -> tuple[Split, Split]:
-    """A folder of the four standard IDX files (plain or .gz): MNIST, Fashion-MNIST, KMNIST, …"""
+def load_idx_folder(folder: Path, unpack_dir: Path) -> tuple[Split, Split]:
+    """A folder of the four standard IDX files (plain or .gz): MNIST, Fashion-MNIST, KMNIST, …
+
+    The images are memory-mapped (a gzipped file is unpacked into `unpack_dir` first), so prepare
+    reads the rows it is writing, not the whole file: an IDX source larger than memory prepares."""
     if not folder.is_dir():
         raise DataError(f"--source {str(folder)!r} is neither a folder nor a known source")
     arrays = {}
@@ -195,7 +199,7 @@ def load_idx_folder(folder: Path) -> tuple[Split, Split]:
                 f"{folder} lacks {stem} (or {stem}.gz); an IDX folder needs "
                 + ", ".join(IDX_FILES.values())
             )
-        arrays[key] = read_idx(found[0])
+        arrays[key] = read_idx(found[0], unpack_dir)
     splits = []
     for split in ("train", "test"):
         images, labels = arrays[(split, "images")], arrays[(split, "labels")]
@@ -210,21 +214,35 @@ def load_idx_folder(folder: Path) -> tuple[Split, Split]:
     return splits[0], splits[1]
 
 
-def read_idx(path: Path) -> np.ndarray:
-    """Parse one IDX file of unsigned bytes (the format MNIST is published in)."""
-    opener: Callable[..., io.BufferedIOBase] = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rb") as stream:
-        data = stream.read()
-    if len(data) < 4 or data[:2] != b"\x00\x00":
-        raise DataError(f"{path} is not an IDX file (bad magic number)")
-    dtype_code, ndim = data[2], data[3]
-    if dtype_code != 0x08:
-        raise DataError(f"{path} holds IDX type 0x{dtype_code:02x}; only unsigned bytes (0x08)")
-    shape = struct.unpack(f">{ndim}I", data[4 : 4 + 4 * ndim])
-    body = np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim)
-    if body.size != int(np.prod(shape)):
-        raise DataError(f"{path} is truncated: header says {shape}, found {body.size} bytes")
-    return body.reshape(shape)
+def read_idx(path: Path, unpack_dir: Path) -> np.ndarray:
+    """One IDX file of unsigned bytes (the format MNIST is published in), memory-mapped read-only.
+    A gzipped stream has no random access, so it is unpacked into `unpack_dir` a chunk at a time."""
+    if path.suffix == ".gz":
+        unpack_dir.mkdir(parents=True, exist_ok=True)
+        plain = unpack_dir / path.stem
+        with gzip.open(path, "rb") as packed, plain.open("wb") as out:
+            try:
+                shutil.copyfileobj(packed, out, IDX_UNPACK_CHUNK)
+            except (OSError, EOFError) as error:  # gzip.BadGzipFile is an OSError
+                raise DataError(f"{path} is not a whole gzip file: {error}") from error
+        path = plain
+    with path.open("rb") as stream:
+        head = stream.read(4)
+        if len(head) < 4 or head[:2] != b"\x00\x00":
+            raise DataError(f"{path} is not an IDX file (bad magic number)")
+        dtype_code, ndim = head[2], head[3]
+        if dtype_code != 0x08:
+            raise DataError(f"{path} holds IDX type 0x{dtype_code:02x}; only unsigned bytes (0x08)")
+        dims = stream.read(4 * ndim)
+    if len(dims) != 4 * ndim:
+        raise DataError(f"{path} is truncated inside its header")
+    shape = struct.unpack(f">{ndim}I", dims)
+    body = path.stat().st_size - 4 - 4 * ndim
+    if body != int(np.prod(shape)):
+        raise DataError(f"{path} is truncated: header says {shape}, found {body} bytes")
+    if body == 0:
+        return np.zeros(shape, dtype=np.uint8)  # mmap cannot map an empty region
+    return np.memmap(path, dtype=np.uint8, mode="r", offset=4 + 4 * ndim, shape=shape)
 
 
 def write_idx(path: Path, array: np.ndarray) -> None:
@@ -297,7 +315,7 @@ def load_source(
     folder = Path(source).expanduser()
     if image_tree.is_image_tree(folder):
         return load_image_tree(folder, image_size, test_fraction, seed)
-    return Loaded(*load_idx_folder(folder))
+    return Loaded(*load_idx_folder(folder, download_root / "idx"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -420,8 +438,9 @@ def prepare(
     as it is. A source without a validation split gets one carved from its training rows.
 
     An image tree is decoded by Ray Data tasks across the cluster and written a file at a time:
-    this process holds the tree's file list and one Parquet file's rows, not its pixels. The other
-    sources (MNIST, IDX files) are read whole: they are of MNIST's size."""
+    this process holds the tree's file list and one Parquet file's rows, not its pixels. An IDX
+    folder is memory-mapped (see load_idx_folder). MNIST itself (the wheel, torchvision) is read
+    whole: its size is fixed."""
     from raytrain_common.ray_start import init_ray
 
     if image_size is not None and not 8 <= image_size <= 1024:
