@@ -67,10 +67,12 @@ def tests(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none")
 def quick(session: nox.Session) -> None:
-    """The fast tier: every test that needs no Ray cluster, no fault injection and no GPU (~1
-    minute after the shared environment exists); `tests` runs these and the Ray ones."""
+    """The fast tier: every test that needs no Ray cluster, no fault injection, no memory cap and
+    no GPU (~2 minutes after the shared environment exists); `tests` runs these and the Ray ones."""
     run_marked_tests(
-        session, "not ray and not faults and not manifests and not gpu", "--durations=5"
+        session,
+        "not ray and not faults and not manifests and not gpu and not memory_cap",
+        "--durations=5",
     )
 
 
