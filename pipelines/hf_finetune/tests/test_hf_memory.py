@@ -4,13 +4,13 @@ would take (`nox -s memory_cap`: a cgroup v1 limit on the node, as a pod's limit
 Calibrated as the llm and mnist tests are: a run on the first 4,096 training rows, on the same node
 without a cap, gives the baseline (the most memory the node held that the kernel cannot reclaim:
 Ray's node processes, two workers with torch, MiniLM and the Trainer). The whole training split
-(VADER's sentences repeated to 1,000,000 CSV rows, each copy marked: 800,000 training rows) is then
-trained under a cap at that baseline plus half the split's token rows (int32, as the row file holds
-them: 394 MiB, so a 197 MiB margin, well above the ~50-100 MiB a worker varies from run to run),
-page cache included. hf-finetune 0.6 turned the split into Python lists on every worker (~250 bytes
-a row for these sentences, ~400 MB over the two workers here, twice what the cap leaves); a worker
-now reads each batch's rows from the node-local row file and keeps 8 bytes a row (label and
-length) and the sampler's order (8 more).
+(VADER's sentences in a seeded order, repeated to 1,000,000 CSV rows, each marked with its copy:
+800,000 training rows) is then trained under a cap at that baseline plus half the split's token
+rows (int32, as the row file holds them: 394 MiB, so a 197 MiB margin, well above the ~50-100 MiB
+a worker varies from run to run), page cache included. hf-finetune 0.6 turned the split into
+Python lists on every worker (~250 bytes a row for these sentences, ~400 MB over the two workers
+here, twice what the cap leaves); a worker now reads each batch's rows from the node-local row
+file and keeps 8 bytes a row (label and length) and the sampler's order (8 more).
 
 A full epoch of 800,000 sentences takes days on two CPU workers, so both runs stop at step 64
 (`--stop-at-step`, which evaluates and checkpoints), with the warm-up off so that those steps learn

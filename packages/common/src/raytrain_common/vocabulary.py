@@ -49,7 +49,7 @@ OPTIONAL_SUMMARY_KEYS: dict[str, str] = {
     "val_loss_drop": "1 − final val_loss ÷ first val_loss",
     "tokens_per_s": "median tokens/s over the logging windows after the first",
     "sentences_per_s": (
-        "median training sentences/s over the progress lines after the first "
+        "training sentences/s over the progress windows after the first "
         "(evaluation and checkpoints left out)"
     ),
     "mfu": "median model FLOPs utilisation over those windows (GPUs with a known peak)",

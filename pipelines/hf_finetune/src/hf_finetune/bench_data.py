@@ -1,14 +1,14 @@
 """Memory and throughput of `prepare` and `train` as the dataset grows (`nox -s bench_data`).
 
 VADER's human-rated sentences written as a CSV of 1×, 4× and 16× (by default) a base of 4,096 rows
-(the sentences repeated, each copy marked so no two rows are equal), prepared with `prepare
---dataset` (a streamed CSV) and trained for a fixed number of steps on 2 CPU workers, each command a
-process of its own on a fresh local Ray cluster, as a user runs them. Printed: the peak resident
+(the sentences in a seeded order, repeated, each row marked with its copy so no two are equal),
+prepared with `prepare --dataset` (a streamed CSV) and trained for a fixed number of steps on 2
+CPU workers, each command a process of its own on a fresh local Ray cluster, as a user runs them. Printed: the peak resident
 memory of the prepare process and of the largest training worker, training rows/s (summary.json's
-`sentences_per_s`: the median progress window after the first, so neither start-up nor the
+`sentences_per_s`: over the progress windows after the first, so neither start-up nor the
 validation pass at the stop, which grows with the split, counts), and the ratios largest ÷ smallest.
 
-    python -m hf_finetune.bench_data [--scales 1,4,16] [--base 4096] [--steps 40] [--folder DIR]
+    python -m hf_finetune.bench_data [--scales 1,4,16] [--base 4096] [--steps 100] [--folder DIR]
 """
 
 from __future__ import annotations
@@ -21,23 +21,28 @@ import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
+
 from hf_finetune.data import download_vader, read_vader
 from raytrain_common.scaling import ScalePoint, run_measured, scaling_table
 
 GLOBAL_BATCH = 32
-LOG_EVERY = 10  # steps per progress window: 40 steps give 3 steady windows
+LOG_EVERY = 10  # steps per progress window
 
 
 def write_dataset(sentences: list[tuple[str, str]], rows: int, path: Path) -> None:
-    """`rows` labelled sentences as a CSV (text, label), VADER's repeated with a copy mark."""
+    """`rows` labelled sentences as a CSV (text, label): VADER's in a seeded order (its file holds
+    one source after another, amazon reviews first, so its first rows are shorter than the
+    whole), repeated, every row marked with its copy number so no two rows are equal and every
+    size has the same length distribution (throughput at 1× and 16× is then comparable)."""
+    order = np.random.default_rng(0).permutation(len(sentences))
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", newline="", encoding="utf-8") as stream:
         writer = csv.writer(stream)
         writer.writerow(["text", "label"])
         for index in range(rows):
-            text, label = sentences[index % len(sentences)]
-            copy = index // len(sentences)
-            writer.writerow([f"{text} ({copy})" if copy else text, label])
+            text, label = sentences[order[index % len(sentences)]]
+            writer.writerow([f"{text} ({index // len(sentences)})", label])
 
 
 def measure(
@@ -74,7 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--scales", default="1,4,16", help="multiples of the base")
     parser.add_argument("--base", type=int, default=4096, help="rows of the CSV at 1×")
-    parser.add_argument("--steps", type=int, default=40, help="training steps per size")
+    # 100 steps: 4 length-sorted mega-batches (25 steps each on 2 workers), whose long rows first
+    # and short ones last make a 10-step window's rate swing ±25 %.
+    parser.add_argument("--steps", type=int, default=100, help="training steps per size")
     parser.add_argument("--folder", help="where the datasets and runs go (default: a temp folder)")
     args = parser.parse_args(argv)
     scales = sorted(int(s) for s in args.scales.split(","))

@@ -107,8 +107,8 @@ SCORE = "val_f1"  # Ray keeps the best checkpoints by this (and a sweep ranks tr
 # the split that chooses checkpoints in every pipeline, `test_*` the one reported once.
 VAL_PREFIX = "val"
 HF_CHECKPOINT = RayTrainReportCallback.CHECKPOINT_NAME  # the HF folder inside a Ray checkpoint
-RECORD_FILE = "run_record.json"
-RATE_KEY = "train_sentences_per_s"  # a progress line's rate, in the Trainer's log history  # compute dtype and faults, beside the Trainer's files
+RECORD_FILE = "run_record.json"  # compute dtype and faults, beside the Trainer's files
+RATE_KEY = "train_sentences_per_s"  # a progress line's rate, in the Trainer's log history
 
 
 # ---------------------------------------------------------------------------------------------
@@ -155,9 +155,9 @@ class TokenizedSplit(torch.utils.data.Dataset):
             split_dir, "label_length_row", ["label", "length", "row"],
             functools.partial(label_length_rows, max_length=max_length), f"{layout}-row-i32",
         )  # fmt: skip
-        # Filled a chunk at a time: 8 bytes a row (int32 label and length), the row ids dropped.
-        labels, lengths, kept = [], [], []
-        start = 0
+        # Read a chunk at a time; what stays is 8 bytes a row (int32 label and length).
+        labels, lengths = [np.zeros(0, np.int32)], [np.zeros(0, np.int32)]
+        kept, start = [np.zeros(0, np.int64)], 0
         for chunk in labelled.read_all():
             chosen = slice(None) if limit is None else np.flatnonzero(chunk[:, 2] < limit)
             labels.append(chunk[chosen, 0])
@@ -165,12 +165,8 @@ class TokenizedSplit(torch.utils.data.Dataset):
             if limit is not None:
                 kept.append(chosen + start)
             start += len(chunk)
-        rows = None if limit is None else np.concatenate(kept or [np.zeros(0, np.int64)])
-
-        def joined(parts: list[np.ndarray]) -> np.ndarray:
-            return np.concatenate(parts) if parts else np.zeros(0, np.int32)
-
-        return cls(ids, joined(labels), joined(lengths), rows)
+        rows = None if limit is None else np.concatenate(kept)
+        return cls(ids, np.concatenate(labels), np.concatenate(lengths), rows)
 
     @classmethod
     def from_table(cls, table: pa.Table, max_length: int) -> TokenizedSplit:
@@ -713,10 +709,12 @@ def epoch_history(
 
 
 def steady_rate(trainer_state: dict[str, Any]) -> float | None:
-    """Median training sentences/s over the progress lines after the first (start-up and the
-    first steps' warm-up left out; evaluations and checkpoints are outside every window)."""
-    rates = [row[RATE_KEY] for row in trainer_state["log_history"] if RATE_KEY in row]
-    return float(np.median(rates[1:])) if len(rates) > 1 else None
+    """Training sentences/s over the progress windows after the first (start-up and warm-up left
+    out; evaluations and checkpoints lie outside every window). The windows hold equal step
+    counts, so sentences over seconds is their rates' harmonic mean: a median would swing with
+    where a window falls in the length-sorted mega-batches (long rows first)."""
+    rates = [row[RATE_KEY] for row in trainer_state["log_history"] if RATE_KEY in row][1:]
+    return len(rates) / sum(1 / rate for rate in rates) if rates and min(rates) > 0 else None
 
 
 def read_trainer_state(checkpoint: Checkpoint) -> dict[str, Any]:

@@ -216,7 +216,9 @@ def load_idx_folder(folder: Path, unpack_dir: Path) -> tuple[Split, Split]:
 
 def read_idx(path: Path, unpack_dir: Path) -> np.ndarray:
     """One IDX file of unsigned bytes (the format MNIST is published in), memory-mapped read-only.
-    A gzipped stream has no random access, so it is unpacked into `unpack_dir` a chunk at a time."""
+    A gzipped stream has no random access, so it is unpacked into `unpack_dir` a chunk at a time;
+    errors name the user's file, not the unpacked copy."""
+    plain = path
     if path.suffix == ".gz":
         unpack_dir.mkdir(parents=True, exist_ok=True)
         plain = unpack_dir / path.stem
@@ -225,8 +227,7 @@ def read_idx(path: Path, unpack_dir: Path) -> np.ndarray:
                 shutil.copyfileobj(packed, out, IDX_UNPACK_CHUNK)
             except (OSError, EOFError) as error:  # gzip.BadGzipFile is an OSError
                 raise DataError(f"{path} is not a whole gzip file: {error}") from error
-        path = plain
-    with path.open("rb") as stream:
+    with plain.open("rb") as stream:
         head = stream.read(4)
         if len(head) < 4 or head[:2] != b"\x00\x00":
             raise DataError(f"{path} is not an IDX file (bad magic number)")
@@ -237,12 +238,12 @@ def read_idx(path: Path, unpack_dir: Path) -> np.ndarray:
     if len(dims) != 4 * ndim:
         raise DataError(f"{path} is truncated inside its header")
     shape = struct.unpack(f">{ndim}I", dims)
-    body = path.stat().st_size - 4 - 4 * ndim
+    body = plain.stat().st_size - 4 - 4 * ndim
     if body != int(np.prod(shape)):
         raise DataError(f"{path} is truncated: header says {shape}, found {body} bytes")
     if body == 0:
         return np.zeros(shape, dtype=np.uint8)  # mmap cannot map an empty region
-    return np.memmap(path, dtype=np.uint8, mode="r", offset=4 + 4 * ndim, shape=shape)
+    return np.memmap(plain, dtype=np.uint8, mode="r", offset=4 + 4 * ndim, shape=shape)
 
 
 def write_idx(path: Path, array: np.ndarray) -> None:
