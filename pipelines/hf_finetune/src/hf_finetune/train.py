@@ -159,12 +159,14 @@ class TokenizedSplit(torch.utils.data.Dataset):
         labels, lengths = [np.zeros(0, np.int32)], [np.zeros(0, np.int32)]
         kept, start = [np.zeros(0, np.int64)], 0
         for chunk in labelled.read_all():
-            chosen = slice(None) if limit is None else np.flatnonzero(chunk[:, 2] < limit)
-            labels.append(chunk[chosen, 0])
-            lengths.append(chunk[chosen, 1])
+            rows_read = len(chunk)
             if limit is not None:
+                chosen = np.flatnonzero(chunk[:, 2] < limit)
                 kept.append(chosen + start)
-            start += len(chunk)
+                chunk = chunk[chosen]
+            labels.append(chunk[:, 0])
+            lengths.append(chunk[:, 1])
+            start += rows_read
         rows = None if limit is None else np.concatenate(kept)
         return cls(ids, np.concatenate(labels), np.concatenate(lengths), rows)
 
