@@ -21,8 +21,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from raytrain_common.memory_cap import MemoryCap
-from raytrain_common.multinode import Driver, multinode_cluster
+from raytrain_common.memory_cap import capped_node
+from raytrain_common.multinode import Driver
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,18 +34,13 @@ def old_code_path(worktree: Path) -> str:
 
 
 def run_capped(command: list[str], cap_mb: int, log_file: Path, timeout_s: float) -> str:
-    cap = MemoryCap(limit_mb=cap_mb)
-    try:
-        with multinode_cluster(head_cpus=0, connect=False) as cluster:
-            cluster.add_node(cpus=2, memory_cap=cap)
-            with cap.sampling_held() as held:
-                code = Driver(command, cluster.address, log_file).wait(timeout_s=timeout_s)
-            return (
-                f"exit {code}, OOM kills {cap.oom_kills}, the node held at most "
-                f"{held.peak_mb:.0f} MiB under a {cap_mb} MiB cap; largest: {held.largest()}"
-            )
-    finally:
-        cap.close()
+    with capped_node(cap_mb) as (address, cap):
+        with cap.sampling_held() as held:
+            code = Driver(command, address, log_file).wait(timeout_s=timeout_s)
+        return (  # inside: the cap's kill count goes with its group
+            f"exit {code}, OOM kills {cap.oom_kills}, the node held at most {held.peak_mb:.0f} "
+            f"MiB under a {cap_mb} MiB cap; largest: {held.largest()}"
+        )
 
 
 def main() -> int:
