@@ -10,7 +10,7 @@ from accelerate.data_loader import BatchSamplerShard
 from torch.utils.data import BatchSampler
 from transformers.trainer_pt_utils import get_length_grouped_indices
 
-from hf_finetune.train import EpochSeededLengthGroupedSampler, TokenizedSplit
+from hf_finetune.train import EpochSeededLengthGroupedSampler, TokenizedSplit, eval_batch_per_worker
 
 BATCH, WORKERS = 16, 2
 # A worker's ~1,200 rows give a standard error of ~0.014 on a label's share; 0.07 is 5 of them,
@@ -70,3 +70,28 @@ def test_the_sampler_draws_transformers_length_grouped_order_in_numpy() -> None:
             sampler.set_epoch(epoch)
             theirs = get_length_grouped_indices(lengths, batch, generator=sampler.generator)
             assert ours == theirs, (rows, batch, epoch)
+
+
+def evaluated_rows(rows: int, batch: int) -> list[list[int]]:
+    """The rows each worker evaluates, as the Trainer's accelerate DataLoader shards them."""
+    return [
+        [row for rows_of_batch in BatchSamplerShard(BatchSampler(range(rows), batch, drop_last=False),
+                                                    num_processes=WORKERS, process_index=rank)
+         for row in rows_of_batch]
+        for rank in range(WORKERS)
+    ]  # fmt: skip
+
+
+def test_evaluation_covers_the_split_once_with_the_fewest_filler_rows() -> None:
+    """Accelerate fills each worker's last evaluation batch to full size: 64 rows at 128 a batch
+    were 256 rows of work. The evened-out batch takes as many batches and at most one filler row
+    per batch per worker."""
+    assert sum(map(len, evaluated_rows(64, 128))) == 256
+    for rows in (1, 5, 64, 383, 384, 2370, 18963):
+        size = eval_batch_per_worker(rows, WORKERS, most=128)
+        assert 1 <= size <= 128
+        per_worker = evaluated_rows(rows, size)
+        assert set(per_worker[0]) | set(per_worker[1]) == set(range(rows))
+        batches = len(per_worker[0]) // size
+        assert batches == max(1, -(-rows // (WORKERS * 128)))  # no extra evaluation step
+        assert sum(map(len, per_worker)) - rows < WORKERS * batches, rows
