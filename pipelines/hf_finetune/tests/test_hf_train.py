@@ -63,6 +63,12 @@ def kill_a_worker_after_the_first_checkpoint(run_dir: Path, seen: dict[str, Any]
         time.sleep(0.2)
 
 
+def read_trainer_history(summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """The Trainer's log history as the run's latest checkpoint holds it."""
+    state = json.loads((Path(summary["latest_checkpoint"]) / "trainer_state.json").read_text())
+    return state["log_history"]
+
+
 def test_two_workers_learn_survive_a_lost_worker_and_the_checkpoint_predicts(
     ray_cluster: None, vader_dir: StoragePath, tmp_path: Path
 ) -> None:
@@ -181,13 +187,15 @@ def test_a_run_stopped_mid_epoch_resumes_with_the_steps_it_had_not_taken(
     whole = run(small_config(tmp_path, vader_dir, run_name="whole", **common))
     stopped = run(small_config(tmp_path, vader_dir, run_name="cut", stop_at_step=10, **common))
     assert stopped["steps_done"] == 10
+    # The stop evaluated and saved once (the Trainer would end the stopped epoch with a second).
+    history = read_trainer_history(stopped)
+    assert [row["step"] for row in history if "val_loss" in row] == [5, 8, 10]
     resumed = run(small_config(tmp_path, vader_dir, run_name="cut", **common))
     assert resumed["steps_done"] == whole["steps_done"] == 16
     assert whole["sentences_per_s"] > 0  # the steady rate over the progress lines after the first
 
     def step_losses(summary: dict[str, Any]) -> dict[int, float]:
-        state = json.loads((Path(summary["latest_checkpoint"]) / "trainer_state.json").read_text())
-        return {row["step"]: row["loss"] for row in state["log_history"] if "loss" in row}
+        return {row["step"]: row["loss"] for row in read_trainer_history(summary) if "loss" in row}
 
     expected, got = step_losses(whole), step_losses(resumed)
     assert sorted(got) == list(range(1, 17))

@@ -396,7 +396,9 @@ class FaultTolerance(TrainerCallback):
     - records the seconds from `train` to the first optimiser step (start-up);
     - writes the run's record (the dtype the forward pass computes in, preemptions, restarts,
       start-up) and then a manifest of the checkpoint's files into each checkpoint, before Ray's
-      callback uploads it: a checkpoint cut off later is found and never loaded.
+      callback uploads it: a checkpoint cut off later is found and never loaded;
+    - keeps a stop mid-epoch from being evaluated and saved twice: the Trainer ends a stopped
+      epoch as a finished one, with its own evaluation and save of the step just saved.
     """
 
     def __init__(
@@ -411,6 +413,7 @@ class FaultTolerance(TrainerCallback):
         self.startup_s: float | None = record.get("startup_s")
         self.dtype: str | None = None
         self.checkpoints: CheckpointPolicy | None = None
+        self.saved_step: int | None = None
 
     def on_train_begin(
         self,
@@ -451,9 +454,17 @@ class FaultTolerance(TrainerCallback):
         self.progress.note(step, self.faults, checkpointing=bool(due))
         return control
 
+    def on_epoch_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> TrainerControl:
+        if state.global_step == self.saved_step:  # stopped right after a checkpoint
+            control.should_evaluate = control.should_save = False
+        return control
+
     def on_save(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
+        self.saved_step = state.global_step
         peak_rss_mb = workers_peak_rss_mb()  # on every rank: a collective
         if state.is_world_process_zero:
             folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
