@@ -95,7 +95,7 @@ class TrainConfig(RayTrainSettings, DataLocation):
     epochs: int = option(2, "Total epochs of the run (a rerun continues up to this many).")
     global_batch_size: int = option(32, "Sentences per optimiser step over all workers.")
     grad_accum_steps: int = option(1, "Micro-batches per optimiser step: memory per step ÷ this.")
-    eval_batch_size: int = option(128, "Sentences per evaluation batch on each worker.")
+    eval_batch_size: int = option(128, "Most sentences per evaluation batch on each worker.")
     lr: float = option(1e-4, "Peak learning rate of AdamW.")
     weight_decay: float = option(0.01, "AdamW weight decay.")
     warmup_fraction: float = option(0.1, "Share of all steps warming the learning rate up.")
