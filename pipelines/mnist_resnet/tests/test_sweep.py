@@ -71,6 +71,9 @@ def test_a_sweep_stops_lagging_trials_resumes_after_a_kill_and_its_best_command_
     )
     assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
     assert "resuming sweep small" in rerun.stderr
+    # ASHA's rungs hold the finished trials' evaluations again (Tune restores an empty scheduler).
+    for trial in done_before:
+        assert f"ASHA: trial {trial}'s" in rerun.stderr, rerun.stderr[-3000:]
     # The trials that had finished were not trained again (Tune may not have saved their end
     # before the kill: the trial then hands Tune its evaluations from its run folder).
     done_after = finished_trials(trials)
@@ -81,7 +84,11 @@ def test_a_sweep_stops_lagging_trials_resumes_after_a_kill_and_its_best_command_
     sweep_dir = storage / "sweeps" / "small"
     rows = read_metrics_csv_rows(sweep_dir / "results.csv")
     assert len(rows) == 4 and not any(row["error"] for row in rows)
-    assert any(row["stopped_early"] == "True" for row in rows), rows  # ASHA stopped a trial
+    # One evaluation per epoch reached, though the finished trials reported theirs again on resume.
+    assert all(float(row["evaluations"]) == float(row["epoch"]) for row in rows), rows
+    assert any(row["stopped_early"] == "True" for row in rows), [  # ASHA stopped a trial
+        {key: row[key] for key in ("trial_id", "lr", "epoch", "best_val_accuracy")} for row in rows
+    ]
     assert (sweep_dir / "trials.png").stat().st_size > 10_000
     best = json.loads((sweep_dir / "best.json").read_text())
     finished = [row for row in rows if row["stopped_early"] == "False"]

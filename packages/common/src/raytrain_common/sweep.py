@@ -10,7 +10,8 @@ Resources: a trial's driver function takes a tenth of a CPU; its Train workers t
 cluster is started with room for every concurrent trial's workers plus Ray Data's tasks, so
 trials never starve Ray Data (see `init_ray`). A sweep interrupted (Ctrl-C, a killed driver) and
 rerun with the same name continues: finished trials are kept, unfinished ones resume from their
-own latest checkpoint, and the trials not started yet start.
+own latest checkpoint, and the trials not started yet start; ASHA's rungs are rebuilt from the
+trials' run folders (`sweep_scheduler.ResumableASHA`), as Tune does not save its scheduler.
 """
 
 from __future__ import annotations
@@ -229,8 +230,9 @@ def run_sweep(
     """
     from ray import tune
     from ray.tune.integration.ray_train import TuneReportCallback
-    from ray.tune.schedulers import ASHAScheduler
     from ray.tune.search import BasicVariantGenerator
+
+    from raytrain_common.sweep_scheduler import ResumableASHA
 
     settings.validate_sweep()
     os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", str(STATE_SAVE_S))
@@ -300,7 +302,8 @@ def run_sweep(
             tune_config=tune.TuneConfig(
                 metric=objective.metric,
                 mode=objective.mode,
-                scheduler=ASHAScheduler(
+                scheduler=ResumableASHA(
+                    trials.uri,
                     time_attr=objective.time_attr,
                     max_t=objective.max_t,
                     grace_period=min(settings.grace_period, objective.max_t),
@@ -400,9 +403,12 @@ def write_sweep_outputs(
     for result in results:
         trial_id = result.path.rstrip("/").rsplit("/", 1)[-1] if result.path else "?"
         history = result.metrics_dataframe
-        evaluated = [] if history is None or objective.metric not in history else (
+        reported = [] if history is None or objective.metric not in history else (
             history[[objective.time_attr, objective.metric]].dropna().to_numpy().tolist()
         )  # fmt: skip
+        # A trial that finished after Tune last saved reports its evaluations again on resume:
+        # one evaluation per point of progress, the last one reported.
+        evaluated = sorted({float(when): float(value) for when, value in reported}.items())
         values = [float(value) for _, value in evaluated]
         reached = max((float(t) for t, _ in evaluated), default=0.0)
         best_value = (max if objective.mode == "max" else min)(values) if values else math.nan
