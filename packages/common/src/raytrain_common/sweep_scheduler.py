@@ -6,7 +6,8 @@ sweep then judges its remaining trials only against each other, never against th
 reached a rung before the interruption: a lagging trial that is the first to reach a rung after
 the restart runs to the end. Every trial writes its evaluations to its own run folder (the
 metrics.csv of its run), so on resume each trial Tune restores has its earlier evaluations entered
-into the rungs again, as ASHA recorded them the first time.
+into the rungs again (to the 6 significant digits metrics.csv keeps: only an exact tie with a
+later trial can be judged otherwise than the first time).
 
 Kept apart from `raytrain_common.sweep` so that the workers, which import the sweep settings with
 each pipeline's config, do not import Ray Tune.
