@@ -95,56 +95,57 @@ def test_a_sweep_folder_belongs_to_one_pipeline(tmp_path: Path) -> None:
 def test_a_resumed_sweeps_asha_judges_new_trials_against_the_trials_before_the_interruption(
     tmp_path: Path, mode: str
 ) -> None:
-    """Tune restores a sweep's scheduler as it was created, rungs empty: the trial that reached
-    rung 1 before the interruption must still count. Trials here are Tune's own (stub) Trial
-    objects; the scheduler goes through pickle as `Tuner.restore` brings it back."""
+    """Tune restores a sweep's scheduler as the sweep created it, rungs empty: the trial that
+    reached rung 1 before the interruption must still count. The trials are Tune's own (stub)
+    Trial objects; the scheduler goes through pickle as `Tuner.restore` brings it back."""
     import pickle
 
     from ray.tune.experiment import Trial
-    from ray.tune.schedulers import TrialScheduler
+    from ray.tune.schedulers import ASHAScheduler, TrialScheduler
 
-    from raytrain_common.metrics import METRICS_FILE, write_metrics_csv
     from raytrain_common.sweep_scheduler import ResumableASHA
 
-    trials = resolve_storage(tmp_path / "trials")
+    sweep = resolve_storage(tmp_path / "sweep")
+    sweep.mkdir()
     good, bad = (0.9, 0.2) if mode == "max" else (0.2, 0.9)
+    asha = {"time_attr": "epoch", "max_t": 2, "grace_period": 1, "reduction_factor": 2,
+            "stop_last_trials": False}  # fmt: skip
 
-    def scheduler() -> ResumableASHA:
-        created = ResumableASHA(trials.uri, time_attr="epoch", max_t=2, grace_period=1,
-                                reduction_factor=2, stop_last_trials=False)  # fmt: skip
-        created.set_search_properties("score", mode)
-        return pickle.loads(pickle.dumps(created))
+    def as_created(scheduler: ASHAScheduler) -> ASHAScheduler:
+        scheduler.set_search_properties("score", mode)
+        return scheduler
 
-    def trial(trial_id: str) -> Trial:
-        return Trial("trainable", trial_id=trial_id, stub=True)
+    def report(scheduler: ASHAScheduler, trial: Trial, score: float) -> str:
+        return scheduler.on_trial_result(None, trial, {"epoch": 1.0, "score": score})
 
-    # Before the interruption one trial reached the first rung with a good score (its run folder
-    # holds a training row too, which has no score).
-    trials.join("a").mkdir()
-    write_metrics_csv(
-        trials.join("a", METRICS_FILE),
-        [{"epoch": 0.5, "train_loss": 1.0}, {"epoch": 1.0, "score": good}],
-    )
-    resumed = scheduler()
-    before, lagging = trial("a"), trial("b")
-    resumed.on_trial_add(None, before)  # type: ignore[arg-type]
-    resumed.on_trial_add(None, lagging)  # type: ignore[arg-type]
-    assert resumed.replayed_evaluations == 1
+    before, lagging = (Trial("trainable", trial_id=name, stub=True) for name in ("a", "b"))
+    created = as_created(ResumableASHA(sweep.uri, **asha))
+    created.forget_rungs()
+    pickled = pickle.dumps(created)  # what tuner.pkl holds: the scheduler before any trial
+
+    # Before the interruption one trial reached the first rung with a good score (a report
+    # without the score, a training log row, changes nothing).
+    first_run = pickle.loads(pickled)
+    first_run.on_trial_add(None, before)
+    first_run.on_trial_result(None, before, {"epoch": 0.5, "train_loss": 1.0})
+    assert report(first_run, before, good) == TrialScheduler.CONTINUE
+
+    resumed = pickle.loads(pickled)
+    resumed.on_trial_add(None, before)
+    resumed.on_trial_add(None, lagging)
     # The first trial to reach the rung after the restart lags the one before it: stopped.
-    decision = resumed.on_trial_result(None, lagging, {"epoch": 1.0, "score": bad})  # type: ignore[arg-type]
-    assert decision == TrialScheduler.STOP
+    assert report(resumed, lagging, bad) == TrialScheduler.STOP
     # The restored trial reporting its rung again is not judged twice.
-    decision = resumed.on_trial_result(None, before, {"epoch": 1.0, "score": good})  # type: ignore[arg-type]
-    assert decision == TrialScheduler.CONTINUE
+    assert report(resumed, before, good) == TrialScheduler.CONTINUE
 
     # Tune's own ASHA, restored the same way, lets the lagging trial run on: what this replaces.
-    from ray.tune.schedulers import ASHAScheduler
+    plain = pickle.loads(pickle.dumps(as_created(ASHAScheduler(**asha))))
+    plain.on_trial_add(None, before)
+    plain.on_trial_add(None, lagging)
+    assert report(plain, lagging, bad) == TrialScheduler.CONTINUE
 
-    plain = pickle.loads(pickle.dumps(ASHAScheduler(
-        time_attr="epoch", max_t=2, grace_period=1, reduction_factor=2, stop_last_trials=False
-    )))  # fmt: skip
-    plain.set_search_properties("score", mode)
-    plain.on_trial_add(None, before)  # type: ignore[arg-type]
-    plain.on_trial_add(None, lagging)  # type: ignore[arg-type]
-    decision = plain.on_trial_result(None, lagging, {"epoch": 1.0, "score": bad})  # type: ignore[arg-type]
-    assert decision == TrialScheduler.CONTINUE
+    # A new sweep in the folder (one Tune cannot restore) starts with empty rungs.
+    as_created(ResumableASHA(sweep.uri, **asha)).forget_rungs()
+    fresh = pickle.loads(pickled)
+    fresh.on_trial_add(None, lagging)
+    assert report(fresh, lagging, bad) == TrialScheduler.CONTINUE

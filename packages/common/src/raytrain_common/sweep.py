@@ -10,8 +10,8 @@ Resources: a trial's driver function takes a tenth of a CPU; its Train workers t
 cluster is started with room for every concurrent trial's workers plus Ray Data's tasks, so
 trials never starve Ray Data (see `init_ray`). A sweep interrupted (Ctrl-C, a killed driver) and
 rerun with the same name continues: finished trials are kept, unfinished ones resume from their
-own latest checkpoint, and the trials not started yet start; ASHA's rungs are rebuilt from the
-trials' run folders (`sweep_scheduler.ResumableASHA`), as Tune does not save its scheduler.
+own latest checkpoint, and the trials not started yet start; ASHA starts from the rungs it had
+(`sweep_scheduler.ResumableASHA` keeps them in the sweep folder: Tune does not save its scheduler).
 """
 
 from __future__ import annotations
@@ -296,22 +296,24 @@ def run_sweep(
         )
         tuner = tune.Tuner.restore(experiment, trainable=trainable, resume_errored=True)
     else:
+        scheduler = ResumableASHA(
+            sweep_dir.uri,
+            time_attr=objective.time_attr,
+            max_t=objective.max_t,
+            grace_period=min(settings.grace_period, objective.max_t),
+            reduction_factor=settings.reduction_factor,
+            # A trial at its last report ends by itself: stopping it there would cut off its
+            # summary.json and the close of its MLflow run.
+            stop_last_trials=False,
+        )
+        scheduler.forget_rungs()  # of a sweep this folder held that Tune cannot restore
         tuner = tune.Tuner(
             trainable,
             param_space=search_space(settings),
             tune_config=tune.TuneConfig(
                 metric=objective.metric,
                 mode=objective.mode,
-                scheduler=ResumableASHA(
-                    trials.uri,
-                    time_attr=objective.time_attr,
-                    max_t=objective.max_t,
-                    grace_period=min(settings.grace_period, objective.max_t),
-                    reduction_factor=settings.reduction_factor,
-                    # A trial at its last report ends by itself: stopping it there would cut off
-                    # its summary.json and the close of its MLflow run.
-                    stop_last_trials=False,
-                ),
+                scheduler=scheduler,
                 # The generator, not TuneConfig, must cap concurrency once a search_alg is given.
                 search_alg=BasicVariantGenerator(
                     random_state=settings.sweep_seed, max_concurrent=concurrent

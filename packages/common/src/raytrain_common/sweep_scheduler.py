@@ -4,10 +4,13 @@ Tune saves its trials and its searcher when it checkpoints an experiment, but no
 `Tuner.restore` brings back the ASHA the sweep was created with, and its rungs are empty. A resumed
 sweep then judges its remaining trials only against each other, never against the trials that
 reached a rung before the interruption: a lagging trial that is the first to reach a rung after
-the restart runs to the end. Every trial writes its evaluations to its own run folder (the
-metrics.csv of its run), so on resume each trial Tune restores has its earlier evaluations entered
-into the rungs again (to the 6 significant digits metrics.csv keeps: only an exact tie with a
-later trial can be judged otherwise than the first time).
+the restart runs to the end. So the rungs are written to the sweep folder whenever ASHA records a
+value (the values it compared, exactly, as JSON keeps floats) and read back when the restored
+sweep adds its first trial. The trials' own run folders would not do: hf-finetune and llm-fsdp
+write metrics.csv when a run ends, and a trial ASHA stopped never gets there. Nor would a file at
+the top of the sweep folder: Tune copies that level's .json files to its staging folder when it
+restores and copies them back up as it syncs, over anything written there since (measured: the
+rungs file went back to what it held at the restart).
 
 Kept apart from `raytrain_common.sweep` so that the workers, which import the sweep settings with
 each pipeline's config, do not import Ray Tune.
@@ -15,54 +18,92 @@ each pipeline's config, do not import Ray Tune.
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import TYPE_CHECKING, Any
 
 from ray.tune.schedulers import ASHAScheduler
 
-from raytrain_common.metrics import METRICS_FILE, read_metrics_csv
-from raytrain_common.storage import resolve_storage
+from raytrain_common.storage import StoragePath, resolve_storage
 
 if TYPE_CHECKING:
     from ray.tune.experiment import Trial
 
 log = logging.getLogger(__name__)
 
+RUNGS_FILE = "scheduler/asha_rungs.json"  # under the sweep folder, a level Tune does not sync
+
+# Per bracket, per rung: [milestone, {trial id: the value ASHA recorded (sign-adjusted by mode)}].
+Rungs = list[list[tuple[float, dict[str, float]]]]
+
 
 class ResumableASHA(ASHAScheduler):
-    """ASHAScheduler whose rungs are rebuilt from the trials' run folders when Tune restores them.
+    """ASHAScheduler that keeps its rungs in `<sweep_uri>/scheduler/asha_rungs.json` and, once
+    restored with its sweep, starts from them.
 
-    `trials_uri` is the folder holding one run folder per trial, named by trial id.
+    A new sweep in a folder must not inherit an older sweep's rungs: `forget_rungs` removes them.
     """
 
-    def __init__(self, trials_uri: str, **asha: Any) -> None:
+    def __init__(self, sweep_uri: str, **asha: Any) -> None:
         super().__init__(**asha)
-        self.trials_uri = trials_uri
-        self.replayed_evaluations = 0
+        self.sweep_uri = sweep_uri
+        self._rungs_read = False
+        self._values_written = 0
+
+    @property
+    def rungs_file(self) -> StoragePath:
+        return resolve_storage(self.sweep_uri).join(RUNGS_FILE)
+
+    def forget_rungs(self) -> None:
+        target = self.rungs_file
+        if target.exists():
+            target.filesystem.delete_file(target.path)
 
     def on_trial_add(self, tune_controller: Any, trial: Trial) -> None:
+        if not self._rungs_read:  # the first trial of a run of the sweep, new or restored
+            self._rungs_read = True
+            self._read_rungs()
         super().on_trial_add(tune_controller, trial)
-        history = self.evaluations_so_far(trial.trial_id)
-        bracket = self._trial_info[trial.trial_id]
-        for when, value in history:
-            # What ASHA decided at the time stands (the trial ended, or it goes on from its
-            # checkpoint); only the record of the value is wanted here, for later trials' cutoffs.
-            bracket.on_result(trial, when, self._metric_op * value)
-        self.replayed_evaluations += len(history)
-        if history:
-            log.info(
-                "ASHA: trial %s's %d evaluations before the interruption are back in its rungs",
-                trial.trial_id, len(history),
-            )  # fmt: skip
 
-    def evaluations_so_far(self, trial_id: str) -> list[tuple[float, float]]:
-        """(progress, metric) of every evaluation the trial's run folder holds; none for a trial
-        that had not started."""
-        metrics = resolve_storage(self.trials_uri).join(trial_id, METRICS_FILE)
-        if not metrics.exists():
-            return []
-        return [
-            (row[self._time_attr], row[self._metric])
-            for row in read_metrics_csv(metrics)
-            if self._time_attr in row and self._metric in row
-        ]
+    def on_trial_result(self, tune_controller: Any, trial: Trial, result: dict[str, Any]) -> str:
+        decision = super().on_trial_result(tune_controller, trial, result)
+        self._write_rungs_if_changed()
+        return decision
+
+    def on_trial_complete(self, tune_controller: Any, trial: Trial, result: dict[str, Any]) -> None:
+        super().on_trial_complete(tune_controller, trial, result)
+        self._write_rungs_if_changed()
+
+    def _rungs(self) -> Rungs:
+        return [list(bracket._rungs) for bracket in self._brackets]
+
+    def _write_rungs_if_changed(self) -> None:
+        rungs = self._rungs()
+        values = sum(len(recorded) for bracket in rungs for _, recorded in bracket)
+        if values != self._values_written:  # a value is only ever added to a rung
+            self.rungs_file.write_text(json.dumps(rungs))
+            self._values_written = values
+
+    def _read_rungs(self) -> None:
+        if not self.rungs_file.exists():
+            return
+        saved = json.loads(self.rungs_file.read_text())
+        trials: set[str] = set()
+        for bracket, saved_bracket in zip(self._rungs(), saved, strict=True):
+            for (milestone, recorded), (saved_milestone, saved_recorded) in zip(
+                bracket, saved_bracket, strict=True
+            ):
+                if milestone != saved_milestone:
+                    raise ValueError(
+                        f"{self.rungs_file.uri} holds rungs at {saved_milestone}, not {milestone}: "
+                        "the sweep was resumed with other ASHA settings"
+                    )
+                recorded.update(saved_recorded)
+                trials.update(saved_recorded)
+        self._values_written = sum(
+            len(recorded) for bracket in self._rungs() for _, recorded in bracket
+        )
+        log.info(
+            "ASHA: %d evaluations of %d trials from before the interruption are back in its rungs",
+            self._values_written, len(trials),
+        )  # fmt: skip
