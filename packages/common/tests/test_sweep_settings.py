@@ -149,3 +149,13 @@ def test_a_resumed_sweeps_asha_judges_new_trials_against_the_trials_before_the_i
     fresh = pickle.loads(pickled)
     fresh.on_trial_add(None, lagging)
     assert report(fresh, lagging, bad) == TrialScheduler.CONTINUE
+
+    # Rungs another sweep left (other milestones) are refused by name, not mixed in.
+    other = as_created(ResumableASHA(sweep.uri, **{**asha, "max_t": 4}))
+    other.forget_rungs()
+    other.on_trial_add(None, before)
+    report(other, before, good)
+    with pytest.raises(
+        ConfigError, match=r"asha_rungs.json holds ASHA rungs at .* another sweep's"
+    ):
+        pickle.loads(pickled).on_trial_add(None, lagging)

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from ray.tune.schedulers import ASHAScheduler
 
+from raytrain_common.configs import ConfigError
 from raytrain_common.storage import StoragePath, resolve_storage
 
 if TYPE_CHECKING:
@@ -88,16 +89,17 @@ class ResumableASHA(ASHAScheduler):
         if not self.rungs_file.exists():
             return
         saved = json.loads(self.rungs_file.read_text())
+        expected = [[milestone for milestone, _ in bracket] for bracket in self._rungs()]
+        found = [[milestone for milestone, _ in bracket] for bracket in saved]
+        if found != expected:
+            raise ConfigError(
+                f"{self.rungs_file.uri} holds ASHA rungs at {found}, this sweep's are at "
+                f"{expected}: the file is another sweep's; remove it, or choose another "
+                "--sweep-name"
+            )
         trials: set[str] = set()
         for bracket, saved_bracket in zip(self._rungs(), saved, strict=True):
-            for (milestone, recorded), (saved_milestone, saved_recorded) in zip(
-                bracket, saved_bracket, strict=True
-            ):
-                if milestone != saved_milestone:
-                    raise ValueError(
-                        f"{self.rungs_file.uri} holds rungs at {saved_milestone}, not {milestone}: "
-                        "the sweep was resumed with other ASHA settings"
-                    )
+            for (_, recorded), (_, saved_recorded) in zip(bracket, saved_bracket, strict=True):
                 recorded.update(saved_recorded)
                 trials.update(saved_recorded)
         self._values_written = sum(
