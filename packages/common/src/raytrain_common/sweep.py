@@ -411,8 +411,8 @@ def write_sweep_outputs(
         # A trial that finished after Tune last saved reports its evaluations again on resume:
         # one evaluation per point of progress, the last one reported.
         evaluated = sorted({float(when): float(value) for when, value in reported}.items())
-        values = [float(value) for _, value in evaluated]
-        reached = max((float(t) for t, _ in evaluated), default=0.0)
+        values = [value for _, value in evaluated]
+        reached = evaluated[-1][0] if evaluated else 0.0
         best_value = (max if objective.mode == "max" else min)(values) if values else math.nan
         metrics = result.metrics or {}
         rows.append({

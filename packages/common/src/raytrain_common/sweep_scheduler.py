@@ -78,11 +78,13 @@ class ResumableASHA(ASHAScheduler):
     def _rungs(self) -> Rungs:
         return [list(bracket._rungs) for bracket in self._brackets]
 
+    def _value_count(self) -> int:
+        return sum(len(recorded) for bracket in self._rungs() for _, recorded in bracket)
+
     def _write_rungs_if_changed(self) -> None:
-        rungs = self._rungs()
-        values = sum(len(recorded) for bracket in rungs for _, recorded in bracket)
+        values = self._value_count()
         if values != self._values_written:  # a value is only ever added to a rung
-            self.rungs_file.write_text(json.dumps(rungs))
+            self.rungs_file.write_text(json.dumps(self._rungs()))
             self._values_written = values
 
     def _read_rungs(self) -> None:
@@ -102,9 +104,7 @@ class ResumableASHA(ASHAScheduler):
             for (_, recorded), (_, saved_recorded) in zip(bracket, saved_bracket, strict=True):
                 recorded.update(saved_recorded)
                 trials.update(saved_recorded)
-        self._values_written = sum(
-            len(recorded) for bracket in self._rungs() for _, recorded in bracket
-        )
+        self._values_written = self._value_count()
         log.info(
             "ASHA: %d evaluations of %d trials from before the interruption are back in its rungs",
             self._values_written, len(trials),
