@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import os
 import secrets
-from collections.abc import Iterator
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -73,6 +75,26 @@ def ray_address(ray_cluster: None) -> str:
         os.environ.pop("RAY_ADDRESS", None)
         init_ray(train_cpus=2)
     return ray.get_runtime_context().gcs_address
+
+
+@pytest.fixture
+def small_volume(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str], Path]]:
+    """`small_volume("2m")`: a real file system of that size (tmpfs) that fills up, as a storage
+    volume does; unmounted after the test. Skips where mounting needs a root this user lacks."""
+    mounted: list[Path] = []
+
+    def mount(size: str) -> Path:
+        folder = tmp_path_factory.mktemp(f"volume-{size}")
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
+                              capture_output=True, text=True)  # fmt: skip
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip()}): needs root")
+        mounted.append(folder)
+        return folder
+
+    yield mount
+    for folder in mounted:
+        subprocess.run(["umount", "-l", str(folder)], check=False)
 
 
 def box_speed() -> str:

@@ -8,8 +8,10 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import os
 import re
 import struct
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -170,6 +172,18 @@ CASES = [
          r"'s3:/my-bucket/runs' looks like a s3 URI without its '//': write s3://my-bucket/runs"),
     Case("epochs out of range", "mnist-resnet",
          lambda r: ["train", "--epochs", "0", *storage(r)], r"epochs"),
+    Case("oversized image", "mnist-resnet",
+         lambda r: ["prepare", "--source", str(oversized_tree(r)), *storage(r)],
+         r"big\.png is 12000×12000 pixels \(144 Mpx\), over the limit of 67 Mpx per image"),
+    Case("image file name not valid UTF-8", "mnist-resnet",
+         lambda r: ["prepare", "--source", str(latin1_name_tree(r)), *storage(r)],
+         r"caf\\xe9\.png has a file name that is not valid UTF-8 .*rename it to UTF-8"),
+    Case("run name with ..", "mnist-resnet",
+         lambda r: ["train", "--run-name", "../elsewhere", *storage(r)],
+         r"--run-name '\.\./elsewhere': give one folder name .*not empty, '\.\.', an absolute path"),
+    Case("absolute run name", "llm-fsdp",
+         lambda r: ["train", "--run-name", str(r / "abs"), *storage(r)],
+         r"--run-name '/.*abs': give one folder name"),
     Case("predict before training", "mnist-resnet",
          lambda r: ["predict", "--run-name", "never", *storage(r)],
          r"no summary\.json in .*never: train first"),
@@ -255,6 +269,14 @@ CASES = [
     Case("export of a folder that is no checkpoint", "llm-fsdp",
          lambda r: ["export", "--checkpoint", str(fake_mnist_checkpoint(r)), *storage(r)],
          r"checkpoint_000001 is not a complete llm_fsdp checkpoint \(no train_state\.json"),
+    Case("export onto a folder of the user's files", "llm-fsdp",
+         lambda r: ["export", "--checkpoint", str(fake_mnist_checkpoint(r)), "--output",
+                    str(text(r / "mine" / "notes.txt", "mine").parent), *storage(r)],
+         r"mine holds files but no llm_fsdp_export\.json, so it is not an output of this command"),
+    Case("truncated checkpoint manifest", "llm-fsdp",
+         lambda r: ["export", "--checkpoint", str(cut_manifest_checkpoint(r)), *storage(r)],
+         r"manifest-world\.json is cut off or damaged \(7 bytes, JSONDecodeError\): the checkpoint "
+         r"was not written whole"),
     Case("generate from a folder that is no model", "llm-fsdp",
          lambda r: ["generate", "--model-dir", str(text(r / "m" / "notes.txt", "x").parent), *storage(r)],
          r"m is not a Hugging Face model folder \(no config\.json\)"),
@@ -277,6 +299,47 @@ def truncated_tree(root: Path) -> Path:
     os_rename.unlink()
     broken.write_bytes(data[: len(data) // 2])
     return root / "pets"
+
+
+def bomb_png(path: Path, side: int) -> Path:
+    """A 1-bit PNG of side × side pixels, all black, in a few KB: the header is what counts."""
+    row = b"\x00" + bytes(-(-side // 8))  # filter byte, then the packed row
+    compressor = zlib.compressobj(9)
+    data = b"".join(compressor.compress(row) for _ in range(side)) + compressor.flush()
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return (
+            struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+        )
+
+    header = struct.pack(">IIBBBBB", side, side, 1, 0, 0, 0, 0)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", data)
+                     + chunk(b"IEND", b""))  # fmt: skip
+    return path
+
+
+def oversized_tree(root: Path) -> Path:
+    image(root / "pets" / "cat" / "a.png")
+    bomb_png(root / "pets" / "dog" / "big.png", 12_000)  # 144 Mpx declared in 25 KB
+    return root / "pets"
+
+
+def latin1_name_tree(root: Path) -> Path:
+    image(root / "pets" / "cat" / "a.png")
+    folder = root / "pets" / "dog"
+    image(folder / "b.png")
+    os.rename(folder / "b.png", os.path.join(os.fsencode(folder), "café.png".encode("latin-1")))
+    return root / "pets"
+
+
+def cut_manifest_checkpoint(root: Path) -> Path:
+    """An llm checkpoint's files whose manifest-world.json a full disk cut off after 7 bytes."""
+    folder = root / "run" / "checkpoint_000002"
+    text(folder / "train_state.json", "{}")
+    text(folder / ".metadata", b"dcp")
+    text(folder / "manifest-world.json", '{"ranks": 2}'[:7])
+    return folder
 
 
 def not_an_image_tree(root: Path) -> Path:
@@ -330,3 +393,19 @@ def test_the_catalogue_is_in_the_readme() -> None:
     missing = [case.id for case in CASES if case.id not in section]
     assert not missing, f"README's Troubleshooting lacks {missing}"
     assert len(CASES) >= 30
+
+
+def test_a_full_disk_gets_one_line_naming_the_path_and_nothing_half_written(
+    small_volume: Callable[[str], Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`prepare` of the real MNIST onto a 2 MiB volume: no space left after a few files. One line
+    says the storage is full and names it (not a traceback, not an outage), exit status 2, and the
+    volume holds nothing afterwards: the staged output was removed."""
+    small_disk = small_volume("2m")
+    status = mnist_resnet.cli.main(["prepare", "--storage-path", str(small_disk)])
+    err = capsys.readouterr().err.strip()
+    assert status == 2, err
+    last = err.splitlines()[-1]
+    assert last.startswith("mnist-resnet prepare: error: the storage at "), last
+    assert str(small_disk) in last and "is full (no space left on device)" in last, last
+    assert not [p for p in small_disk.rglob("*") if p.is_file()]

@@ -158,6 +158,65 @@ def containers(document: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any], 
             yield role, pod, container
 
 
+def pod_templates(document: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Every pod template of a RayJob, by role: the head, each worker group, the submitter."""
+    cluster = document["spec"]["rayClusterSpec"]
+    templates = {"head": cluster["headGroupSpec"]["template"]}
+    for group in cluster["workerGroupSpecs"]:
+        templates[f"worker group {group['groupName']}"] = group["template"]
+    if "submitterPodTemplate" in document["spec"]:
+        templates["submitter"] = document["spec"]["submitterPodTemplate"]
+    return templates
+
+
+# Pod Security Standards, "restricted" profile (Kubernetes 1.35): the volume types it allows, and
+# the only capability a container may add.
+RESTRICTED_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "image",
+                      "persistentVolumeClaim", "projected", "secret"}  # fmt: skip
+
+
+def restricted_violations(pod: dict[str, Any]) -> list[str]:
+    """What in a pod spec the "restricted" Pod Security profile refuses (empty: it is admitted):
+    host namespaces, host paths and ports, privileged or root containers, privilege escalation,
+    capabilities not dropped, seccomp neither RuntimeDefault nor Localhost."""
+    found = [f"{key}: true" for key in ("hostNetwork", "hostPID", "hostIPC", "hostUsers")
+             if pod.get(key) is (key != "hostUsers")]  # fmt: skip
+    for volume in pod.get("volumes", []):
+        kinds = set(volume) - {"name"}
+        if not kinds <= RESTRICTED_VOLUMES:
+            found.append(f"volume {volume['name']}: {sorted(kinds - RESTRICTED_VOLUMES)}")
+    pod_context = pod.get("securityContext", {})
+    every = [
+        *pod.get("initContainers", []),
+        *pod["containers"],
+        *pod.get("ephemeralContainers", []),
+    ]
+    for container in every:
+        context, name = container.get("securityContext", {}), container["name"]
+        merged = {**pod_context, **context}
+        if context.get("privileged"):
+            found.append(f"{name}: privileged")
+        if context.get("allowPrivilegeEscalation") is not False:
+            found.append(f"{name}: allowPrivilegeEscalation is not false")
+        if merged.get("runAsNonRoot") is not True:
+            found.append(f"{name}: runAsNonRoot is not true")
+        if merged.get("runAsUser") == 0:
+            found.append(f"{name}: runAsUser 0")
+        seccomp = merged.get("seccompProfile", {}).get("type")
+        if seccomp not in ("RuntimeDefault", "Localhost"):
+            found.append(f"{name}: seccompProfile {seccomp}")
+        capabilities = context.get("capabilities", {})
+        if "ALL" not in capabilities.get("drop", []):
+            found.append(f"{name}: capabilities not dropped (ALL)")
+        if set(capabilities.get("add", [])) - {"NET_BIND_SERVICE"}:
+            found.append(f"{name}: adds capabilities {capabilities['add']}")
+        if any(port.get("hostPort") for port in container.get("ports", [])):
+            found.append(f"{name}: hostPort")
+        if context.get("procMount", "Default") != "Default":
+            found.append(f"{name}: procMount")
+    return found
+
+
 # ---------------------------------------------------------------------------------------------
 # Schemas
 # ---------------------------------------------------------------------------------------------
@@ -170,28 +229,205 @@ def test_manifest_validates_against_the_crd_and_kubernetes(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", RAYJOB_FILES)
-def test_the_cluster_runs_with_token_auth_and_admits_only_its_own_pods(name: str) -> None:
+def test_the_cluster_runs_with_token_auth(name: str) -> None:
     """authOptions.mode token (an empty authOptions leaves auth off) with the rayVersion the operator
-    needs; the NetworkPolicy selects exactly the RayJob's head and worker pods and lets in only
-    them and the RayJob's submitter (the Job KubeRay names after the RayJob)."""
+    needs, and the NetworkPolicy selects every head and worker pod of the RayJob."""
     document = rayjobs()[name]
     cluster = document["spec"]["rayClusterSpec"]
     assert cluster["authOptions"]["mode"] == "token"
     assert tuple(map(int, cluster["rayVersion"].split(".")[:2])) >= (2, 52)
     policy = network_policies()[name]["spec"]
-    selector = policy["podSelector"]["matchLabels"]
-    templates = [cluster["headGroupSpec"]["template"]] + [
-        group["template"] for group in cluster["workerGroupSpecs"]
-    ]
-    for template in templates:
-        labels = template["metadata"]["labels"]
-        assert selector.items() <= labels.items(), (selector, labels)
     assert policy["policyTypes"] == ["Ingress"]
-    [rule] = policy["ingress"]
-    assert "ports" not in rule  # every Ray port between the job's own pods
-    allowed = [peer["podSelector"]["matchLabels"] for peer in rule["from"]]
-    assert allowed == [selector, {"batch.kubernetes.io/job-name": document["metadata"]["name"]}]
-    assert all(set(peer) == {"podSelector"} for peer in rule["from"])  # no namespace-wide hole
+    for template in pod_templates(document).values():
+        if template is not document["spec"]["submitterPodTemplate"]:
+            assert selects(policy["podSelector"], template["metadata"]["labels"]), template
+
+
+# ---------------------------------------------------------------------------------------------
+# Who the NetworkPolicy lets in: a small evaluator of Kubernetes' NetworkPolicy rules
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Source:
+    """A pod that opens a connection: its labels, its namespace and that namespace's labels."""
+
+    labels: dict[str, str]
+    namespace: str
+    namespace_labels: dict[str, str] | None = None
+
+    def namespace_labels_or_default(self) -> dict[str, str]:
+        # Kubernetes (>= 1.22) labels every namespace with its own name.
+        return {"kubernetes.io/metadata.name": self.namespace, **(self.namespace_labels or {})}
+
+
+def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """A LabelSelector against labels: matchLabels and matchExpressions all hold; {} selects all."""
+    if not all(labels.get(key) == value for key, value in selector.get("matchLabels", {}).items()):
+        return False
+    for expression in selector.get("matchExpressions", []):
+        key, operator, values = expression["key"], expression["operator"], expression.get("values")
+        if not expression_holds(operator, labels.get(key), values):
+            return False
+    return True
+
+
+def expression_holds(operator: str, value: str | None, values: list[str] | None) -> bool:
+    """One matchExpressions entry, given the label's value (None: the pod lacks the label)."""
+    if operator == "In":
+        return value is not None and value in (values or [])
+    if operator == "NotIn":
+        return value is None or value not in (values or [])
+    if operator == "Exists":
+        return value is not None
+    assert operator == "DoesNotExist", operator
+    return value is None
+
+
+def peer_admits(peer: dict[str, Any], source: Source, policy_namespace: str) -> bool:
+    """One `from` entry: a podSelector alone means the policy's own namespace; with a
+    namespaceSelector, both must hold ({} is every namespace)."""
+    assert "ipBlock" not in peer, "this evaluator reads pod and namespace selectors only"
+    if "namespaceSelector" in peer:
+        if not selects(peer["namespaceSelector"], source.namespace_labels_or_default()):
+            return False
+    elif source.namespace != policy_namespace:
+        return False
+    return selects(peer.get("podSelector", {}), source.labels)
+
+
+def admits(policy: dict[str, Any], source: Source, port: int, namespace: str = "team") -> bool:
+    """Whether the Ingress policy (applied in `namespace`) lets `source` reach a selected pod on TCP
+    `port`: some rule admits both the peer (no `from`: every peer) and the port (no `ports`: all)."""
+    spec = policy["spec"]
+    assert "Ingress" in spec["policyTypes"]
+    for rule in spec.get("ingress", []):
+        peers = rule.get("from")
+        if peers and not any(peer_admits(peer, source, namespace) for peer in peers):
+            continue
+        ports = rule.get("ports")
+        if ports and not any(
+            p.get("protocol", "TCP") == "TCP"
+            and (p["port"] == port or p["port"] <= port <= p.get("endPort", p["port"]))
+            for p in ports
+        ):
+            continue
+        return True
+    return False
+
+
+RAY_PORTS = (6379, 8265, 10001, 8076, 52365)  # GCS, dashboard, client, object manager, agent
+DASHBOARD = 8265
+
+
+def policy_cases(job: str) -> list[tuple[str, Source, set[int]]]:
+    """(who, the source pod, the ports it must reach: every other one of RAY_PORTS is refused)."""
+    ours = {"raytrain-pipelines/rayjob": job}
+    operator = {"app.kubernetes.io/name": "kuberay-operator",
+                "app.kubernetes.io/component": "kuberay-operator"}  # fmt: skip
+    return [
+        ("the job's head or worker", Source(ours, "team"), set(RAY_PORTS)),
+        ("its submitter", Source({"batch.kubernetes.io/job-name": job}, "team"), {DASHBOARD}),
+        ("the operator (Helm chart)", Source(operator, "kuberay-system"), {DASHBOARD}),
+        ("the operator (kustomize install)",
+         Source({"app.kubernetes.io/name": "kuberay",
+                 "app.kubernetes.io/component": "kuberay-operator"}, "ray-system"), {DASHBOARD}),
+        ("another job's pod", Source({"raytrain-pipelines/rayjob": "other-job"}, "team"), set()),
+        ("another job's submitter", Source({"batch.kubernetes.io/job-name": "other"}, "team"), set()),
+        ("a pod of the namespace", Source({"app": "notebook"}, "team"), set()),
+        ("a pod of another namespace", Source({"app": "notebook"}, "elsewhere"), set()),
+        ("a copy of our label in another namespace", Source(ours, "elsewhere"), set()),
+        ("a copy of the submitter's label elsewhere",
+         Source({"batch.kubernetes.io/job-name": job}, "elsewhere"), set()),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", RAYJOB_FILES)
+def test_the_network_policy_admits_the_job_its_submitter_and_the_operator_and_no_one_else(
+    name: str,
+) -> None:
+    """The job's pods reach each other on every port; its submitter and the KubeRay operator (from
+    any namespace: it polls the job's status on the dashboard in K8sJobMode) reach the dashboard
+    only; every other pod, a look-alike in another namespace included, reaches nothing."""
+    policy = network_policies()[name]
+    job = rayjobs()[name]["metadata"]["name"]
+    wrong = [
+        f"{who} on {port}: {'refused' if should else 'admitted'}"
+        for who, source, allowed in policy_cases(job)
+        for port in RAY_PORTS
+        if admits(policy, source, port) != (should := port in allowed)
+    ]
+    assert not wrong, wrong
+
+
+def test_the_policy_evaluator_reads_selectors_as_kubernetes_does() -> None:
+    """The evaluator itself: a podSelector alone stays in the policy's namespace, an empty
+    namespaceSelector opens every namespace, ports narrow a rule, and no ingress admits nothing."""
+    allow = {"matchLabels": {"a": "1"}}
+    only_pods = {
+        "spec": {"policyTypes": ["Ingress"], "ingress": [{"from": [{"podSelector": allow}]}]}
+    }
+    any_namespace = {
+        "spec": {
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"from": [{"namespaceSelector": {}, "podSelector": allow}], "ports": [{"port": 80}]}
+            ],
+        }
+    }
+    nothing = {"spec": {"policyTypes": ["Ingress"]}}
+    everyone = {"spec": {"policyTypes": ["Ingress"], "ingress": [{}]}}
+    here, there = Source({"a": "1"}, "team"), Source({"a": "1"}, "elsewhere")
+    assert admits(only_pods, here, 1) and not admits(only_pods, there, 1)
+    assert admits(any_namespace, there, 80) and not admits(any_namespace, there, 81)
+    assert not admits(nothing, here, 80) and admits(everyone, Source({}, "x"), 9)
+    expression = {"matchExpressions": [{"key": "a", "operator": "In", "values": ["1", "2"]}]}
+    assert selects(expression, {"a": "2"}) and not selects(expression, {"a": "3"})
+
+
+@pytest.mark.parametrize("name", RAYJOB_FILES)
+def test_every_pod_of_the_job_passes_a_restricted_namespace(name: str) -> None:
+    """Pod Security admission in a namespace labelled pod-security.kubernetes.io/enforce=restricted
+    admits the head, every worker group and the submitter (our template: KubeRay's default one has
+    no securityContext and is refused); no Ray pod mounts a service-account token, as job code needs
+    no Kubernetes API."""
+    templates = pod_templates(rayjobs()[name])
+    assert "submitter" in templates, "KubeRay's default submitter is refused by the profile"
+    for role, template in templates.items():
+        pod = template["spec"]
+        assert not restricted_violations(pod), (role, restricted_violations(pod))
+        assert pod.get("automountServiceAccountToken") is False, role
+    submitter = templates["submitter"]["spec"]
+    assert submitter["restartPolicy"] == "Never" and "command" not in submitter["containers"][0]
+    head_image = templates["head"]["spec"]["containers"][0]["image"]
+    assert submitter["containers"][0]["image"] == head_image  # the same Ray, as KubeRay's default
+
+
+def test_the_restricted_check_refuses_what_admission_would() -> None:
+    """The check itself: KubeRay's default submitter pod (no securityContext), a root container, a
+    hostPath and a host network are each refused."""
+    default_submitter = {"containers": [{"name": "ray-job-submitter", "image": "rayproject/ray"}],
+                         "restartPolicy": "Never"}  # fmt: skip
+    assert {"ray-job-submitter: runAsNonRoot is not true",
+            "ray-job-submitter: allowPrivilegeEscalation is not false",
+            "ray-job-submitter: seccompProfile None",
+            "ray-job-submitter: capabilities not dropped (ALL)"} <= set(
+        restricted_violations(default_submitter))  # fmt: skip
+    good = pod_templates(rayjobs()[next(iter(PIPELINES))])["head"]["spec"]
+    for change, expected in (
+        (lambda pod: pod["securityContext"].update(runAsUser=0), "runAsUser 0"),
+        (lambda pod: pod["volumes"].append({"name": "h", "hostPath": {"path": "/"}}), "volume h"),
+        (lambda pod: pod.update(hostNetwork=True), "hostNetwork: true"),
+        (
+            lambda pod: pod["containers"][0]["securityContext"]["capabilities"].update(
+                add=["SYS_ADMIN"]
+            ),
+            "adds capabilities",
+        ),
+    ):
+        pod = copy.deepcopy(good)
+        change(pod)
+        assert any(expected in problem for problem in restricted_violations(pod)), expected
 
 
 def test_the_validation_rejects_what_the_api_server_would() -> None:
@@ -254,6 +490,13 @@ def test_the_overlay_changes_image_replicas_gpus_and_storage_class_in_one_place(
     env = yaml.safe_load(spec["runtimeEnvYAML"])["env_vars"]
     assert int(env["NUM_WORKERS"]) == worker["replicas"] * gpus  # one Ray Train worker per GPU
     assert rendered["raytrain-runs"]["spec"]["storageClassName"]
+    # The overlay's image reaches every container of every job, the submitter's included.
+    [image] = overlay["images"]
+    wanted = f"{image['newName']}:{image['newTag']}"
+    for document in rendered.values():
+        if document["kind"] == "RayJob":
+            for role, template in pod_templates(document).items():
+                assert template["spec"]["containers"][0]["image"] == wanted, role
     # Your own token Secret instead of the operator's: token mode kept, the Secret named.
     assert spec["rayClusterSpec"]["authOptions"] == {
         "mode": "token",
@@ -282,12 +525,23 @@ def test_every_pipeline_has_one_manifest_and_the_kustomize_base_lists_them_all()
 # ---------------------------------------------------------------------------------------------
 
 
+# A tag (not :latest), or a digest: registry/name@sha256:<64 hex> (kustomize's `images: digest:`).
+IMAGE_PATTERN = re.compile(r"[\w./-]+(:[\w.-]+|@sha256:[0-9a-f]{64})")
+QUANTITY = re.compile(r"(\d+)(Ki|Mi|Gi|Ti)?")
+
+
+def quantity_bytes(text: str) -> int:
+    number, unit = QUANTITY.fullmatch(str(text)).groups()  # type: ignore[union-attr]
+    return int(number) * {None: 1, "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40}[unit]
+
+
 @pytest.mark.parametrize("name", RAYJOB_FILES)
 def test_manifest_is_what_a_platform_team_accepts(name: str) -> None:
     document = rayjobs()[name]
     spec = document["spec"]
     assert spec["submissionMode"] == "K8sJobMode"
-    assert spec["shutdownAfterJobFinishes"] is True and spec["ttlSecondsAfterFinished"] > 0
+    assert spec["shutdownAfterJobFinishes"] is True
+    assert 0 < spec["ttlSecondsAfterFinished"] <= 600, "the GPUs go back within minutes of the end"
     assert spec["activeDeadlineSeconds"] > 0 and spec["backoffLimit"] >= 0
     assert spec["rayClusterSpec"]["rayVersion"] == "2.60.0"
     assert spec["rayClusterSpec"]["authOptions"] == {"mode": "token"}
@@ -295,12 +549,13 @@ def test_manifest_is_what_a_platform_team_accepts(name: str) -> None:
     assert head_params["num-gpus"] == "0"
     for role, pod, container in containers(document):
         image = container["image"]
-        assert re.fullmatch(r"[\w./-]+:[\w.-]+", image) and not image.endswith(":latest"), image
+        assert IMAGE_PATTERN.fullmatch(image) and not image.endswith(":latest"), image
         resources = container["resources"]
         gpus = resources.get("limits", {}).get("nvidia.com/gpu")
         assert (gpus is None) == (role == "head"), f"{role}: GPUs only on workers"
         for kind in ("cpu", "memory"):
             assert resources["requests"][kind] == resources["limits"][kind], f"{role} {kind}"
+        assert quantity_bytes(resources["requests"]["ephemeral-storage"]) >= 10 << 30, role
         assert pod["securityContext"]["runAsNonRoot"] is True
         assert container["securityContext"]["allowPrivilegeEscalation"] is False
         shm = {v["name"]: v for v in pod["volumes"]}["dshm"]
@@ -310,6 +565,29 @@ def test_manifest_is_what_a_platform_team_accepts(name: str) -> None:
             if re.search(r"KEY|SECRET|TOKEN|PASSWORD|CREDENTIAL", variable["name"]):
                 assert "value" not in variable and "secretKeyRef" in variable["valueFrom"], variable
     assert not re.search(r"(?i)(secret|password|token|key)\s*[:=]\s*\S", spec["runtimeEnvYAML"])
+
+
+@pytest.mark.parametrize("name", RAYJOB_FILES)
+def test_the_object_store_fits_in_dev_shm(name: str) -> None:
+    """Each group sets object-store-memory below its /dev/shm volume (Ray would take ~30 % of the
+    pod's memory, find /dev/shm too small and put the store on disk, "This will harm performance"),
+    and both fit in the pod's memory limit, which the shm tmpfs is charged to."""
+    cluster = rayjobs()[name]["spec"]["rayClusterSpec"]
+    for group in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
+        pod = group["template"]["spec"]
+        store = int(group["rayStartParams"]["object-store-memory"])
+        shm = quantity_bytes(
+            {v["name"]: v for v in pod["volumes"]}["dshm"]["emptyDir"]["sizeLimit"]
+        )
+        memory = quantity_bytes(pod["containers"][0]["resources"]["limits"]["memory"])
+        assert store < shm < memory, (store, shm, memory)
+
+
+def test_an_image_pinned_by_digest_is_accepted_and_a_latest_tag_is_not() -> None:
+    digest = "registry.example.com/ml/raytrain-pipelines@sha256:" + "0123456789abcdef" * 4
+    assert IMAGE_PATTERN.fullmatch(digest)
+    assert IMAGE_PATTERN.fullmatch("registry.example.com/ml/raytrain-pipelines:2026.11.22")
+    assert not IMAGE_PATTERN.fullmatch("registry.example.com/ml/raytrain-pipelines@sha256:abc")
 
 
 @pytest.mark.parametrize("name", RAYJOB_FILES)

@@ -1,10 +1,11 @@
-"""The doctor's authentication row, from what each node reports and where the dashboard listens."""
+"""The doctor's pure checks: the authentication row, from what each node reports and where the
+dashboard listens; the object store against /dev/shm."""
 
 from __future__ import annotations
 
 import pytest
 
-from raytrain_common.doctor import FAIL, OK, WARN, Report, Shape, check_auth
+from raytrain_common.doctor import FAIL, OK, WARN, Report, Shape, check_auth, check_system
 
 TOKEN, OFF = {"auth_mode": "token"}, {"auth_mode": "disabled"}
 
@@ -29,3 +30,25 @@ def test_token_authentication_is_ok_and_its_absence_warns_or_fails(
     assert (row.check, row.status) == ("authentication", status), row
     if status != OK:
         assert "RAY_AUTH_MODE=token" in row.fix and "authOptions.mode: token" in row.fix
+
+
+GIB = 1 << 30
+
+
+@pytest.mark.parametrize(
+    ("store", "shm", "status"),
+    [
+        (8 * GIB, 10 * GIB, OK),  # deploy/rayjob's workers: the store lives in memory
+        (9.6 * GIB, 8 * GIB, WARN),  # Ray's default 30 % of 32 GiB over an 8 GiB /dev/shm: on disk
+    ],
+)
+def test_an_object_store_larger_than_dev_shm_warns_that_ray_puts_it_on_disk(
+    store: float, shm: int, status: str
+) -> None:
+    report = Report(Shape())
+    node = {"shm_total": shm, "object_store_memory": store, "disk_free": {}}
+    check_system(report, {"n1": {**node, "memory_total": 64 * GIB, "memory_available": 60 * GIB}})
+    [row] = [row for row in report.rows if row.check == "object store"]
+    assert row.status == status, row
+    if status == WARN:
+        assert "on disk" in row.value and "object-store-memory" in row.fix

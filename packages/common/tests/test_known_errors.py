@@ -32,7 +32,8 @@ def test_a_port_already_in_use_is_named_with_its_fix() -> None:
     assert isinstance(error, OSError) and error.errno == errno.EADDRINUSE
     line = explain(error)
     assert line is not None and line.startswith("known failure (port in use)")
-    assert "ray stop" in line
+    # The command that stops one cluster, not `ray stop`, which ends every Ray cluster of the user's.
+    assert "python -m raytrain_common.local_cluster stop" in line and "ray stop" not in line
 
 
 def test_a_missing_module_names_the_module_and_the_image() -> None:

@@ -150,3 +150,61 @@ def test_building_and_reading_hold_memory_that_does_not_grow_with_the_split(
     growth = peak("build") - peak("import")
     assert growth < 24 * 2**20 < file_bytes, f"peak RSS grew by {growth / 2**20:.0f} MiB"
     assert json.loads(next(split.glob("blocks-*.json")).read_text())["rows"] == 163_840
+
+
+BUILD_IN_PROCESS = """
+import os, sys, time
+import numpy as np
+from raytrain_common.rowfile import row_file
+from raytrain_common.storage import resolve_storage
+
+def rows(batch):
+    with open(sys.argv[2], "a") as log:  # one line per batch this process builds
+        log.write(f"{os.getpid()}\\n")
+    time.sleep(0.2)  # a slow build: the other processes arrive while it runs
+    column = batch.column(0)
+    return column.flatten().to_numpy(zero_copy_only=False).astype(np.int32).reshape(len(column), -1)
+
+found = row_file(resolve_storage(sys.argv[1]), "blocks", ["input_ids"], rows, "int32-v1")
+print(found.path, len(found))
+"""
+
+
+def test_a_split_in_a_shared_folder_is_built_by_one_process_of_all_that_mount_it(
+    tmp_path: Path,
+) -> None:
+    """Four processes (as four nodes mounting one NFS folder) ask for the same split's row file at
+    once: the lock beside the data lets one of them build it; the others wait and read that file."""
+    split, log = tmp_path / "shared" / "train", tmp_path / "builds.log"
+    write_split(split, [300, 300])
+    processes = [
+        subprocess.Popen([sys.executable, "-c", BUILD_IN_PROCESS, str(split), str(log)],
+                         stdout=subprocess.PIPE, text=True)
+        for _ in range(4)
+    ]  # fmt: skip
+    answers = {process.communicate(timeout=120)[0].strip() for process in processes}
+    assert all(process.returncode == 0 for process in processes)
+    assert len(answers) == 1 and answers.pop().endswith(" 600")
+    builders = set(log.read_text().split())
+    assert len(builders) == 1, f"{len(builders)} processes built the file"
+    assert len(list(split.glob("blocks-*.rows"))) == 1
+    assert not [p for p in split.iterdir() if ".partial" in p.name]
+
+
+def test_node_local_locks_live_in_a_private_folder_and_a_planted_one_is_refused(
+    tmp_path: Path,
+) -> None:
+    """A lock folder another user made first, opened to others, or planted as a symlink is refused;
+    a folder of our own is made with mode 0700."""
+    from raytrain_common.rowfile import private_folder
+
+    made = private_folder(tmp_path / "locks")
+    assert made.stat().st_mode & 0o777 == 0o700
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "planted").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(OSError, match="not a private folder"):
+        private_folder(tmp_path / "planted")
+    (tmp_path / "open").mkdir(mode=0o777)
+    (tmp_path / "open").chmod(0o777)
+    with pytest.raises(OSError, match=r"mode 777"):
+        private_folder(tmp_path / "open")

@@ -314,28 +314,45 @@ def test_a_run_stopped_mid_epoch_resumes_with_exactly_the_batches_it_had_not_see
     assert again["best_checkpoint"] == resumed["best_checkpoint"]
 
 
+# What a crash or a full disk mid-copy leaves of the newest checkpoint, and what `predict` says.
+DAMAGES = {
+    "state.pt cut to half": ("state.pt", "{latest}: state.pt has", "(truncated?)"),
+    "manifest cut to 0 bytes": (
+        "manifest-rank0.json",
+        "{latest}'",
+        "manifest-rank0.json is cut off",
+    ),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
 def test_a_torn_checkpoint_is_never_loaded(
     small_config: Callable[..., Any],
     uninterrupted_run: tuple[Path, dict[str, Any]],
     mnist_dir: StoragePath,
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
+    damage: str,
 ) -> None:
-    """The newest checkpoint's state.pt cut to half, as a crash mid-copy leaves it: `predict`
-    refuses it in one line, and a rerun resumes from the previous complete checkpoint (epoch 1),
-    trains epoch 2 again and ends as the uninterrupted run did. The run is a copy of the
-    uninterrupted one: a run folder holds no absolute path that a resume reads."""
+    """The newest checkpoint's state.pt cut to half, or its manifest emptied (a disk that filled
+    up while Ray copied it): `predict` refuses it in one line, and a rerun resumes from the
+    previous complete checkpoint (epoch 1), trains epoch 2 again and ends as the uninterrupted run
+    did. The run is a copy of the uninterrupted one: a run folder holds no absolute path that a
+    resume reads."""
     whole_storage, summary = uninterrupted_run
     shutil.copytree(whole_storage / "whole", tmp_path / "whole")
     latest = tmp_path / "whole" / Path(summary["latest_checkpoint"]).name
-    state_file = latest / "state.pt"
-    state_file.write_bytes(state_file.read_bytes()[: state_file.stat().st_size // 2])
+    name, *expected = DAMAGES[damage]
+    damaged = latest / name
+    damaged.write_bytes(
+        damaged.read_bytes()[: damaged.stat().st_size // 2 if name == "state.pt" else 0]
+    )
     if summary["best_checkpoint"] == summary["latest_checkpoint"]:
         code = main(["predict", "--storage-path", str(tmp_path), "--run-name", "whole"])
         assert code == 2
         error = capsys.readouterr().err.strip().splitlines()[-1]  # above it: Ray's worker logs
         assert error.startswith("mnist-resnet predict: error: checkpoint ")
-        assert f"{latest}: state.pt has" in error and "(truncated?)" in error
+        assert all(part.format(latest=latest) in error for part in expected), error
 
     again = run(small_config(tmp_path, mnist_dir, run_name="whole", **UNINTERRUPTED))
     [restart] = again["restarts"]
@@ -366,3 +383,22 @@ def test_a_loss_that_turns_nan_ends_with_one_line_naming_the_cause_and_the_fix(
     assert lines[-1].startswith("mnist-resnet train: known failure (non-finite loss): "), lines[-5:]
     assert "lower --lr" in lines[-1] and "--grad-clip-norm" in lines[-1]
     assert "Traceback" in done.stderr and "FloatingPointError" in done.stderr
+
+
+def test_a_full_storage_fails_the_run_at_once_naming_the_path(
+    small_config: Callable[..., Any],
+    mnist_dir: StoragePath,
+    small_volume: Callable[[str], Path],
+) -> None:
+    """The storage path a 40 MiB volume (tmpfs): the first checkpoint (~90 MB: weights and
+    momentum) does not fit. The run ends at once with a StorageError saying the storage is full and
+    naming it, not after --storage-patience-s of retries blamed on the network."""
+    volume = small_volume("40m")
+    config = small_config(volume, mnist_dir, run_name="full", epochs=1, limit_train_rows=256,
+                          tracking="none", storage_patience_s=300.0)  # fmt: skip
+    with pytest.raises(StorageError) as failed:
+        run(config)
+    message = str(failed.value)
+    assert str(volume) in message and "is full (no space left on device)" in message, message
+    # Not retried as an outage (that message counts its attempts and blames the network).
+    assert "attempts" not in message and "endpoint, credentials and network" not in message

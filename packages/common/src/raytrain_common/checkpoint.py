@@ -31,7 +31,7 @@ import ray.train
 import torch
 from torch import nn
 
-from raytrain_common.storage import StorageError, StoragePath
+from raytrain_common.storage import StorageError, StoragePath, lasting_storage_problem
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +80,34 @@ def _write_json_atomically(target: Path, content: Any) -> Path:
     return target
 
 
+def parse_manifest(checkpoint: str, name: str, data: bytes) -> dict[str, Any]:
+    """A manifest's content; TornCheckpointError if it is cut off or not one (a full disk during
+    the copy leaves a 0-byte or half-written file), so the checkpoint is skipped like any torn one
+    instead of a JSONDecodeError stopping every resume."""
+    try:
+        content = json.loads(data.decode("utf-8"))
+        if name == WORLD_FILE:
+            valid = isinstance(content["ranks"], int) and content["ranks"] >= 1
+        else:
+            valid = all(
+                isinstance(entry["size"], int) and isinstance(entry["sha256"], str)
+                for entry in content["files"].values()
+            )
+    except (
+        ValueError,
+        KeyError,
+        TypeError,
+        AttributeError,
+    ) as error:  # JSON and Unicode errors too
+        raise TornCheckpointError(
+            f"checkpoint {checkpoint!r}: {name} is cut off or damaged ({len(data)} bytes, "
+            f"{type(error).__name__}): the checkpoint was not written whole"
+        ) from error
+    if not valid:
+        raise TornCheckpointError(f"checkpoint {checkpoint!r}: {name} is not a manifest")
+    return content
+
+
 def verify_checkpoint(folder: str | os.PathLike[str], *, hashes: bool = True) -> None:
     """Raise TornCheckpointError, naming the checkpoint and the file, unless every rank's manifest is
     there and every file it lists has its size (and, with `hashes`, its SHA-256)."""
@@ -90,14 +118,16 @@ def verify_checkpoint(folder: str | os.PathLike[str], *, hashes: bool = True) ->
             f"checkpoint {str(root)!r} has no {WORLD_FILE}: it was cut off before it was complete "
             "(or written by a version without manifests)"
         )
-    ranks = json.loads(world_file.read_text())["ranks"]
+    ranks = parse_manifest(str(root), WORLD_FILE, world_file.read_bytes())["ranks"]
     for rank in range(ranks):
         manifest = root / f"{MANIFEST_PREFIX}{rank}.json"
         if not manifest.is_file():
             raise TornCheckpointError(
                 f"checkpoint {str(root)!r} lacks {manifest.name}: rank {rank}'s files are incomplete"
             )
-        for name, expected in json.loads(manifest.read_text())["files"].items():
+        for name, expected in parse_manifest(str(root), manifest.name, manifest.read_bytes())[
+            "files"
+        ].items():
             path = root / name
             if not path.is_file():
                 raise TornCheckpointError(f"checkpoint {str(root)!r} lacks {name}")
@@ -239,7 +269,8 @@ def load_remote_state(checkpoint: StoragePath) -> dict[str, Any]:
             f"checkpoint {checkpoint.uri} has no {manifest.uri.rsplit('/', 1)[-1]}: it was cut off "
             "before it was complete (or written by a version without manifests)"
         )
-    expected = json.loads(manifest.read_text())["files"].get(STATE_FILE)
+    name = manifest.uri.rsplit("/", 1)[-1]
+    expected = parse_manifest(checkpoint.uri, name, manifest.read_bytes())["files"].get(STATE_FILE)
     data = checkpoint.join(STATE_FILE).read_bytes()
     if expected is None or len(data) != expected["size"]:
         raise TornCheckpointError(
@@ -280,6 +311,14 @@ def upload_with_retries(storage_uri: str, patience_s: float) -> UploadFn:
             try:
                 return storage.persist_current_checkpoint(checkpoint, name)
             except OSError as error:  # pyarrow's network and filesystem errors
+                problem = lasting_storage_problem(error)
+                if problem is not None:  # a full or read-only disk: retrying cannot help
+                    raise StorageError(
+                        f"checkpoint {name} could not be written to {storage_uri}: the storage "
+                        f"{problem} ({str(error).splitlines()[0][:200]}). The previous checkpoint "
+                        "is intact: free space or give a writable --storage-path, then rerun the "
+                        "same command to resume from it"
+                    ) from error
                 waited = time.monotonic() - started
                 if waited + delay > patience_s:
                     raise StorageError(
@@ -319,6 +358,13 @@ def raise_storage_error_of(error: Exception, storage_uri: str) -> None:
     controller_failure = getattr(error, "controller_failure", None)
     if isinstance(controller_failure, OSError):
         first_line = str(controller_failure).strip().splitlines()[0]
+        problem = lasting_storage_problem(controller_failure)
+        if problem is not None:
+            raise StorageError(
+                f"Ray Train's controller could not write its record of the run to {storage_uri}: "
+                f"the storage {problem} ({first_line}). The checkpoints already written are "
+                "intact: free space or give a writable --storage-path, then rerun the same command"
+            ) from error
         raise StorageError(
             f"Ray Train's controller could not write its record of the run to {storage_uri} "
             f"({first_line}). The checkpoints already written are intact: check the storage's "

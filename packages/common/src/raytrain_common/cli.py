@@ -84,8 +84,13 @@ def config_from_args(
     names = {field.name for field in dataclasses.fields(config_class)}  # type: ignore[arg-type]
     given = {name: value for name, value in vars(namespace).items() if name in names}
     if not presets:
-        return config_class(**given)
-    return dataclasses.replace(presets[namespace.preset], **given)  # type: ignore[type-var]
+        config = config_class(**given)
+    else:
+        config = dataclasses.replace(presets[namespace.preset], **given)  # type: ignore[type-var]
+    check_options = getattr(config, "check_options", None)
+    if check_options is not None:  # a config's own checks of what the user typed (a run name)
+        check_options()
+    return config
 
 
 class _ClassAttributes(dict[str, str]):
@@ -167,4 +172,33 @@ def report_known_failure(
     end_ray_before_error_line(caller_holds_ray=caller_holds_ray)
     traceback.print_exception(error, file=sys.stderr)
     print(f"{program}: {hint}", file=sys.stderr, flush=True)
+    return True
+
+
+def report_unwritable_storage(
+    program: str, error: BaseException, args: argparse.Namespace, *, caller_holds_ray: bool = False
+) -> bool:
+    """For a disk that filled up or turned read-only under a command (anywhere in the error's
+    chain), print one line naming the path and what to do, and return True; else return False.
+    The traceback says little more, and the command cannot go on until someone acts."""
+    from raytrain_common.storage import lasting_storage_problem
+
+    problem = lasting_storage_problem(error)
+    if problem is None:
+        return False
+    seen: BaseException | None = error
+    where = None
+    while seen is not None and where is None:
+        where = getattr(seen, "filename", None)
+        seen = seen.__cause__ or seen.__context__
+    where = where or getattr(args, "data_dir", None) or getattr(args, "storage_path", "./runs")
+    end_ray_before_error_line(caller_holds_ray=caller_holds_ray)
+    first_line = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+    print(
+        f"{program}: error: the storage at {where} {problem} ({first_line}): free space there or "
+        "give another --storage-path / --data-dir, then rerun the same command (a run resumes "
+        "from its last complete checkpoint)",
+        file=sys.stderr,
+        flush=True,
+    )
     return True

@@ -73,8 +73,30 @@ class RunLocation(StorageLocation):
         "Folder of this run under the storage path; rerunning with the same name continues the run.",
     )
 
+    def check_options(self) -> None:
+        """Called by `config_from_args` once the command line is read, before any work."""
+        check_run_name(self.run_name)
+
     def run_dir(self) -> str:
         return join_uri(self.storage_path, self.run_name)
+
+
+# Characters a run name may not hold: a folder separator (either OS's), an object store URI's
+# query or fragment mark, NUL.
+NOT_IN_RUN_NAMES = frozenset("/\\?#\0")
+
+
+def check_run_name(name: str) -> str:
+    """A run name is one folder under the storage path: `..`, `/x` or `a/b` would put the run's
+    checkpoints (and a rerun's deletions of old ones) somewhere else. Checked when the command line
+    is read (`config_from_args`), before Ray starts."""
+    if name in ("", ".", "..") or name != name.strip() or set(name) & NOT_IN_RUN_NAMES:
+        raise ConfigError(
+            f"--run-name {name!r}: give one folder name (letters, digits, '.', '-', '_'), not "
+            "empty, '..', an absolute path or a path with '/': the run's folder is "
+            "<storage-path>/<run-name>"
+        )
+    return name
 
 
 @dataclass(kw_only=True)

@@ -389,9 +389,13 @@ def probe_nodes(
         for node in nodes
     }
     facts: dict[str, dict[str, Any]] = {}
+    stores = {
+        node["NodeID"]: node.get("Resources", {}).get("object_store_memory") for node in nodes
+    }
     for node_id, ref in pending.items():
         try:
             facts[node_id] = ray.get(ref, timeout=PROBE_TIMEOUT_S)
+            facts[node_id]["object_store_memory"] = stores[node_id]
         except Exception as error:
             report.add(
                 "node answers", short(node_id), FAIL, f"{type(error).__name__}: {error}"[:300],
@@ -502,6 +506,25 @@ def check_resources(report: Report, nodes: list[dict[str, Any]], autoscaling: bo
         )  # fmt: skip
 
 
+def check_object_store_fits_shm(
+    report: Report, node: str, shm: int | None, store: float | None
+) -> None:
+    """Ray keeps its object store in /dev/shm only when it fits there; otherwise it maps it from
+    a file under /tmp (its log says "This will harm performance"): every object a worker or a
+    Ray Data task passes then goes through the disk, and counts against the pod's ephemeral storage."""
+    if not shm or not store:
+        return
+    value = f"object store {store / GiB:.1f} GiB, /dev/shm {shm / GiB:.1f} GiB"
+    if store > shm:
+        report.add(
+            "object store", node, WARN, value + ": Ray puts the store on disk (/tmp)",
+            "set the node's object-store-memory below the /dev/shm size (rayStartParams "
+            "object-store-memory, as deploy/rayjob does) or mount a larger memory-backed /dev/shm",
+        )  # fmt: skip
+    else:
+        report.add("object store", node, OK, value)
+
+
 def check_system(report: Report, facts: dict[str, dict[str, Any]]) -> None:
     shape = report.shape
     for node_id, f in facts.items():
@@ -518,6 +541,7 @@ def check_system(report: Report, facts: dict[str, dict[str, Any]]) -> None:
             )  # fmt: skip
         else:
             report.add("/dev/shm", node, OK, f"{shm / GiB:.1f} GiB")
+        check_object_store_fits_shm(report, node, shm, f.get("object_store_memory"))
         for path, free in f["disk_free"].items():
             is_storage = path == shape.storage_path
             floor = STORAGE_MIN_FREE_BYTES if is_storage else TEMP_MIN_FREE_BYTES

@@ -98,8 +98,9 @@ KNOWN_ERRORS: tuple[KnownError, ...] = (
         r"Address already in use|EADDRINUSE|errno:? 98\b",
         "a port the run binds is already taken (a leftover `ray start`, another training job on "
         "the node, or a fixed MASTER_PORT used twice)",
-        "stop the other process (`ray stop` for a leftover local cluster) or unset MASTER_PORT and "
-        "let Ray Train pick a free one",
+        "stop the other process (a leftover local cluster: `python -m raytrain_common.local_cluster "
+        "stop <its --temp-dir>`, which ends that cluster only) or unset MASTER_PORT and let Ray "
+        "Train pick a free one",
     ),
     _known(
         "missing module on a worker",

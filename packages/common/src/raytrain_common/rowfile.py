@@ -12,9 +12,12 @@ process may write (written once, beside the Parquet); otherwise (a bucket on S3 
 mount) in a node-local cache (`$RAYTRAIN_ROW_CACHE`, else `~/.cache/raytrain/rows`), downloaded once
 per node: one sequential read of the split, and the rows' bytes of local disk. A fingerprint of the
 Parquet files (names, sizes, times) names the file, so a re-prepared split gets a new one.
-Concurrent processes on a node build it once (a file lock in the node's temporary folder), and
-the file appears whole or not at all (written under a name of the builder's own, then renamed; a
-build that fails removes what it wrote).
+It is built once, and the file appears whole or not at all (written under a name of the builder's
+own, then renamed; a build that fails removes what it wrote). Who builds is decided by a file
+lock (`flock`, which Linux turns into a POSIX byte-range lock on NFS, so the server arbitrates it
+between nodes): beside the data when the file is written there, so that on a shared mount one node
+builds it for the cluster while the others wait and then read it; in a private folder of the
+node's (mode 0700, ours, no symlinks) for a node-local cache, where only the node's processes meet.
 """
 
 from __future__ import annotations
@@ -25,8 +28,10 @@ import json
 import math
 import os
 import socket
+import stat
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Protocol
 
@@ -115,16 +120,15 @@ def row_file(
     source = [name, version, columns, [(i.base_name, i.size, i.mtime_ns) for i in infos]]
     fingerprint = hashlib.sha256(json.dumps(source).encode()).hexdigest()[:16]
     local = Path(split_dir.path)
-    folder = local if split_dir.is_local and os.access(local, os.W_OK) else cache_folder(split_dir)
+    in_place = split_dir.is_local and os.access(local, os.W_OK)
+    folder = local if in_place else cache_folder(split_dir)
     target = folder / f"{name}-{fingerprint}.rows"
     meta_file = target.with_suffix(".json")
     folder.mkdir(parents=True, exist_ok=True)
-    # The lock lives in the node's temporary folder, not beside the data: a lock is a node's
-    # business, and a failed build leaves the dataset folder as it was.
-    locks = Path(tempfile.gettempdir()) / "raytrain-row-locks"
-    locks.mkdir(exist_ok=True)
-    with open(locks / f"{target.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one builder per node; the others wait, then read it
+    # Beside the data every node that mounts it sees the lock: one build for the cluster. A cache
+    # is the node's own: its lock is too.
+    locks = folder if in_place else private_folder(Path(tempfile.gettempdir()) / LOCKS_FOLDER)
+    with locked(locks / f".{target.name}.lock"):
         if not meta_file.exists():
             meta = write_rows(parquet, columns, rows_of, target)
             partial = meta_file.with_suffix(f".json.{own_suffix()}")
@@ -139,6 +143,37 @@ def row_file(
             f"{meta['dtype']}: delete it and {meta_file.name}; the next run rebuilds them"
         )
     return RowFile(target, meta["rows"], shape, meta["dtype"])
+
+
+LOCKS_FOLDER = f"raytrain-row-locks-{os.getuid()}"
+
+
+def private_folder(folder: Path) -> Path:
+    """`folder`, made if absent, refused unless it is a real folder of this user's that no one
+    else may enter (mode 0700): in a shared /tmp, another user could otherwise make it first, or
+    a symlink in its place, and hold our locks or redirect our files."""
+    with suppress(FileExistsError):
+        os.mkdir(folder, 0o700)
+    status = os.lstat(folder)
+    if not stat.S_ISDIR(status.st_mode) or status.st_uid != os.getuid() or status.st_mode & 0o077:
+        raise OSError(
+            f"{folder} is not a private folder of this user's (a symlink, another user's, or open "
+            f"to others: mode {stat.S_IMODE(status.st_mode):o}): remove it, or set TMPDIR to a "
+            "folder of your own"
+        )
+    return folder
+
+
+@contextmanager
+def locked(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on `path` (made if absent, never through a symlink); each caller
+    opens its own descriptor, so threads of one process exclude each other too."""
+    descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX)  # the others wait here, then find the file built
+        yield
+    finally:
+        os.close(descriptor)  # releases the lock
 
 
 def cache_folder(split_dir: StoragePath) -> Path:

@@ -8,6 +8,7 @@ driver before any worker starts.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import posixpath
 import re
@@ -50,6 +51,35 @@ SHARED_FS_TYPES = frozenset(
 
 class StorageError(ValueError):
     """A storage path that cannot serve this run; the message says what to set instead."""
+
+
+# Storage errors that waiting does not cure: retrying them is 300 s lost before the same failure.
+LASTING_ERRNOS = {
+    errno.ENOSPC: "is full (no space left on device)",
+    errno.EDQUOT: "is over its disk quota",
+    errno.EROFS: "is read-only",
+}  # not EACCES: an object store's expired credentials may be renewed while the upload retries
+_LASTING_TEXT = {
+    "No space left on device": errno.ENOSPC,
+    "Disk quota exceeded": errno.EDQUOT,
+    "Read-only file system": errno.EROFS,
+}
+
+
+def lasting_storage_problem(error: BaseException) -> str | None:
+    """What makes a storage path unwritable until someone acts (full, over quota, read-only),
+    found on `error` or its causes by errno or by the kernel's text; None for an outage worth
+    retrying (a network error, an object store endpoint down)."""
+    seen: BaseException | None = error
+    while seen is not None:
+        code = getattr(seen, "errno", None)
+        if code in LASTING_ERRNOS:
+            return LASTING_ERRNOS[code]
+        for text, code in _LASTING_TEXT.items():
+            if text in str(seen):
+                return LASTING_ERRNOS[code]
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 def join_uri(uri: str, *parts: str) -> str:

@@ -28,6 +28,7 @@ from raytrain_common.cli import (
     end_ray_before_error_line,
     ray_is_connected,
     report_known_failure,
+    report_unwritable_storage,
 )
 from raytrain_common.configs import ConfigError
 from raytrain_common.metrics import SUMMARY_FILE
@@ -89,6 +90,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"llm-fsdp {args.command}: error: {error}", file=sys.stderr)
         return 2
     except Exception as error:
+        if report_unwritable_storage(
+            f"llm-fsdp {args.command}", error, args, caller_holds_ray=caller_holds_ray
+        ):
+            return 2
         # A known cause (GPU or node out of memory, a collective timeout, a missing module, …) gets
         # one line with its fix under the traceback; anything else propagates as it is.
         if not report_known_failure(

@@ -7,19 +7,21 @@ full tensors of a plain model, whatever the number of workers that wrote them.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 
+from llm_fsdp import __version__
 from llm_fsdp.checkpoint import STATE_FILE
 from llm_fsdp.data import DataError
 from llm_fsdp.model import ModelSpec, build_lm
 from raytrain_common.checkpoint import verify_checkpoint
 from raytrain_common.metrics import SUMMARY_FILE
-from raytrain_common.storage import resolve_storage
+from raytrain_common.storage import check_output_folder, resolve_storage, staged_folder
+
+EXPORT_MARKER = "llm_fsdp_export.json"  # written last: an export's own folder, whole
 
 
 def run_summary(storage_path: str, run_name: str) -> dict[str, Any]:
@@ -42,9 +44,19 @@ def choose_checkpoint(choice: str, storage_path: str, run_name: str) -> str:
 
 
 def export(checkpoint: str, output: str, loop_config: dict[str, Any] | None = None) -> Path:
-    """Consolidate `checkpoint` into `output` (model.safetensors, config, tokenizer), atomically."""
+    """Consolidate `checkpoint` into `output` (model.safetensors, config, tokenizer), atomically.
+
+    `output` may be absent, empty, or an earlier export (it holds EXPORT_MARKER, written last); a
+    folder of anything else is refused before any work, so the user's own files are never replaced.
+    """
     from transformers import AutoTokenizer
 
+    target = resolve_storage(output)
+    if not target.is_local:
+        raise DataError(
+            f"--output {output}: give a local or mounted folder (save_pretrained writes files)"
+        )
+    check_output_folder(target, EXPORT_MARKER)
     folder = Path(checkpoint)
     if not (folder / STATE_FILE).exists() or not (folder / ".metadata").exists():
         raise DataError(
@@ -59,15 +71,12 @@ def export(checkpoint: str, output: str, loop_config: dict[str, Any] | None = No
     state = {"model": model.state_dict()}
     dcp.load(state, checkpoint_id=str(folder))
     model.load_state_dict(state["model"])
-    target = Path(output)
-    staging = target.with_name(target.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    model.save_pretrained(str(staging))
-    AutoTokenizer.from_pretrained(info["tokenizer"]).save_pretrained(str(staging))
-    if target.exists():
-        shutil.rmtree(target)
-    staging.rename(target)
-    return target
+    with staged_folder(target, EXPORT_MARKER) as staging:
+        model.save_pretrained(staging.path)
+        AutoTokenizer.from_pretrained(info["tokenizer"]).save_pretrained(staging.path)
+        marker = {"checkpoint": str(folder.resolve()), "llm_fsdp": __version__}
+        staging.join(EXPORT_MARKER).write_text(json.dumps(marker, indent=1))
+    return Path(target.path)
 
 
 @torch.inference_mode()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -148,9 +149,13 @@ def convert_smollm2(target: Path) -> Path:
         del config.quantization_config
     plain = LlamaForCausalLM(config)
     plain.load_state_dict(loaded.state_dict())
-    staging = target.with_name(target.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    plain.save_pretrained(str(staging))
-    AutoTokenizer.from_pretrained(str(folder), gguf_file=SMOLLM2_GGUF).save_pretrained(str(staging))
-    staging.rename(target)
+    # A folder of this process's own beside the target: nothing the user has is removed.
+    staging = target.with_name(f".{target.name}.partial-{uuid.uuid4().hex[:8]}")
+    try:
+        plain.save_pretrained(str(staging))
+        tokenizer = AutoTokenizer.from_pretrained(str(folder), gguf_file=SMOLLM2_GGUF)
+        tokenizer.save_pretrained(str(staging))
+        staging.rename(target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return target

@@ -15,7 +15,9 @@ composited onto white (BACKGROUND) before conversion, in prepare and predict ali
 from __future__ import annotations
 
 import logging
+import os
 import random
+import warnings
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -39,12 +41,43 @@ MIN_DEFAULT_SIDE, MAX_DEFAULT_SIDE = 28, 128
 SIZE_SAMPLE = 2000  # headers read to choose the size and channels
 DECODE_BATCH = 256  # files per Ray Data task: a few MB of pixels at the largest default side
 MAX_DECODE_BLOCKS = 4096  # object refs the driver holds for a tree's file list
+# The most pixels one image may have: above it an image is refused (named, with its size) before it
+# is decoded. A PNG or GIF of a few KB can declare a huge canvas (a decompression bomb), and a
+# 16-bit scan of 100+ Mpx decodes to gigabytes in a task; 64 Mpx holds any camera's photo.
+MAX_IMAGE_PIXELS = 8192 * 8192
 MIN_HELD_OUT_ROWS = 64  # a carved test split holds one evaluation batch while the data allows
 MAX_HELD_OUT_SHARE = 0.2
 
 
 class ImageFolderError(ValueError):
     """An image tree this pipeline cannot train on; the message names the file or folder."""
+
+
+class ImageTooLargeError(ValueError):
+    """An image over MAX_IMAGE_PIXELS (or one Pillow calls a decompression bomb)."""
+
+
+def open_image(path: str | IO[bytes]) -> Any:
+    """Open an image (its header only) and refuse it, naming it and the limit, if decoding it
+    would take more than MAX_IMAGE_PIXELS pixels of memory."""
+    from PIL import Image
+
+    name = path if isinstance(path, str) else getattr(path, "name", "an image")
+    limit = f"the limit of {MAX_IMAGE_PIXELS / 1e6:.0f} Mpx per image"
+    try:
+        with warnings.catch_warnings():  # Pillow warns above 89 Mpx; the check below decides
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            image = Image.open(path)
+    except Image.DecompressionBombError as error:  # not an OSError: Pillow's own, over 2× its limit
+        raise ImageTooLargeError(f"{name} is over {limit} ({error})") from error
+    width, height = image.size
+    if width * height > MAX_IMAGE_PIXELS:
+        image.close()
+        raise ImageTooLargeError(
+            f"{name} is {width}×{height} pixels ({width * height / 1e6:.0f} Mpx), over {limit} "
+            "(a decompression bomb, or far larger than training needs): shrink or remove it"
+        )
+    return image
 
 
 @dataclass
@@ -91,7 +124,7 @@ def scan_tree(folder: Path) -> ImageTree:
                 ):
                     continue
                 if path.suffix.lower() in IMAGE_SUFFIXES:
-                    paths.append(str(path))
+                    paths.append(utf8_name(path))
                 else:
                     skipped[path.suffix.lower() or "(none)"] += 1
             if paths:
@@ -129,19 +162,35 @@ def scan_tree(folder: Path) -> ImageTree:
     return ImageTree(train_classes, files, dict(sorted(skipped.items())), names)
 
 
+def utf8_name(path: Path) -> str:
+    """The path as text; an error naming it (its undecodable bytes escaped) if the file system
+    holds a name that is not UTF-8, which Arrow, Parquet and Ray Data cannot carry."""
+    name = str(path)
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        shown = os.fsencode(name).decode("utf-8", "backslashreplace")
+        raise ImageFolderError(
+            f"{shown} has a file name that is not valid UTF-8 (written in another encoding, e.g. "
+            "Latin-1 from an old archive): rename it to UTF-8, e.g. `convmv -f latin1 -t utf8 -r "
+            "--notest <tree>`, or move it out of the tree"
+        ) from None
+    return name
+
+
 def choose_size_and_channels(paths: list[str], seed: int) -> tuple[int, int, dict[str, int]]:
     """(side, channels, modes seen) from a sample of image headers: the median shorter side within
     28..128, and 1 channel if every sampled image is grey, else 3 (RGB)."""
-    from PIL import Image
-
     sample = paths if len(paths) <= SIZE_SAMPLE else random.Random(seed).sample(paths, SIZE_SAMPLE)
     sides: list[int] = []
     modes: Counter[str] = Counter()
     for path in sample:
         try:
-            with Image.open(path) as image:
+            with open_image(path) as image:
                 sides.append(min(image.size))
                 modes[image.mode] += 1
+        except ImageTooLargeError as error:
+            raise ImageFolderError(str(error)) from error
         except OSError as error:
             raise ImageFolderError(f"{path} is not an image PIL can open ({error})") from error
     side = int(np.clip(np.median(sides), MIN_DEFAULT_SIDE, MAX_DEFAULT_SIDE))
@@ -154,10 +203,10 @@ def load_image(path: str | IO[bytes], side: int, channels: int) -> np.ndarray:
     centre cropped square, palette / alpha / 16-bit modes converted."""
     from PIL import Image, ImageOps
 
-    with Image.open(path) as image:
+    with open_image(path) as image:  # refused here, before decoding, if it is too large
         image.load()  # decode now: a truncated file fails here, with its path
         if image.mode in ("I;16", "I;16B", "I;16L", "I", "F"):
-            array = np.asarray(image, dtype=np.float64)
+            array = np.asarray(image, dtype=np.float32)  # 4 bytes a pixel, within the pixel limit
             span = max(float(array.max() - array.min()), 1e-9)
             image = Image.fromarray(((array - array.min()) / span * 255).astype(np.uint8))
         converted = flatten_transparency(image).convert("L" if channels == 1 else "RGB")
