@@ -314,11 +314,13 @@ def test_a_run_stopped_mid_epoch_resumes_with_exactly_the_batches_it_had_not_see
     assert again["best_checkpoint"] == resumed["best_checkpoint"]
 
 
-# What a crash or a full disk mid-copy leaves of the newest checkpoint, and what `predict` says.
+# What a crash or a full disk mid-copy leaves of the newest checkpoint: a file, the share of its
+# bytes kept, and what `predict` says of it.
 DAMAGES = {
-    "state.pt cut to half": ("state.pt", "{latest}: state.pt has", "(truncated?)"),
+    "state.pt cut to half": ("state.pt", 0.5, "{latest}: state.pt has", "(truncated?)"),
     "manifest cut to 0 bytes": (
         "manifest-rank0.json",
+        0.0,
         "{latest}'",
         "manifest-rank0.json is cut off",
     ),
@@ -342,11 +344,10 @@ def test_a_torn_checkpoint_is_never_loaded(
     whole_storage, summary = uninterrupted_run
     shutil.copytree(whole_storage / "whole", tmp_path / "whole")
     latest = tmp_path / "whole" / Path(summary["latest_checkpoint"]).name
-    name, *expected = DAMAGES[damage]
+    name, kept, *expected = DAMAGES[damage]
     damaged = latest / name
-    damaged.write_bytes(
-        damaged.read_bytes()[: damaged.stat().st_size // 2 if name == "state.pt" else 0]
-    )
+    data = damaged.read_bytes()
+    damaged.write_bytes(data[: int(len(data) * kept)])
     if summary["best_checkpoint"] == summary["latest_checkpoint"]:
         code = main(["predict", "--storage-path", str(tmp_path), "--run-name", "whole"])
         assert code == 2

@@ -93,12 +93,8 @@ def parse_manifest(checkpoint: str, name: str, data: bytes) -> dict[str, Any]:
                 isinstance(entry["size"], int) and isinstance(entry["sha256"], str)
                 for entry in content["files"].values()
             )
-    except (
-        ValueError,
-        KeyError,
-        TypeError,
-        AttributeError,
-    ) as error:  # JSON and Unicode errors too
+    # JSONDecodeError and UnicodeDecodeError are ValueErrors; the others: JSON of another shape.
+    except (ValueError, LookupError, TypeError, AttributeError) as error:
         raise TornCheckpointError(
             f"checkpoint {checkpoint!r}: {name} is cut off or damaged ({len(data)} bytes, "
             f"{type(error).__name__}): the checkpoint was not written whole"

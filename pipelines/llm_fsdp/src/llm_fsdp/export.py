@@ -56,7 +56,7 @@ def export(checkpoint: str, output: str, loop_config: dict[str, Any] | None = No
         raise DataError(
             f"--output {output}: give a local or mounted folder (save_pretrained writes files)"
         )
-    check_output_folder(target, EXPORT_MARKER)
+    check_output_folder(target, EXPORT_MARKER)  # now, before the checkpoint is loaded
     folder = Path(checkpoint)
     if not (folder / STATE_FILE).exists() or not (folder / ".metadata").exists():
         raise DataError(

@@ -43,7 +43,7 @@ DECODE_BATCH = 256  # files per Ray Data task: a few MB of pixels at the largest
 MAX_DECODE_BLOCKS = 4096  # object refs the driver holds for a tree's file list
 # The most pixels one image may have: above it an image is refused (named, with its size) before it
 # is decoded. A PNG or GIF of a few KB can declare a huge canvas (a decompression bomb), and a
-# 16-bit scan of 100+ Mpx decodes to gigabytes in a task; 64 Mpx holds any camera's photo.
+# 16-bit scan of 100+ Mpx decodes to gigabytes in a task; 67 Mpx (8192²) holds any camera's photo.
 MAX_IMAGE_PIXELS = 8192 * 8192
 MIN_HELD_OUT_ROWS = 64  # a carved test split holds one evaluation batch while the data allows
 MAX_HELD_OUT_SHARE = 0.2
