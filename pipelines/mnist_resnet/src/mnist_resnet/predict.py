@@ -7,24 +7,22 @@ from __future__ import annotations
 import io
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 import pyarrow.dataset as pads
+import ray.data
 import torch
 
-from mnist_resnet.data import (
-    DataError,
-    DatasetInfo,
-    ImageRows,
-    as_nchw,
-    normalise,
-)
+from mnist_resnet.data import DataError, DatasetInfo, as_nchw, normalise
 from mnist_resnet.images import IMAGE_SUFFIXES, load_image
+from mnist_resnet.ingest import ImageData
 from mnist_resnet.task import build_model, evaluate
 from raytrain_common.checkpoint import load_model_weights, load_remote_state
 from raytrain_common.metrics import SUMMARY_FILE
+from raytrain_common.ray_start import init_ray
 from raytrain_common.storage import StoragePath, resolve_storage, write_folder_whole
 
 PREDICT_BATCH = 1024  # test images per forward pass in `predict`
@@ -58,6 +56,12 @@ def evaluate_arrays(
     return float((predict_labels(model, images, info, device) == labels).mean())
 
 
+def read_test_split(state: dict[str, Any], limit: int | None = None) -> ray.data.Dataset:
+    """The test split of the checkpoint's dataset, decoded by Ray Data, in no particular order."""
+    data = ImageData(state["config"]["data_dir"], state["dataset"], run_dir="", seed=0)
+    return data.split("test", limit)
+
+
 def checkpoint_test_metrics(checkpoint_uri: str, limit: int | None = None) -> dict[str, Any]:
     """Test loss and accuracy of one checkpoint, on this process's GPU if it has one: what train
     reports once for the checkpoint chosen on the validation split (run in a Ray task there)."""
@@ -67,15 +71,22 @@ def checkpoint_test_metrics(checkpoint_uri: str, limit: int | None = None) -> di
     model = build_model(info.num_classes, info.channels)
     load_model_weights(model, state["model"])
     model.to(device)
-    rows = ImageRows.read(resolve_storage(state["config"]["data_dir"]), "test", limit)
-    batches = (
-        rows.batch(np.arange(i, min(i + 512, len(rows))), device) for i in range(0, len(rows), 512)
-    )
+    seen = 0
+
+    def batches() -> Iterator[dict[str, torch.Tensor]]:
+        nonlocal seen
+        for batch in read_test_split(state, limit).iter_torch_batches(batch_size=512, device="cpu"):
+            seen += len(batch["label"])
+            yield {
+                "image": normalise(batch["image"].to(device), info.mean, info.std),
+                "label": batch["label"].to(device),
+            }
+
     bf16 = bool(state["config"].get("bf16")) and device.type == "cuda"
-    metrics = evaluate(model, batches, device, bf16, split="test")
+    metrics = evaluate(model, batches(), device, bf16, split="test")
     return {
         **metrics,
-        "test_rows": len(rows),
+        "test_rows": seen,
         "checkpoint": checkpoint_uri,
         "epoch": state["history"][-1]["epoch"] if state["history"] else 0,
         "step": state["step"],
@@ -145,34 +156,34 @@ def draw_predictions(
 @torch.no_grad()
 def predict(storage_path: str, run_name: str, count: int, output: str | None) -> dict[str, Any]:
     """Test accuracy of the run's best checkpoint and a picture of `count` test images: the first
-    ones, then mistakes. The test split is read from its row files a batch at a time, so memory
+    ones by id, then mistakes. The test split streams through Ray Data a batch at a time, so memory
     holds one batch and the pictured images, whatever the split's size."""
     run_dir = resolve_storage(storage_path).join(run_name)
     model, state = load_best_model(run_dir)
     info = DatasetInfo(**state["dataset"])
-    test = ImageRows.read(resolve_storage(state["config"]["data_dir"]), "test")
-    head = min(count - count // 4, len(test))
-    correct = 0
-    # (row, label, predicted) in row order: rows below `head` all, then mistakes, `count` in all.
-    shown: list[tuple[int, int, int]] = []
-    for start in range(0, len(test), PREDICT_BATCH):
-        rows = np.arange(start, min(start + PREDICT_BATCH, len(test)))
-        batch = test.batch(rows, torch.device("cpu"))
-        predicted = model(batch["image"]).argmax(1).numpy()
-        labels = batch["label"].numpy()
+    head = min(count - count // 4, info.test_rows)
+    correct = seen = 0
+    # (id, image, label, predicted): ids below `head` all, then mistakes, `count` in all.
+    shown: list[tuple[int, np.ndarray, int, int]] = []
+    for batch in read_test_split(state).iter_torch_batches(batch_size=PREDICT_BATCH, device="cpu"):
+        images = normalise(batch["image"], info.mean, info.std)
+        predicted = model(images).argmax(1).numpy()
+        labels, ids = batch["label"].numpy(), batch["id"].numpy()
         correct += int((predicted == labels).sum())
-        wanted = (rows < head) | (predicted != labels)
-        shown += zip(rows[wanted], labels[wanted], predicted[wanted], strict=True)
+        seen += len(labels)
+        pixels = batch["image"].numpy()
+        for i in np.flatnonzero((ids < head) | (predicted != labels)):
+            shown.append((int(ids[i]), pixels[i], int(labels[i]), int(predicted[i])))
+        shown.sort(key=lambda item: (item[0] >= head, item[0]))
         del shown[count:]
-    chosen = np.array([row for row, _, _ in shown], dtype=np.int64)
-    pixels = test.images.take(chosen)  # (n, C, H, W) uint8
+    pixels = np.stack([item[1] for item in shown])  # (n, C, H, W) uint8
     pixels = pixels[:, 0] if info.channels == 1 else pixels.transpose(0, 2, 3, 1)
     picture = resolve_storage(output) if output else run_dir.join("predictions.png")
-    labels, guesses = (np.array([item[i] for item in shown]) for i in (1, 2))
+    labels, guesses = (np.array([item[i] for item in shown]) for i in (2, 3))
     draw_predictions(picture, pixels, labels, guesses, info)
     return {
-        "test_accuracy": correct / len(test),
-        "test_rows": len(test),
+        "test_accuracy": correct / seen,
+        "test_rows": seen,
         "epochs_done": state["history"][-1]["epoch"] if state["history"] else 0,
         "picture": picture.uri,
     }
@@ -275,7 +286,6 @@ def predict_files(
     import ray
     import ray.data
 
-    from raytrain_common.ray_start import init_ray
 
     source, target = resolve_storage(location), resolve_storage(output)
     if not source.exists():

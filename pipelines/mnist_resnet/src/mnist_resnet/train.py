@@ -1,13 +1,13 @@
-"""Data-parallel training of ResNet18 on MNIST with Ray Train.
+"""Data-parallel training of ResNet18 on MNIST (or an image tree) with Ray Train and Ray Data.
 
-Read top to bottom: the optimiser and schedule, one epoch, evaluation, the per-worker loop, then the
-driver that checks the inputs, launches `TorchTrainer`, and reports the chosen checkpoint's test
-accuracy.
+Read top to bottom: the optimiser and schedule, one step, evaluation, the per-worker loop, then the
+driver that checks the inputs, builds the datasets, launches `TorchTrainer`, and reports the chosen
+checkpoint's test accuracy.
 
-Data order: every epoch reads the training rows in a fresh permutation drawn from (seed, epoch), cut
-into global batches, each split over the workers (raytrain_common.order). Over an epoch every worker
-trains on a uniform sample of the whole split whatever order it was written in, and the order does
-not depend on the worker count, so a resume mid-epoch (same or another worker count) is exact.
+Data: Ray Data reads, shuffles, decodes and augments the images (ingest.py) and streams each worker
+its shard: `ray.train.get_dataset_shard("train").iter_torch_batches(...)`. Every epoch is a fresh
+permutation; every row is trained once per epoch, also across a resume on another worker count
+(the checkpoint keeps the epoch's trained rows; a resumed epoch reads the rest).
 Checkpoints are ranked by validation accuracy; the test split is evaluated once, on the chosen one.
 """
 
@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
+import io
 import logging
 import math
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +36,18 @@ from torch import nn
 
 from mnist_resnet import __version__
 from mnist_resnet.config import TrainConfig
-from mnist_resnet.data import DatasetInfo, ImageRows, inspect_dataset
+from mnist_resnet.data import DatasetInfo, inspect_dataset, normalise
+from mnist_resnet.ingest import (
+    POSITION_FILE,
+    REST_OF_EPOCH,
+    TRAIN,
+    VAL,
+    DataShardError,
+    EpochRows,
+    EvenTrainingEveryValidationRow,
+    ImageData,
+    position_file,
+)
 from mnist_resnet.predict import checkpoint_test_metrics
 from mnist_resnet.task import autocast, build_model, evaluate, loss_fn
 from raytrain_common.checkpoint import (
@@ -73,7 +84,6 @@ from raytrain_common.metrics import (
     write_metrics_csv,
     write_summary,
 )
-from raytrain_common.order import epoch_batch_indices, micro_batches, pass_permutation
 from raytrain_common.ray_start import quiet_ray_output, start_ray_for_run
 from raytrain_common.runs import fit, locate_run, summary_header
 from raytrain_common.storage import (
@@ -147,46 +157,6 @@ def steps_per_epoch(train_rows: int, global_batch_size: int) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=2)
-def epoch_order(num_rows: int, seed: int, epoch: int) -> np.ndarray:
-    """The rows of epoch `epoch` (1-based) in its order: a pure function of (seed, epoch)."""
-    return pass_permutation(num_rows, seed, epoch - 1)
-
-
-def step_batches(
-    rows: ImageRows,
-    step: int,
-    steps: int,
-    config: TrainConfig,
-    rank: int,
-    world: int,
-    device: torch.device,
-) -> list[dict[str, torch.Tensor]]:
-    """Rank `rank`'s micro-batches of the run's step `step` (1-based; `steps` per epoch)."""
-    epoch, in_epoch = divmod(step - 1, steps)
-    order = epoch_order(len(rows), config.seed, epoch + 1)
-    indices = epoch_batch_indices(order, in_epoch, config.global_batch_size)
-    return [
-        rows.batch(part, device)
-        for part in micro_batches(indices, rank, world, config.grad_accum_steps)
-    ]
-
-
-def epoch_batches(
-    rows: ImageRows,
-    epoch: int,
-    steps: range,
-    config: TrainConfig,
-    rank: int,
-    world: int,
-    device: torch.device,
-) -> Iterator[dict[str, torch.Tensor]]:
-    """Rank `rank`'s micro-batches of the epoch's `steps` (0-based within the epoch), in order."""
-    per_epoch = steps_per_epoch(len(rows), config.global_batch_size)
-    for step in steps:
-        yield from step_batches(rows, (epoch - 1) * per_epoch + step + 1, per_epoch, config, rank, world, device)  # fmt: skip
-
-
 @dataclass
 class EpochPosition:
     """Where a run is inside an epoch, saved with every mid-epoch checkpoint so a resume continues
@@ -198,6 +168,7 @@ class EpochPosition:
     correct: float = 0.0
     seen: float = 0.0
     train_s: float = 0.0
+    trained_rows: torch.Tensor | None = None  # the epoch's rows trained, a bitmap (EpochRows)
 
 
 class EpochTotals:
@@ -229,28 +200,37 @@ class EpochTotals:
         self.interval.zero_()
         return loss_sum / max(batches, 1)
 
-    def position(self, step_in_epoch: int) -> EpochPosition:
-        """The epoch's sums over every rank (a collective: every rank calls it)."""
+    def position(self, step_in_epoch: int, rows: EpochRows | None = None) -> EpochPosition:
+        """The epoch's sums over every rank, and its rows trained when `rows` is given (a
+        collective: every rank calls it)."""
         totals = self.sums.clone()
         if dist.is_initialized():
             dist.all_reduce(totals)
         loss_sum, correct, seen = totals.tolist()
         train_s = self.train_s_before + time.perf_counter() - self.started
-        return EpochPosition(step_in_epoch, loss_sum, correct, seen, train_s)
+        trained = None if rows is None else torch.from_numpy(rows.merged(totals.device))
+        return EpochPosition(step_in_epoch, loss_sum, correct, seen, train_s, trained)
 
 
 def train_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
-    batches: list[dict[str, torch.Tensor]],
+    images: torch.Tensor,
+    labels: torch.Tensor,
     config: TrainConfig,
     totals: EpochTotals,
 ) -> str:
-    """One optimiser step over this rank's micro-batches; returns the dtype the forward pass
-    computed in (bfloat16 when autocast is really in effect)."""
+    """One optimiser step over this rank's rows, in `grad_accum_steps` micro-batches; returns the
+    dtype the forward pass computed in (bfloat16 when autocast is really in effect)."""
     model.train()
     logits = torch.empty(0)
+    batches = [
+        {"image": part, "label": part_labels}
+        for part, part_labels in zip(
+            images.chunk(config.grad_accum_steps), labels.chunk(config.grad_accum_steps), strict=True
+        )
+    ]
     for index, batch in enumerate(batches):
         # Between micro-batches, gradients stay local; DDP all-reduces once per optimiser step.
         last = index == len(batches) - 1
@@ -270,14 +250,18 @@ def train_step(
 
 
 def val_metrics(
-    model: nn.Module, val: ImageRows, device: torch.device, bf16: bool
+    model: nn.Module, info: DatasetInfo, device: torch.device, bf16: bool
 ) -> dict[str, float]:
-    """Validation loss and accuracy: each rank its rows rank, rank + world, …, reduced over all."""
+    """Validation loss and accuracy over every row of the split: each rank its shard (split
+    unevenly, see EvenTrainingEveryValidationRow), reduced over all."""
     started = time.perf_counter()
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    mine = np.arange(rank, len(val), world)
+    shard = ray.train.get_dataset_shard(VAL)
     batches = (
-        val.batch(mine[i : i + VAL_BATCH_ROWS], device) for i in range(0, len(mine), VAL_BATCH_ROWS)
+        {
+            "image": normalise(batch["image"].to(device), info.mean, info.std),
+            "label": batch["label"].to(device),
+        }
+        for batch in shard.iter_torch_batches(batch_size=VAL_BATCH_ROWS, device="cpu")
     )
     metrics = evaluate(model, batches, device, bf16, split="val")
     return {**metrics, "val_s": time.perf_counter() - started}
@@ -298,6 +282,7 @@ class RunState:
     step_log: list[dict[str, float]] = dataclasses.field(default_factory=list)
     position: EpochPosition | None = None
     faults: FaultLog = dataclasses.field(default_factory=FaultLog)
+    decoded_on: dict[str, int] = dataclasses.field(default_factory=dict)  # rank 0's batches by node
     compute_dtype: str | None = None
     startup_s: float | None = None
 
@@ -341,6 +326,7 @@ def restore_run(
         step_log=state["step_log"],
         position=EpochPosition(**state["position"]) if state.get("position") else None,
         faults=FaultLog(**state.get("faults", {})),
+        decoded_on=state.get("decoded_on", {}),
         compute_dtype=state.get("compute_dtype"),
         startup_s=state.get("startup_s"),
     )
@@ -402,7 +388,7 @@ def log_interval(
 
 def end_epoch(
     model: nn.Module,
-    val: ImageRows,
+    info: DatasetInfo,
     totals: EpochTotals,
     meter: ThroughputMeter,
     lr: float,
@@ -427,7 +413,7 @@ def end_epoch(
         "train_accuracy": final.correct / final.seen,
         "train_images_per_s": meter.steady().items_per_s,
         "train_s": final.train_s,
-        **val_metrics(model, val, device, config.bf16),
+        **val_metrics(model, info, device, config.bf16),
         "lr": lr,
     }
     if (memory := peak_memory_gb(device)) is not None:
@@ -447,8 +433,9 @@ def end_epoch(
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
-    """Runs on every worker: build, restore, then for each step: train, log, and at epoch ends
-    validate and checkpoint (mid-epoch checkpoints: every N steps, preemption, --stop-at-step)."""
+    """Runs on every worker: build, restore, then for each epoch and each batch of this worker's
+    shard: train, log, and at epoch ends validate and checkpoint (mid-epoch checkpoints: every N
+    steps, preemption, --stop-at-step)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     config = TrainConfig(**loop_config["config"])
     quiet_ray_output(config.verbose)
@@ -458,12 +445,11 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     rank, world = context.get_world_rank(), context.get_world_size()
     device = ray.train.torch.get_device()
     # Raises, naming the fix, if the global batch does not split over this worker count (elastic).
-    per_worker_batch_size(config.global_batch_size, world, config.grad_accum_steps)
+    micro_batch = per_worker_batch_size(config.global_batch_size, world, config.grad_accum_steps)
+    rows_per_step = micro_batch * config.grad_accum_steps
 
-    data_dir = resolve_storage(config.resolved_data_dir())
-    train_rows = ImageRows.read(data_dir, "train", config.limit_train_rows)
-    val_rows = ImageRows.read(data_dir, "val", config.limit_val_rows)
-    steps = steps_per_epoch(len(train_rows), config.global_batch_size)
+    train_rows = min(info.train_rows, config.limit_train_rows or info.train_rows)
+    steps = steps_per_epoch(train_rows, config.global_batch_size)
     run_dir = resolve_storage(config.storage_path).join(config.run_name)
     state = latest_state(run_dir)
     model, optimizer, scheduler = build_training(info, config, steps, state)
@@ -480,46 +466,122 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     meter = ThroughputMeter(config.global_batch_size, warmup_steps=THROUGHPUT_SKIP_STEPS)
     totals = EpochTotals(device, rank, run.position)
     sink = rank_zero_sink(loop_config, rank)
+    audit = RowIdAudit(run_dir, rank, enabled=config.record_row_ids)
+    stopped = checkpoints.already_done(run.step)
     try:
-        for step in range(run.step + 1, checkpoints.last_step + 1):
-            batches = step_batches(train_rows, step, steps, config, rank, world, device)
-            run.compute_dtype = train_step(model, optimizer, scheduler, batches, config, totals)
-            meter.step()
-            run.step, lr = step, scheduler.get_last_lr()[0]
-            if run.startup_s is None:
-                run.startup_s = startup_seconds(loop_config["launched_at"], rank)
-            due = checkpoints.due(step, run.faults)  # on every rank: may ask Ray (a barrier)
-            if rank == 0 and (step % config.log_every_steps == 0 or due.at_epoch_end):
-                sink.log(log_interval(run, totals, meter, lr, step, steps, config), step)
-            progress.note(step, run.faults, checkpointing=bool(due))
-            if due.at_epoch_end:
-                with meter.paused():
-                    row = end_epoch(model, val_rows, totals, meter, lr, step, steps, config, device)
-                    run.history.append(row)
-                    sink.log(row, step)
-                    sink.flush()  # in the store before the report: a sweep may stop the trial on it
-                    run.position = None
-                    state = checkpoint_state(model, optimizer, scheduler, run, loop_config)
-                    report_checkpoint(row, state, upload)
-                if (
-                    rank == 0
-                ):  # after the report: the CSV never lists an epoch without its checkpoint
-                    write_metrics_csv(run_dir.join(METRICS_FILE), run.history)
-                totals = EpochTotals(device, rank, None)
-                meter.restart()
-            elif due:
-                with meter.paused():
-                    run.position = totals.position((step - 1) % steps + 1)
-                    state = checkpoint_state(model, optimizer, scheduler, run, loop_config)
-                    report_checkpoint(
-                        {"epoch": step / steps, "step": step, SCORE: NOT_EVALUATED}, state, upload
-                    )
-            if due.stops:
-                if rank == 0 and step == config.stop_at_step:
-                    log.info("stopped at step %d as asked (--stop-at-step)", step)
+        for epoch in range(run.step // steps + 1, config.epochs + 1):
+            if stopped:
                 break
+            # A run resumed mid-epoch reads the rows its epoch has not trained; else the whole
+            # split, in a fresh order (both chosen by the driver's dataset factories).
+            resumed = run.position is not None and run.position.trained_rows is not None
+            shard = ray.train.get_dataset_shard(REST_OF_EPOCH if resumed else TRAIN)
+            carried = run.position.trained_rows if resumed and rank == 0 else None
+            rows = EpochRows(train_rows, None if carried is None else carried.numpy())
+            for batch in shard.iter_torch_batches(
+                batch_size=rows_per_step, drop_last=True, device="cpu"
+            ):
+                images = normalise(batch["image"].to(device, non_blocking=True), info.mean, info.std)
+                labels = batch["label"].to(device, non_blocking=True)
+                run.compute_dtype = train_step(
+                    model, optimizer, scheduler, images, labels, config, totals
+                )
+                rows.mark(batch["id"].numpy())
+                audit.add(batch["id"].numpy())
+                if rank == 0:
+                    count_decode_nodes(run.decoded_on, batch["decode_node"].numpy())
+                meter.step()
+                step = run.step = run.step + 1
+                lr = scheduler.get_last_lr()[0]
+                if run.startup_s is None:
+                    run.startup_s = startup_seconds(loop_config["launched_at"], rank)
+                due = checkpoints.due(step, run.faults)  # on every rank: may ask Ray (a barrier)
+                if rank == 0 and (step % config.log_every_steps == 0 or due.at_epoch_end):
+                    sink.log(log_interval(run, totals, meter, lr, step, steps, config), step)
+                progress.note(step, run.faults, checkpointing=bool(due))
+                if due.at_epoch_end:
+                    with meter.paused():
+                        check_trained_once(rows, steps * config.global_batch_size, device)
+                        row = end_epoch(model, info, totals, meter, lr, step, steps, config, device)
+                        run.history.append(row)
+                        sink.log(row, step)
+                        sink.flush()  # in the store before the report: a sweep may stop the trial on it
+                        run.position = None
+                        state = checkpoint_state(model, optimizer, scheduler, run, loop_config)
+                        audit.write(epoch, step)
+                        report_checkpoint(
+                            row, state, upload, {POSITION_FILE: position_file(epoch + 1, rows.bits[:0])}
+                        )
+                    if rank == 0:  # after the report: the CSV never lists an epoch without its checkpoint
+                        write_metrics_csv(run_dir.join(METRICS_FILE), run.history)
+                    totals = EpochTotals(device, rank, None)
+                    meter.restart()
+                elif due:
+                    with meter.paused():
+                        run.position = totals.position((step - 1) % steps + 1, rows)
+                        state = checkpoint_state(model, optimizer, scheduler, run, loop_config)
+                        audit.write(epoch, step)
+                        trained = run.position.trained_rows
+                        assert trained is not None
+                        report_checkpoint(
+                            {"epoch": step / steps, "step": step, SCORE: NOT_EVALUATED},
+                            state,
+                            upload,
+                            {POSITION_FILE: position_file(epoch, trained.numpy())},
+                        )
+                if due.stops:
+                    if rank == 0 and step == config.stop_at_step:
+                        log.info("stopped at step %d as asked (--stop-at-step)", step)
+                    stopped = True
+                    break
+            if not stopped and run.step != epoch * steps:
+                raise DataShardError(
+                    f"rank {rank}'s shard of epoch {epoch} ended after step {run.step}; the epoch "
+                    f"ends at step {epoch * steps}: the dataset changed under the run?"
+                )
     finally:
         sink.close()  # sends what rank 0 queued (bounded wait)
+
+
+def check_trained_once(rows: EpochRows, expected: int, device: torch.device) -> None:
+    """At an epoch's end: every rank's rows together are `expected` distinct rows (a collective)."""
+    distinct = int(np.unpackbits(rows.merged(device)).sum())
+    if distinct != expected:
+        raise DataShardError(f"the epoch trained {distinct} distinct rows, not {expected}")
+
+
+def count_decode_nodes(counts: dict[str, int], node_tags: np.ndarray) -> None:
+    """Add one batch's rows to `counts`, by the node (its id's first 15 hex digits) that decoded
+    them: where the data work ran."""
+    for tag, rows in zip(*np.unique(node_tags, return_counts=True), strict=True):
+        key = f"{int(tag):015x}"
+        counts[key] = counts.get(key, 0) + int(rows)
+
+
+class RowIdAudit:
+    """With --record-row-ids, each rank writes the ids of the rows it trained on with every
+    checkpoint, to <run>/row_ids/epoch-E/step-S-rank-R.npy: steps lost to a failure (trained after
+    the last checkpoint, then redone) are never written, so the files count each row's training
+    in the run that was kept."""
+
+    def __init__(self, run_dir: StoragePath, rank: int, enabled: bool) -> None:
+        self.folder, self.rank, self.enabled = run_dir.join("row_ids"), rank, enabled
+        self.ids: list[np.ndarray] = []
+
+    def add(self, ids: np.ndarray) -> None:
+        if self.enabled:
+            self.ids.append(ids.copy())
+
+    def write(self, epoch: int, step: int) -> None:
+        if not self.enabled:
+            return
+        ids = np.concatenate(self.ids) if self.ids else np.zeros(0, dtype=np.int64)
+        buffer = io.BytesIO()
+        np.save(buffer, ids)
+        self.folder.join(f"epoch-{epoch}", f"step-{step:07d}-rank-{self.rank}.npy").write_bytes(
+            buffer.getvalue()
+        )
+        self.ids = []
 
 
 # ---------------------------------------------------------------------------------------------
@@ -547,8 +609,22 @@ def run(config: TrainConfig, callbacks: Sequence[UserCallback] = ()) -> dict[str
     start_ray_for_run(config, storage, data_dir)
     tracked = open_for_config(config, storage, pipeline="mnist_resnet", version=__version__)
 
+    # Ray Data reads, shuffles and decodes the images on the cluster's CPUs (ingest.py). Ray calls
+    # these factories at every worker-group start, so a restart reads the newest checkpoint's place.
+    data = ImageData(
+        data_dir=data_dir.uri,
+        info=dataclasses.asdict(info),
+        run_dir=storage.join(config.run_name).uri,
+        seed=config.seed,
+        augment=config.resolved_augment(info.image_root is not None, info.channels),
+        limit_train_rows=config.limit_train_rows,
+        limit_val_rows=config.limit_val_rows,
+        progress_bars=config.verbose,
+    )
     trainer = TorchTrainer(
         train_loop_per_worker,
+        datasets={TRAIN: data.train, REST_OF_EPOCH: data.rest_of_epoch, VAL: data.val},
+        dataset_config=EvenTrainingEveryValidationRow(),
         train_loop_config={
             "config": dataclasses.asdict(config),
             "dataset": dataclasses.asdict(info),
@@ -665,6 +741,7 @@ def write_run_outputs(
         "curves_png": run_dir.join(CURVES_FILE).uri,
         "train_time_s": sum(row["train_s"] + row["val_s"] for row in history),
         "compute_dtype": state.get("compute_dtype"),
+        "decoded_on": state.get("decoded_on", {}),
         "worker_peak_rss_mb": state.get("worker_peak_rss_mb"),
         "peak_memory_gb": max(
             (r["peak_memory_gb"] for r in history if "peak_memory_gb" in r), default=None
