@@ -55,6 +55,10 @@ def ray_cluster() -> Iterator[None]:
     from raytrain_common.ray_start import init_ray
 
     os.environ.pop("RAY_ADDRESS", None)
+    # Credentials for the S3 protocol server on loopback (moto) that some tests start: every Ray
+    # process inherits them from here (pyarrow takes none in a URI). Never valid on AWS.
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        os.environ.setdefault(name, "testing")
     init_ray(train_cpus=2)
     yield
     ray.shutdown()

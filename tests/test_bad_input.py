@@ -142,7 +142,7 @@ CASES = [
          r"test has classes \['cow'\] that .*train lacks"),
     Case("truncated image", "mnist-resnet",
          lambda r: ["prepare", "--source", str(truncated_tree(r)), *storage(r)],
-         r"1 of 6 images cannot be decoded: .*broken\.png \(OSError: .*truncated.*Replace or remove",
+         r"1 of 6 images checked cannot be decoded: .*broken\.png \(OSError: .*truncated.*Replace or remove",
          needs_ray=True),
     Case("image file that is not an image", "mnist-resnet",
          lambda r: ["prepare", "--source", str(not_an_image_tree(r)), *storage(r)],
@@ -351,7 +351,7 @@ def not_an_image_tree(root: Path) -> Path:
 def corrupt_mnist_data(root: Path) -> Path:
     data = root / "data"
     info = {"source": "x", "num_classes": 10, "height": 28, "width": 28, "mean": 0.1,
-            "std": 0.3, "train_rows": 5, "val_rows": 5, "test_rows": 5}  # fmt: skip
+            "std": 0.3, "train_rows": 5, "val_rows": 5, "test_rows": 5, "format": 2}  # fmt: skip
     text(data / "dataset.json", json.dumps(info))
     for split in ("train", "val", "test"):
         text(data / split / "part-000.parquet", b"PAR1 not really parquet")

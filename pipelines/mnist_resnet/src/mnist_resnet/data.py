@@ -55,6 +55,7 @@ SPLITS = ("train", "val", "test")
 FORMAT = 2
 ROWS_PER_FILE = 10_000
 STATS_SAMPLE = 2048  # images of a tree decoded for its mean and std (±0.5 % of the full split's)
+CHECK_SAMPLE = 512  # images of a tree's validation and test splits decoded by prepare's check
 MAX_CLASSES = 1000
 SCHEMA = pa.schema([("image", pa.binary()), ("label", pa.int64())])
 TORCHVISION_SOURCE = "torchvision"
@@ -261,9 +262,7 @@ def write_idx(path: Path, array: np.ndarray) -> None:
         stream.write(header + np.ascontiguousarray(array, dtype=np.uint8).tobytes())
 
 
-def load_image_tree(
-    source: str, image_size: int | None, test_fraction: float, seed: int
-) -> Loaded:
+def load_image_tree(source: str, image_size: int | None, test_fraction: float, seed: int) -> Loaded:
     """A class-per-folder image tree's files, split (see images.py); the images stay where they
     are and are decoded in training."""
     root = resolve_storage(source)
@@ -410,9 +409,12 @@ def write_split(folder: StoragePath, tables: Iterable[pa.Table]) -> None:
         )
 
 
-def pixel_stats(loaded: Loaded, train: Split | FileSplit, seed: int) -> PixelStats:
-    """The training pixels' statistics: all of an array source (in memory already), a seeded
-    sample of STATS_SAMPLE images of a tree, decoded by Ray Data tasks where the files are read."""
+def pixel_stats(loaded: Loaded, splits: dict[str, Split | FileSplit], seed: int) -> PixelStats:
+    """The training pixels' statistics: all of an array source (in memory already); for a tree,
+    a seeded sample of STATS_SAMPLE training images, decoded by Ray Data tasks where the files are
+    read, with CHECK_SAMPLE images of each other split: a file that cannot be decoded is named
+    here, before training."""
+    train = splits["train"]
     stats = PixelStats(loaded.channels)
     if isinstance(train, Split):
         for start in range(0, len(train.labels), ROWS_PER_FILE):
@@ -421,27 +423,39 @@ def pixel_stats(loaded: Loaded, train: Split | FileSplit, seed: int) -> PixelSta
         return stats
     import ray.data
 
-    from mnist_resnet.ingest import pixels_from_files
+    from mnist_resnet.transforms import pixels_from_files
     from raytrain_common.ray_start import init_ray
 
     init_ray(train_cpus=1)  # only now: the checks before run without a cluster
-    count = min(STATS_SAMPLE, len(train.labels))
-    picked = np.random.default_rng([seed, 1]).choice(len(train.labels), count, replace=False)
-    sample = train.take(np.sort(picked))
-    rows = pa.table(
-        {"id": np.arange(count), "path": list(sample.paths), "label": sample.labels}
-    )
-    decoded = ray.data.from_arrow(rows).map_batches(
+    samples = []
+    for name, split in splits.items():
+        count = min(STATS_SAMPLE if name == "train" else CHECK_SAMPLE, len(split.labels))
+        picked = np.random.default_rng([seed, len(samples)]).choice(
+            len(split.labels), count, replace=False
+        )
+        sample = split.take(np.sort(picked))
+        samples.append(pa.table({
+            "id": np.arange(count) if name == "train" else np.full(count, -1),
+            "path": pa.array(list(sample.paths), pa.string()),
+            "label": sample.labels,
+        }))  # fmt: skip
+    decoded = ray.data.from_arrow(samples).map_batches(
         pixels_from_files,
         batch_size=64,
-        fn_kwargs={"root_uri": loaded.image_root, "side": loaded.side, "channels": loaded.channels},
-    )
-    try:
-        for batch in decoded.iter_batches(batch_size=256, batch_format="numpy"):
-            stats.add(batch["image"])
-    except ValueError as error:  # a file that cannot be decoded, named by the task
-        cause = getattr(error, "cause", None) or error
-        raise DataError(str(cause).strip().splitlines()[-1]) from None
+        fn_kwargs={"root_uri": loaded.image_root, "side": loaded.side,
+                   "channels": loaded.channels, "report_errors": True},
+    )  # fmt: skip
+    tried, failed = 0, []
+    for batch in decoded.iter_batches(batch_size=256, batch_format="numpy"):
+        bad = batch["error"] != ""
+        tried += len(bad)
+        failed += list(batch["error"][bad])
+        stats.add(batch["image"][~bad & (batch["id"] >= 0)])
+    if failed:
+        raise DataError(
+            f"{len(failed)} of {tried} images checked cannot be decoded: {'; '.join(failed[:3])}. "
+            "Replace or remove them"
+        )
     return stats
 
 
@@ -508,7 +522,7 @@ def prepare(
     )
     for name, split in (("train", train), ("test", test), ("val", val)):
         check_split(name, split, num_classes)
-    mean, std = pixel_stats(loaded, train, seed).mean_std()
+    mean, std = pixel_stats(loaded, {"train": train, "val": val, "test": test}, seed).mean_std()
     if marker.exists() and not data_dir.is_local:  # rewritten in place: unmarked until complete
         marker.filesystem.delete_file(marker.path)
     with staged_folder(data_dir, DATASET_FILE) as staging:

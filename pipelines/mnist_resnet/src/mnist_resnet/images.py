@@ -109,7 +109,9 @@ def tree_files(root: StoragePath) -> list[str]:
     for path in sorted(base.rglob("*")):
         relative = path.relative_to(base)
         if path.is_file() and not any(part.startswith(".") for part in relative.parts):
-            found.append(utf8_name(relative) if path.suffix.lower() in IMAGE_SUFFIXES else str(relative))
+            found.append(
+                utf8_name(relative) if path.suffix.lower() in IMAGE_SUFFIXES else str(relative)
+            )
     return found
 
 

@@ -177,7 +177,9 @@ class EvenTrainingEveryValidationRow(DataConfig):
         worker_node_ids: Any, **kwargs: Any,
     ) -> list[dict[str, Any]]:  # fmt: skip
         if set(datasets) != {VAL}:
-            return super().configure(datasets, world_size, worker_handles, worker_node_ids, **kwargs)
+            return super().configure(
+                datasets, world_size, worker_handles, worker_node_ids, **kwargs
+            )
         dataset = datasets[VAL].copy(datasets[VAL])
         dataset.context.execution_options = self._resolve_execution_options(VAL)
         shards = dataset.streaming_split(world_size, equal=False, locality_hints=worker_node_ids)

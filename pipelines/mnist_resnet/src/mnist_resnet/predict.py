@@ -286,7 +286,6 @@ def predict_files(
     import ray
     import ray.data
 
-
     source, target = resolve_storage(location), resolve_storage(output)
     if not source.exists():
         raise FileNotFoundError(f"--input {location!r}: no such file, folder or bucket prefix")

@@ -228,7 +228,9 @@ def train_step(
     batches = [
         {"image": part, "label": part_labels}
         for part, part_labels in zip(
-            images.chunk(config.grad_accum_steps), labels.chunk(config.grad_accum_steps), strict=True
+            images.chunk(config.grad_accum_steps),
+            labels.chunk(config.grad_accum_steps),
+            strict=True,
         )
     ]
     for index, batch in enumerate(batches):
@@ -481,7 +483,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             for batch in shard.iter_torch_batches(
                 batch_size=rows_per_step, drop_last=True, device="cpu"
             ):
-                images = normalise(batch["image"].to(device, non_blocking=True), info.mean, info.std)
+                images = normalise(
+                    batch["image"].to(device, non_blocking=True), info.mean, info.std
+                )
                 labels = batch["label"].to(device, non_blocking=True)
                 run.compute_dtype = train_step(
                     model, optimizer, scheduler, images, labels, config, totals
@@ -510,9 +514,14 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                         state = checkpoint_state(model, optimizer, scheduler, run, loop_config)
                         audit.write(epoch, step)
                         report_checkpoint(
-                            row, state, upload, {POSITION_FILE: position_file(epoch + 1, rows.bits[:0])}
+                            row,
+                            state,
+                            upload,
+                            {POSITION_FILE: position_file(epoch + 1, rows.bits[:0])},
                         )
-                    if rank == 0:  # after the report: the CSV never lists an epoch without its checkpoint
+                    if (
+                        rank == 0
+                    ):  # after the report: the CSV never lists an epoch without its checkpoint
                         write_metrics_csv(run_dir.join(METRICS_FILE), run.history)
                     totals = EpochTotals(device, rank, None)
                     meter.restart()

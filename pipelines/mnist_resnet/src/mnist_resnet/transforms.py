@@ -25,16 +25,26 @@ def node_tag() -> int:
     return int(ray.get_runtime_context().get_node_id()[:15], 16)
 
 
+def to_nchw(images: np.ndarray) -> np.ndarray:
+    """(n, H, W, C) uint8 → a fresh (n, C, H, W) array with plain NCHW strides. Not a transpose
+    alone for one channel: numpy calls a transposed (n, 1, H, W) view contiguous, but torch then
+    sees channels-last strides and picks other conv kernels (and DDP warns of grad strides)."""
+    count, height, width, channels = images.shape
+    if channels == 1:
+        return images.reshape(count, 1, height, width).copy()
+    return np.ascontiguousarray(images.transpose(0, 3, 1, 2))
+
+
 def pixels_from_bytes(
     batch: dict[str, np.ndarray], height: int, width: int, channels: int
 ) -> dict[str, np.ndarray]:
     """Raw pixel rows (MNIST, IDX sources) → uint8 (n, C, H, W)."""
     flat = np.frombuffer(b"".join(batch["image"]), dtype=np.uint8)
-    images = flat.reshape(len(batch["id"]), height, width, channels).transpose(0, 3, 1, 2)
+    images = to_nchw(flat.reshape(len(batch["id"]), height, width, channels))
     return {
         "id": batch["id"],
         "label": batch["label"],
-        "image": np.ascontiguousarray(images),
+        "image": images,
         "decode_node": np.full(len(batch["id"]), node_tag(), dtype=np.int64),
     }
 
@@ -50,33 +60,46 @@ def read_file(root: StoragePath, relative: str) -> io.BytesIO:
 
 
 def pixels_from_files(
-    batch: dict[str, np.ndarray], root_uri: str, side: int, channels: int
+    batch: dict[str, np.ndarray],
+    root_uri: str,
+    side: int,
+    channels: int,
+    report_errors: bool = False,
 ) -> dict[str, np.ndarray]:
     """An image tree's (path) rows → uint8 (n, C, side, side): the files fetched in parallel
-    (object storage answers each request in tens of ms) and decoded here, in the Ray Data task."""
+    (object storage answers each request in tens of ms) and decoded here, in the Ray Data task.
+    A file that cannot be decoded stops the task, named; with `report_errors` (prepare's check) it
+    gets blank pixels and its error in an `error` column instead."""
     from mnist_resnet.images import load_image
 
     root = image_root(root_uri)
     paths = [str(path) for path in batch["path"]]
     with concurrent.futures.ThreadPoolExecutor(READ_THREADS) as pool:
         streams = list(pool.map(functools.partial(read_file, root), paths))
-    decoded = []
+    decoded, errors = [], []
     for path, stream in zip(paths, streams, strict=True):
         try:
             decoded.append(load_image(stream, side, channels))
+            errors.append("")
         except (OSError, ValueError, SyntaxError) as error:  # PIL's decoders raise all three
-            raise ValueError(
-                f"{posixpath.join(root.uri, path)} cannot be decoded ({type(error).__name__}: "
-                f"{error}): replace or remove it, then run `mnist-resnet prepare --force`"
-            ) from error
-    images = np.stack(decoded)
-    images = images[:, None] if channels == 1 else images.transpose(0, 3, 1, 2)
-    return {
+            where = posixpath.join(root.uri, path)
+            if not report_errors:
+                raise ValueError(
+                    f"{where} cannot be decoded ({type(error).__name__}: {error}): replace or "
+                    "remove it, then run `mnist-resnet prepare --force`"
+                ) from error
+            decoded.append(np.zeros((side, side, channels)[: 3 if channels == 3 else 2], np.uint8))
+            errors.append(f"{where} ({type(error).__name__}: {error})")
+    images = to_nchw(np.stack(decoded).reshape(len(paths), side, side, channels))
+    columns = {
         "id": batch["id"],
         "label": batch["label"],
-        "image": np.ascontiguousarray(images),
+        "image": images,
         "decode_node": np.full(len(paths), node_tag(), dtype=np.int64),
     }
+    if report_errors:
+        columns["error"] = np.array(errors, dtype=object)
+    return columns
 
 
 def augment(batch: dict[str, np.ndarray], pad: int, flip: bool) -> dict[str, np.ndarray]:
