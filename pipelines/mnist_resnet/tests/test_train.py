@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from ray.util.state import list_actors
@@ -247,6 +248,51 @@ def test_local_storage_is_refused_on_a_two_node_cluster(
     assert not list((tmp_path / "runs").glob("mnist_resnet/checkpoint_*"))
 
 
+def test_cpu_only_nodes_decode_while_the_training_node_trains(
+    mnist_dir: StoragePath, tmp_path: Path
+) -> None:
+    """A real two-node cluster on this box, shaped as the RayJob is: a training node whose 2 CPUs
+    the 2 workers reserve (they require its custom "trainer" resource), and a CPU-only node. Ray
+    Data's read, shuffle and decode tasks can only run on the CPU-only node; every batch rank 0
+    trained on says where its rows were decoded, and the run trains to its bar."""
+    script = textwrap.dedent(
+        f"""
+        import dataclasses, json, os
+        import ray
+        from ray.cluster_utils import Cluster
+        from mnist_resnet.config import cpu_preset
+        from mnist_resnet.train import run
+
+        cluster = Cluster(initialize_head=True, head_node_args={{"num_cpus": 2, "resources": {{"trainer": 2}}}})
+        cpu_node = cluster.add_node(num_cpus=2)
+        cluster.wait_for_nodes()
+        os.environ["RAY_ADDRESS"] = cluster.address
+        config = dataclasses.replace(
+            cpu_preset(), storage_path={str(tmp_path / "runs")!r}, data_dir={mnist_dir.uri!r},
+            storage_is_shared=True, worker_resource="trainer", epochs=2, limit_train_rows=2048,
+            limit_val_rows=500, limit_test_rows=500, global_batch_size=128, lr=0.05,
+            tracking="none", run_name="split",
+        )
+        try:
+            summary = run(config)
+            print("RESULT", json.dumps({{"decoded_on": summary["decoded_on"],
+                  "cpu_node": cpu_node.node_id[:15], "accuracy": summary["test"]["test_accuracy"]}}))
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=900, check=False
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(lines[0].removeprefix("RESULT "))
+    assert list(result["decoded_on"]) == [result["cpu_node"]]
+    assert sum(result["decoded_on"].values()) == 2 * 2048 // 2  # rank 0's rows of both epochs
+    assert result["accuracy"] >= 0.8  # chance is 0.10
+
+
 UNINTERRUPTED = {"epochs": 2, "limit_train_rows": 2048, "log_every_steps": 1}  # 16 steps an epoch
 
 
@@ -264,39 +310,50 @@ def uninterrupted_run(
     return storage, run(small_config(storage, mnist_dir, run_name="whole", **UNINTERRUPTED))
 
 
-def test_a_run_stopped_mid_epoch_resumes_with_exactly_the_batches_it_had_not_seen(
+def rows_trained(run_dir: Path, epoch: int) -> np.ndarray:
+    """How many times each row id was trained on in `epoch`, from --record-row-ids' files."""
+    files = sorted((run_dir / "row_ids" / f"epoch-{epoch}").glob("*.npy"))
+    ids = np.concatenate([np.load(file) for file in files])
+    return np.bincount(ids, minlength=UNINTERRUPTED["limit_train_rows"])
+
+
+def test_a_run_stopped_mid_epoch_resumes_on_another_worker_count_training_each_row_once(
     small_config: Callable[..., Any],
     uninterrupted_run: tuple[Path, dict[str, Any]],
     mnist_dir: StoragePath,
     tmp_path: Path,
 ) -> None:
-    """Stopped at step 21 of 32 (epoch 2 of 2, mid-epoch) and rerun with the same name: epoch 1 is
-    not trained again, every step's loss matches an uninterrupted run's, so no batch was repeated or skipped and the optimiser, schedule and
-    BatchNorm statistics came back exactly. Tolerance 1e-5 relative: the same arithmetic on the
-    same batches; only the order of floating-point reductions in gloo could differ."""
-    common = UNINTERRUPTED
-    whole_storage, whole = uninterrupted_run
+    """Stopped at step 21 of 32 (epoch 2 of 2, mid-epoch) on 2 workers and rerun with the same
+    name on 1 worker: epoch 1 is not trained again, and over each epoch every row was trained
+    exactly once (the resumed epoch read only the rows it had not seen). The loss goes on where
+    it stopped: the steps after the resume stay near the steps before it (a fresh optimiser or
+    model would jump towards 2.3), and the run ends within 25 % of an uninterrupted run's loss
+    (another data order, so not equal)."""
+    common = {**UNINTERRUPTED, "record_row_ids": True}
+    _, whole = uninterrupted_run
     stopped = run(small_config(tmp_path, mnist_dir, run_name="cut", stop_at_step=21, **common))
     assert stopped["steps_done"] == 21 and stopped["stopped_mid_epoch"]
     metrics_csv = resolve_storage(tmp_path / "cut" / "metrics.csv")
     first = read_metrics_csv(metrics_csv)
     assert [row["epoch"] for row in first] == [1]
-    resumed = run(small_config(tmp_path, mnist_dir, run_name="cut", **common))
+    resumed = run(small_config(tmp_path, mnist_dir, run_name="cut", num_workers=1, **common))
     rows = read_metrics_csv(metrics_csv)
     assert [row["epoch"] for row in rows] == [1, 2]
     assert rows[0] == first[0]  # epoch 1 was not trained again: its measured times are the same
     assert len([p for p in (tmp_path / "cut").glob("checkpoint_*") if p.is_dir()]) == 2  # kept
 
-    def step_losses(run_dir: Path) -> list[float]:
-        _, state = load_best_model(resolve_storage(run_dir), which="latest")
-        return [row["train_loss_interval"] for row in state["step_log"]]
+    # Exactly once: 2,048 rows, 16 global batches of 128 an epoch, none left over.
+    for epoch in (1, 2):
+        counts = rows_trained(tmp_path / "cut", epoch)
+        assert counts.min() == counts.max() == 1, (epoch, np.bincount(counts))
 
-    expected = step_losses(whole_storage / "whole")
-    assert len(expected) == 32
-    assert step_losses(tmp_path / "cut") == pytest.approx(expected, rel=1e-5)
-    # The epoch's metrics, summed across the stop, are the uninterrupted run's too.
-    for key in ("train_loss", "train_accuracy", "val_loss", "val_accuracy"):
-        assert resumed["final"][key] == pytest.approx(whole["final"][key], rel=1e-5), key
+    _, state = load_best_model(resolve_storage(tmp_path / "cut"), which="latest")
+    losses = [row["train_loss_interval"] for row in state["step_log"]]
+    assert len(losses) == 32
+    before, after = np.mean(losses[18:21]), np.mean(losses[21:24])
+    assert after < 1.5 * before + 0.1, losses
+    for key in ("train_loss", "val_loss"):
+        assert resumed["final"][key] == pytest.approx(whole["final"][key], rel=0.25), key
     assert resumed["restarts"] == [
         {
             "resumed_at_step": 21,
@@ -305,7 +362,7 @@ def test_a_run_stopped_mid_epoch_resumes_with_exactly_the_batches_it_had_not_see
             "cause": "rerun",
             "checkpoint": resumed["restarts"][0]["checkpoint"],
             "world_size_before": 2,
-            "world_size": 2,
+            "world_size": 1,
         }
     ]
     # A rerun of a finished run has nothing left to do: it trains nothing and changes nothing.
@@ -338,8 +395,8 @@ def test_a_torn_checkpoint_is_never_loaded(
 ) -> None:
     """The newest checkpoint's state.pt cut to half, or its manifest emptied (a disk that filled
     up while Ray copied it): `predict` refuses it in one line, and a rerun resumes from the
-    previous complete checkpoint (epoch 1), trains epoch 2 again and ends as the uninterrupted run
-    did. The run is a copy of the uninterrupted one: a run folder holds no absolute path that a
+    previous complete checkpoint (epoch 1), trains epoch 2 again (in another order) and ends
+    about where the uninterrupted run did. The run is a copy of the uninterrupted one: a run folder holds no absolute path that a
     resume reads."""
     whole_storage, summary = uninterrupted_run
     shutil.copytree(whole_storage / "whole", tmp_path / "whole")
@@ -359,7 +416,9 @@ def test_a_torn_checkpoint_is_never_loaded(
     [restart] = again["restarts"]
     assert restart["resumed_at_step"] == 16  # 2048 rows / batch 128: epoch 1's checkpoint
     assert restart["checkpoint"] != str(latest)
-    assert again["final"]["val_accuracy"] == pytest.approx(summary["final"]["val_accuracy"])
+    assert again["final"]["val_accuracy"] == pytest.approx(
+        summary["final"]["val_accuracy"], abs=0.05
+    )
     assert again["best_checkpoint"] != str(latest)
     result = predict(str(tmp_path), "whole", count=8, output=None)
     assert result["test_accuracy"] >= 0.6  # 2,048 training rows for 2 epochs; chance is 0.10

@@ -128,6 +128,12 @@ class RayTrainSettings(RunLocation):
     accelerator_type: str | None = option(
         None, "Schedule only on nodes with this GPU type, e.g. A100 or H100."
     )
+    worker_resource: str | None = option(
+        None,
+        "A custom Ray resource each worker takes one unit of (e.g. trainer, declared by the "
+        "training nodes' `ray start --resources`): workers land only on those nodes, and a node "
+        "group without it (CPU-only) is left to Ray Data.",
+    )
     num_to_keep: int = option(
         2, "Checkpoints kept: the best by the pipeline's score, plus always the latest."
     )
@@ -208,6 +214,8 @@ class RayTrainSettings(RunLocation):
         needed = {"CPU": low * self.cpus_per_worker}
         if self.use_gpu:
             needed["GPU"] = low * self.gpus_per_worker
+        if self.worker_resource:
+            needed[self.worker_resource] = float(low)
         return needed
 
 
@@ -254,6 +262,8 @@ def build_scaling_config(settings: RayTrainSettings) -> ScalingConfig:
     resources: dict[str, float] = {"CPU": settings.cpus_per_worker}
     if settings.use_gpu:
         resources["GPU"] = settings.gpus_per_worker
+    if settings.worker_resource:
+        resources[settings.worker_resource] = 1.0
     return ScalingConfig(
         num_workers=high if low == high else (low, high),
         use_gpu=settings.use_gpu,
