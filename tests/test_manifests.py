@@ -547,12 +547,14 @@ def test_manifest_is_what_a_platform_team_accepts(name: str) -> None:
     assert spec["rayClusterSpec"]["authOptions"] == {"mode": "token"}
     head_params = spec["rayClusterSpec"]["headGroupSpec"]["rayStartParams"]
     assert head_params["num-gpus"] == "0"
+    gpu_workers = 0
     for role, pod, container in containers(document):
         image = container["image"]
         assert IMAGE_PATTERN.fullmatch(image) and not image.endswith(":latest"), image
         resources = container["resources"]
         gpus = resources.get("limits", {}).get("nvidia.com/gpu")
-        assert (gpus is None) == (role == "head"), f"{role}: GPUs only on workers"
+        assert gpus is None or role != "head", "GPUs only on workers"
+        gpu_workers += gpus is not None
         for kind in ("cpu", "memory"):
             assert resources["requests"][kind] == resources["limits"][kind], f"{role} {kind}"
         assert quantity_bytes(resources["requests"]["ephemeral-storage"]) >= 10 << 30, role
@@ -565,6 +567,28 @@ def test_manifest_is_what_a_platform_team_accepts(name: str) -> None:
             if re.search(r"KEY|SECRET|TOKEN|PASSWORD|CREDENTIAL", variable["name"]):
                 assert "value" not in variable and "secretKeyRef" in variable["valueFrom"], variable
     assert not re.search(r"(?i)(secret|password|token|key)\s*[:=]\s*\S", spec["runtimeEnvYAML"])
+    assert gpu_workers >= 1, "a worker group with GPUs"
+
+
+def test_the_vision_job_decodes_on_its_cpu_only_group() -> None:
+    """mnist_resnet's training workers take all of their GPU pod's CPUs and its "trainer"
+    resource, which only the GPU group declares; a CPU-only group is then where Ray Data's tasks
+    can run (tests/.. test_cpu_only_nodes_decode_while_the_training_node_trains runs that shape)."""
+    spec = rayjobs()["mnist_resnet"]["spec"]
+    groups = {g["groupName"]: g for g in spec["rayClusterSpec"]["workerGroupSpecs"]}
+    env = yaml.safe_load(spec["runtimeEnvYAML"])["env_vars"]
+    placement = env["PLACEMENT_ARGS"].split()
+    cpus = placement[placement.index("--cpus-per-worker") + 1]
+    resource = placement[placement.index("--worker-resource") + 1]
+    assert "$PLACEMENT_ARGS" in spec["entrypoint"]
+    gpu, ingest = groups["gpu"], groups["ingest"]
+    assert gpu["rayStartParams"]["num-cpus"] == cpus
+    assert json.loads(json.loads(gpu["rayStartParams"]["resources"])) == {resource: 1}
+    [gpu_container] = gpu["template"]["spec"]["containers"]
+    assert gpu_container["resources"]["limits"]["cpu"] == cpus
+    assert "resources" not in ingest["rayStartParams"] and "num-gpus" not in ingest["rayStartParams"]
+    [ingest_container] = ingest["template"]["spec"]["containers"]
+    assert "nvidia.com/gpu" not in ingest_container["resources"]["limits"]
 
 
 @pytest.mark.parametrize("name", RAYJOB_FILES)
