@@ -192,7 +192,9 @@ def test_a_class_sorted_image_tree_on_s3_trains_to_high_test_accuracy_without_a_
     data_dir = tmp_path / "data"
     source = f"s3://images/digits?{options}"
     assert main(["prepare", "--source", source, "--data-dir", str(data_dir)]) == 0
-    prepared = sorted(p.relative_to(data_dir).as_posix() for p in data_dir.rglob("*") if p.is_file())
+    prepared = sorted(
+        p.relative_to(data_dir).as_posix() for p in data_dir.rglob("*") if p.is_file()
+    )
     assert prepared == ["dataset.json", "test/part-000.parquet", "train/part-000.parquet",
                         "val/part-000.parquet"]  # fmt: skip
     assert sum(p.stat().st_size for p in data_dir.rglob("*.parquet")) < 200_000  # lists, no pixels

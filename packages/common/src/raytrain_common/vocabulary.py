@@ -54,6 +54,8 @@ OPTIONAL_SUMMARY_KEYS: dict[str, str] = {
     ),
     "mfu": "median model FLOPs utilisation over those windows (GPUs with a known peak)",
     "checkpoint_stall_s": "median seconds training waited for a checkpoint",
+    "first_batch_s": "seconds from `train` starting to the first batch reaching rank 0",
+    "decoded_on": "rank 0's training rows by the node (id prefix) whose Ray Data task decoded them",
 }
 SUMMARY_KEYS = REQUIRED_SUMMARY_KEYS | OPTIONAL_SUMMARY_KEYS
 
@@ -77,6 +79,7 @@ METRIC_COLUMNS: dict[str, str] = {
     "val_f1": "macro F1 on the validation split",
     "val_perplexity": "exp(val_loss)",
     "checkpoint_stall_s": "seconds training waited for the checkpoint of this step",
+    "data_wait_share": "share of the row's training time rank 0 waited for its next batch",
 }
 
 

@@ -2,10 +2,12 @@
 
 All run here, one after the other, on the same device and the same rows, so the ratio is what Ray
 Train, Ray Data and DDP cost (or gain) over a single PyTorch process. On a CPU box: the `cpu` preset
-with 2 workers, plus a third run, plain DDP in processes started by torch.multiprocessing on data
-held in memory, that splits the cost into what DDP's gradient all-reduce takes and what Ray adds. On
-a GPU machine: the `gpu` preset (bf16, batch 512), one worker per GPU, all 60k rows, with MFU and
-peak memory beside each figure. Start-up is reported apart.
+with 2 workers, plus plain DDP in processes started by torch.multiprocessing on data held in memory
+(what DDP's gradient all-reduce takes, apart from what Ray adds), plus the previous version of this
+pipeline (`--previous`, a git commit: its row-file reader, run from a git worktree of that commit).
+On a GPU machine: the `gpu` preset (bf16, batch 512), one worker per GPU, all 60k rows, with MFU,
+peak memory and the share of each step spent waiting for data. Start-up and time to the first
+batch are reported apart.
 
     python -m mnist_resnet.bench [--preset cpu|gpu] [--rows N] [--epochs N] [--storage-path ./runs]
 """
@@ -14,10 +16,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
+import os
 import socket
+import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -41,6 +48,9 @@ from raytrain_common.metrics import write_metrics_csv
 from raytrain_common.storage import resolve_storage
 
 RUN_NAME = "bench_mnist"
+# The last version that read rows from node-local row files instead of Ray Data (mnist-resnet 0.10.0).
+PREVIOUS = "caf810e"
+REPOSITORY = Path(__file__).resolve().parents[4]
 
 
 def plain_ddp_worker(rank: int, world: int, port: int, config: TrainConfig, results: dict) -> None:
@@ -95,6 +105,42 @@ def run_plain_ddp(config: TrainConfig) -> float:
         return float(results["images_per_s"])
 
 
+def run_previous_version(commit: str, config: TrainConfig, storage: Path) -> float | None:
+    """Steady-state images/s of the pipeline at `commit`, trained on the same rows: its code from
+    a git worktree (ahead of the installed packages on PYTHONPATH), its own prepared folder (its
+    format), its own local Ray cluster. None when this is no git checkout."""
+    if not (REPOSITORY / ".git").exists():
+        return None
+    with tempfile.TemporaryDirectory(prefix="bench-previous-") as folder:
+        tree = Path(folder) / "tree"
+        subprocess.run(
+            ["git", "-C", str(REPOSITORY), "worktree", "add", "--detach", str(tree), commit],
+            check=True, capture_output=True,
+        )  # fmt: skip
+        try:
+            sources = [*sorted(tree.glob("pipelines/*/src")), tree / "packages" / "common" / "src"]
+            env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+            env["PYTHONPATH"] = os.pathsep.join(map(str, sources))
+            data = Path(folder) / "data"
+            command = [sys.executable, "-m", "mnist_resnet"]
+            subprocess.run([*command, "prepare", "--data-dir", str(data)], env=env, check=True)
+            subprocess.run(
+                [*command, "train", "--preset", "cpu", "--data-dir", str(data),
+                 "--storage-path", str(storage), "--run-name", f"{RUN_NAME}_previous",
+                 "--epochs", str(config.epochs), "--limit-train-rows", str(config.limit_train_rows),
+                 "--limit-val-rows", "1000", "--limit-test-rows", "1000", "--tracking", "none",
+                 "--num-workers", str(config.num_workers)],
+                env=env, check=True,
+            )  # fmt: skip
+        finally:
+            subprocess.run(
+                ["git", "-C", str(REPOSITORY), "worktree", "remove", "--force", str(tree)],
+                check=False, capture_output=True,
+            )  # fmt: skip
+    summary = json.loads((storage / f"{RUN_NAME}_previous" / "summary.json").read_text())
+    return float(summary["final"]["train_images_per_s"])
+
+
 def training_flops_per_image(num_classes: int, height: int, width: int) -> float:
     """Forward + backward FLOPs of one image through the model, as torch's FLOP counter sees them."""
     from torch.utils.flop_counter import FlopCounterMode
@@ -132,6 +178,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--num-workers", type=int, default=None, help="Ray workers (default: 2 on CPU, 1 per GPU)"
     )
+    parser.add_argument(
+        "--previous",
+        default=PREVIOUS,
+        help=f"git commit of the version to compare with on a CPU box (default: {PREVIOUS}, the "
+        "row-file reader); 'none' skips it",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
@@ -154,9 +206,10 @@ def measure(args: argparse.Namespace) -> int:
         limit_test_rows=1000,
         log_every_steps=20,
     )
-    run_dir = resolve_storage(args.storage_path).join(RUN_NAME)
-    if run_dir.is_dir():  # a benchmark measures a fresh run, never a resumed one
-        run_dir.filesystem.delete_dir(run_dir.path)
+    for name in (RUN_NAME, f"{RUN_NAME}_previous"):
+        run_dir = resolve_storage(args.storage_path).join(name)
+        if run_dir.is_dir():  # a benchmark measures a fresh run, never a resumed one
+            run_dir.filesystem.delete_dir(run_dir.path)
     info = inspect_dataset(resolve_storage(config.resolved_data_dir()))
     per_image = training_flops_per_image(info.num_classes, info.height, info.width)
     device = torch.device("cuda" if config.use_gpu else "cpu")
@@ -164,6 +217,11 @@ def measure(args: argparse.Namespace) -> int:
     baseline = run_baseline(config)["history"][-1]
     # Plain DDP runs gloo processes on the CPU cores: a comparison for CPU boxes only.
     plain_ddp = None if config.use_gpu else run_plain_ddp(config)
+    previous = (
+        None
+        if config.use_gpu or args.previous == "none"
+        else run_previous_version(args.previous, config, Path(args.storage_path).resolve())
+    )
     started = time.perf_counter()
     summary = run(config)
     ray_wall = time.perf_counter() - started
@@ -190,6 +248,10 @@ def measure(args: argparse.Namespace) -> int:
         rows.insert(
             1, {"pipeline": f"plain DDP ({config.num_workers} procs)", "images_per_s": plain_ddp}
         )
+    if previous is not None:
+        rows.insert(-1, {"pipeline": f"row files ({args.previous})", "images_per_s": previous})
+    rows[-1]["first_batch_s"] = summary.get("first_batch_s")
+    rows[-1]["data_wait_share"] = summary["final"].get("data_wait_share")
     for row in rows:
         row["mfu"] = mfu(row["images_per_s"] * per_image, device, config.num_workers)
     csv_file = resolve_storage(args.storage_path).join("bench", "bench_mnist.csv")
@@ -209,12 +271,19 @@ def measure(args: argparse.Namespace) -> int:
             f"{_cell(row.get('startup_s'), '.1f'):>12}{_cell(row['mfu'], '.1%'):>8}{_cell(row.get('peak_memory_gb'), '.2f'):>10}"
         )
     print(f"\nratio (ray train ÷ baseline, steady-state images/s): {ratio:.3f}   target ≥ 0.97")
+    ray_rate = ray_epoch["train_images_per_s"]
     if plain_ddp is not None:
         print(
             f"of which DDP's all-reduce on these cores: plain DDP ÷ baseline = "
             f"{plain_ddp / baseline['train_images_per_s']:.3f}; Ray Train + Ray Data ÷ plain DDP = "
-            f"{ray_epoch['train_images_per_s'] / plain_ddp:.3f}"
+            f"{ray_rate / plain_ddp:.3f}   goal ≥ 0.9"
         )
+    if previous is not None:
+        print(f"Ray Data ingest ÷ the row-file reader ({args.previous}): {ray_rate / previous:.3f}")
+    print(
+        f"time to the first batch: {_cell(summary.get('first_batch_s'), '.1f')} s; share of the "
+        f"last epoch's steps spent waiting for data: {_cell(ray_epoch.get('data_wait_share'), '.1%')}"
+    )
     print(f"rows: {args.rows or 'all'}, epoch {args.epochs} measured; written to {csv_file.uri}")
     return 0
 

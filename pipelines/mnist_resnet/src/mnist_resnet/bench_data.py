@@ -2,10 +2,11 @@
 
 A class-per-folder tree of real MNIST digits as PNG files, the training images 1×, 4× and 16× (by
 default) a base of 2,048 (the digits repeated, each copy shifted by a pixel so no two copies are
-equal), decoded by `prepare --source` with Ray Data and trained for one epoch on 2 CPU workers,
-each command a process of its own on a fresh local Ray cluster, as a user runs them. Printed: the
-peak resident memory of the prepare process and of the largest training worker, images/s, and the
-ratios largest ÷ smallest.
+equal), listed by `prepare --source` and trained for one epoch on 2 CPU workers with Ray Data
+reading and decoding the PNG files in place, each command a process of its own on a fresh local
+Ray cluster, as a user runs them. Printed: the peak resident memory of the prepare process, of the
+train driver and of the largest training worker, images/s, the bytes of the prepared folder
+beside the tree's (no copy of the images is made), and the ratios largest ÷ smallest.
 
     python -m mnist_resnet.bench_data [--scales 1,4,16] [--base 2048] [--folder DIR]
 """
@@ -27,6 +28,11 @@ from raytrain_common.scaling import ScalePoint, run_measured, scaling_table
 from raytrain_common.storage import resolve_storage
 
 TEST_IMAGES = 1_000
+DISK: dict[int, tuple[int, int, float]] = {}  # scale → (tree bytes, prepared bytes, driver MiB)
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(path.stat().st_size for path in folder.rglob("*") if path.is_file())
 
 
 def write_dataset(images: int, folder: Path) -> None:
@@ -58,7 +64,7 @@ def measure(scale: int, base: int, root: Path) -> ScalePoint:
         ["prepare", "--source", str(source), "--data-dir", str(data_dir)],
         root / f"prepare-{scale}x.json", env,
     )  # fmt: skip
-    run_measured(
+    train_mb, _ = run_measured(
         "mnist_resnet",
         ["train", "--preset", "cpu", "--data-dir", str(data_dir), "--storage-path", str(root),
          "--run-name", f"bench-{scale}x", "--epochs", "1", "--tracking", "none"],
@@ -67,6 +73,7 @@ def measure(scale: int, base: int, root: Path) -> ScalePoint:
     run_dir = root / f"bench-{scale}x"
     summary = json.loads((run_dir / "summary.json").read_text())
     [row] = read_metrics_csv(resolve_storage(run_dir / "metrics.csv"))
+    DISK[scale] = (folder_bytes(source), folder_bytes(data_dir), train_mb)
     return ScalePoint(
         scale=scale,
         items=summary["dataset"]["train_rows"],
@@ -89,6 +96,11 @@ def main(argv: list[str] | None = None) -> int:
         root.mkdir(parents=True, exist_ok=True)
         points = [measure(scale, args.base, root) for scale in scales]
     print(scaling_table("mnist_resnet", "images", points))
+    print(f"{'scale':>6} {'tree MiB':>10} {'prepared MiB':>13} {'train driver MiB':>17}")
+    for scale, (tree, prepared, driver) in sorted(DISK.items()):
+        print(f"{scale:>5}× {tree / 2**20:>10.1f} {prepared / 2**20:>13.2f} {driver:>17.0f}")
+    small, large = DISK[scales[0]], DISK[scales[-1]]
+    print(f"train driver peak memory, {scales[-1]}× ÷ {scales[0]}×: {large[2] / small[2]:.2f}")
     return 0
 
 

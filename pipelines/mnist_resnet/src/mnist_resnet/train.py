@@ -20,7 +20,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -287,6 +287,7 @@ class RunState:
     decoded_on: dict[str, int] = dataclasses.field(default_factory=dict)  # rank 0's batches by node
     compute_dtype: str | None = None
     startup_s: float | None = None
+    first_batch_s: float | None = None
 
 
 def build_training(
@@ -331,6 +332,7 @@ def restore_run(
         decoded_on=state.get("decoded_on", {}),
         compute_dtype=state.get("compute_dtype"),
         startup_s=state.get("startup_s"),
+        first_batch_s=state.get("first_batch_s"),
     )
     if checkpoints.already_done(run.step):
         log.info("the run is already at step %d: nothing to train", run.step)
@@ -340,7 +342,7 @@ def restore_run(
         )
         log.info("resuming at step %d (%s)", run.step, restart["cause"])
         if restart["cause"] == "rerun":  # this command's own start-up is measured anew
-            run.startup_s = None
+            run.startup_s = run.first_batch_s = None
     return run
 
 
@@ -480,9 +482,12 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             shard = ray.train.get_dataset_shard(REST_OF_EPOCH if resumed else TRAIN)
             carried = run.position.trained_rows if resumed and rank == 0 else None
             rows = EpochRows(train_rows, None if carried is None else carried.numpy())
-            for batch in shard.iter_torch_batches(
-                batch_size=rows_per_step, drop_last=True, device="cpu"
+            waited = DataWait()
+            for batch in waited.timed(
+                shard.iter_torch_batches(batch_size=rows_per_step, drop_last=True, device="cpu")
             ):
+                if run.first_batch_s is None:
+                    run.first_batch_s = time.time() - loop_config["launched_at"]
                 images = normalise(
                     batch["image"].to(device, non_blocking=True), info.mean, info.std
                 )
@@ -507,6 +512,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                     with meter.paused():
                         check_trained_once(rows, steps * config.global_batch_size, device)
                         row = end_epoch(model, info, totals, meter, lr, step, steps, config, device)
+                        row["data_wait_share"] = waited.seconds / max(row["train_s"], 1e-9)
                         run.history.append(row)
                         sink.log(row, step)
                         sink.flush()  # in the store before the report: a sweep may stop the trial on it
@@ -550,6 +556,26 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                 )
     finally:
         sink.close()  # sends what rank 0 queued (bounded wait)
+
+
+class DataWait:
+    """Seconds this rank spent waiting for its next batch: with ingest keeping up, about none."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def timed(
+        self, batches: Iterable[dict[str, torch.Tensor]]
+    ) -> Iterator[dict[str, torch.Tensor]]:
+        iterator = iter(batches)
+        while True:
+            started = time.perf_counter()
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                return
+            self.seconds += time.perf_counter() - started
+            yield batch
 
 
 def check_trained_once(rows: EpochRows, expected: int, device: torch.device) -> None:
@@ -708,6 +734,7 @@ def write_run_outputs(
         "epochs_done": round(state["step"] / steps, 4),
         "stopped_mid_epoch": state.get("position") is not None,
         "startup_s": state.get("startup_s"),
+        "first_batch_s": state.get("first_batch_s"),
         **FaultLog(**state.get("faults", {})).summary(),
     }
     if not history:  # stopped (--stop-at-step) before the first epoch ended
