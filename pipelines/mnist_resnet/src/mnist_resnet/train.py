@@ -46,6 +46,7 @@ from mnist_resnet.ingest import (
     EpochRows,
     EvenTrainingEveryValidationRow,
     ImageData,
+    epoch_seed,
     position_file,
 )
 from mnist_resnet.predict import checkpoint_test_metrics
@@ -484,7 +485,13 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             rows = EpochRows(train_rows, None if carried is None else carried.numpy())
             waited = DataWait()
             for batch in waited.timed(
-                shard.iter_torch_batches(batch_size=rows_per_step, drop_last=True, device="cpu")
+                shard.iter_torch_batches(
+                    batch_size=rows_per_step,
+                    drop_last=True,
+                    device="cpu",
+                    local_shuffle_buffer_size=loop_config["local_shuffle_rows"],
+                    local_shuffle_seed=epoch_seed(config.seed + rank, epoch),
+                )
             ):
                 if run.first_batch_s is None:
                     run.first_batch_s = time.time() - loop_config["launched_at"]
@@ -663,6 +670,7 @@ def run(config: TrainConfig, callbacks: Sequence[UserCallback] = ()) -> dict[str
         train_loop_config={
             "config": dataclasses.asdict(config),
             "dataset": dataclasses.asdict(info),
+            "local_shuffle_rows": data.local_shuffle_rows,
             "driver_id": uuid.uuid4().hex,  # tells a worker restart from a rerun of the command
             "launched_at": launched_at,
             "tracked": dataclasses.asdict(tracked) if tracked else None,
