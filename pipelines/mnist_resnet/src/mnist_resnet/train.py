@@ -217,13 +217,17 @@ def train_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
-    images: torch.Tensor,
-    labels: torch.Tensor,
+    batch: dict[str, torch.Tensor],
+    info: DatasetInfo,
     config: TrainConfig,
     totals: EpochTotals,
 ) -> str:
-    """One optimiser step over this rank's rows, in `grad_accum_steps` micro-batches; returns the
-    dtype the forward pass computed in (bfloat16 when autocast is really in effect)."""
+    """One optimiser step over this rank's rows (uint8 images, normalised on the model's device),
+    in `grad_accum_steps` micro-batches; returns the dtype the forward pass computed in (bfloat16
+    when autocast is really in effect)."""
+    device = totals.sums.device
+    images = normalise(batch["image"].to(device, non_blocking=True), info.mean, info.std)
+    labels = batch["label"].to(device, non_blocking=True)
     model.train()
     logits = torch.empty(0)
     batches = [
@@ -400,9 +404,12 @@ def end_epoch(
     step: int,
     steps: int,
     config: TrainConfig,
-    device: torch.device,
+    rows: EpochRows,
 ) -> dict[str, float]:
-    """The epoch's row of metrics.csv: training sums over every rank, then validation."""
+    """The epoch's row of metrics.csv: training sums over every rank, then validation; first a
+    check that the ranks trained every row of the epoch once (collectives, on every rank)."""
+    device = totals.sums.device
+    check_trained_once(rows, steps * config.global_batch_size, device)
     epoch = step // steps
     final = totals.position(steps)
     train_loss = final.loss_sum / final.seen
@@ -445,67 +452,40 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     config = TrainConfig(**loop_config["config"])
     quiet_ray_output(config.verbose)
     info = DatasetInfo(**loop_config["dataset"])
-    driver_id: str = loop_config["driver_id"]
     context = ray.train.get_context()
     rank, world = context.get_world_rank(), context.get_world_size()
     device = ray.train.torch.get_device()
     # Raises, naming the fix, if the global batch does not split over this worker count (elastic).
-    micro_batch = per_worker_batch_size(config.global_batch_size, world, config.grad_accum_steps)
-    rows_per_step = micro_batch * config.grad_accum_steps
+    accum = config.grad_accum_steps
+    rows_per_step = per_worker_batch_size(config.global_batch_size, world, accum) * accum
 
     train_rows = min(info.train_rows, config.limit_train_rows or info.train_rows)
     steps = steps_per_epoch(train_rows, config.global_batch_size)
     run_dir = resolve_storage(config.storage_path).join(config.run_name)
     state = latest_state(run_dir)
     model, optimizer, scheduler = build_training(info, config, steps, state)
-    checkpoints = CheckpointPolicy(
-        every_steps=config.checkpoint_every_steps,
-        last_step=steps * config.epochs,
-        epoch_steps=steps,
-        stop_at_step=config.stop_at_step,
-        preemption_check_steps=config.preemption_check_steps,
-    )
-    run = restore_run(state, run_dir, driver_id, world, checkpoints)
-    progress = ProgressNotes(run_dir, driver_id, world, config.log_every_steps, rank)
-    upload = upload_with_retries(config.storage_path, config.storage_patience_s)
+    checkpoints = checkpoint_policy(config, steps)
+    run = restore_run(state, run_dir, loop_config["driver_id"], world, checkpoints)
+    progress = ProgressNotes(run_dir, loop_config["driver_id"], world, config.log_every_steps, rank)
     meter = ThroughputMeter(config.global_batch_size, warmup_steps=THROUGHPUT_SKIP_STEPS)
     totals = EpochTotals(device, rank, run.position)
     sink = rank_zero_sink(loop_config, rank)
-    audit = RowIdAudit(run_dir, rank, enabled=config.record_row_ids)
-    stopped = checkpoints.already_done(run.step)
+    checkpointer = Checkpointer(model, optimizer, scheduler, loop_config, run_dir, rank)
+    batching = {"batch_size": rows_per_step, "drop_last": True, "device": "cpu",
+                "local_shuffle_buffer_size": loop_config["local_shuffle_rows"]}  # fmt: skip
+    done = checkpoints.already_done(run.step)
     try:
-        for epoch in range(run.step // steps + 1, config.epochs + 1):
-            if stopped:
-                break
-            # A run resumed mid-epoch reads the rows its epoch has not trained; else the whole
-            # split, in a fresh order (both chosen by the driver's dataset factories).
+        for epoch in range(run.step // steps + 1, 0 if done else config.epochs + 1):
+            # A resumed epoch reads the rows it has not trained; else all, in a fresh order.
             resumed = run.position is not None and run.position.trained_rows is not None
             shard = ray.train.get_dataset_shard(REST_OF_EPOCH if resumed else TRAIN)
-            carried = run.position.trained_rows if resumed and rank == 0 else None
-            rows = EpochRows(train_rows, None if carried is None else carried.numpy())
+            rows = EpochRows(train_rows, carried_rows(run, rank) if resumed else None)
             waited = DataWait()
-            for batch in waited.timed(
-                shard.iter_torch_batches(
-                    batch_size=rows_per_step,
-                    drop_last=True,
-                    device="cpu",
-                    local_shuffle_buffer_size=loop_config["local_shuffle_rows"],
-                    local_shuffle_seed=epoch_seed(config.seed + rank, epoch),
-                )
-            ):
-                if run.first_batch_s is None:
-                    run.first_batch_s = time.time() - loop_config["launched_at"]
-                images = normalise(
-                    batch["image"].to(device, non_blocking=True), info.mean, info.std
-                )
-                labels = batch["label"].to(device, non_blocking=True)
-                run.compute_dtype = train_step(
-                    model, optimizer, scheduler, images, labels, config, totals
-                )
-                rows.mark(batch["id"].numpy())
-                audit.add(batch["id"].numpy())
-                if rank == 0:
-                    count_decode_nodes(run.decoded_on, batch["decode_node"].numpy())
+            seed = epoch_seed(config.seed + rank, epoch)
+            batches = shard.iter_torch_batches(**batching, local_shuffle_seed=seed)
+            for batch in waited.timed(batches):
+                dtype = train_step(model, optimizer, scheduler, batch, info, config, totals)
+                checkpointer.trained(batch, rows, run, dtype)
                 meter.step()
                 step = run.step = run.step + 1
                 lr = scheduler.get_last_lr()[0]
@@ -517,52 +497,107 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                 progress.note(step, run.faults, checkpointing=bool(due))
                 if due.at_epoch_end:
                     with meter.paused():
-                        check_trained_once(rows, steps * config.global_batch_size, device)
-                        row = end_epoch(model, info, totals, meter, lr, step, steps, config, device)
+                        row = end_epoch(model, info, totals, meter, lr, step, steps, config, rows)
                         row["data_wait_share"] = waited.seconds / max(row["train_s"], 1e-9)
                         run.history.append(row)
                         sink.log(row, step)
                         sink.flush()  # in the store before the report: a sweep may stop the trial on it
                         run.position = None
-                        state = checkpoint_state(model, optimizer, scheduler, run, loop_config)
-                        audit.write(epoch, step)
-                        report_checkpoint(
-                            row,
-                            state,
-                            upload,
-                            {POSITION_FILE: position_file(epoch + 1, rows.bits[:0])},
-                        )
-                    if (
-                        rank == 0
-                    ):  # after the report: the CSV never lists an epoch without its checkpoint
+                        checkpointer.save(run, row, epoch, rows, finished=True)
+                    # After the report: the CSV never lists an epoch without its checkpoint.
+                    if rank == 0:
                         write_metrics_csv(run_dir.join(METRICS_FILE), run.history)
                     totals = EpochTotals(device, rank, None)
                     meter.restart()
                 elif due:
                     with meter.paused():
                         run.position = totals.position((step - 1) % steps + 1, rows)
-                        state = checkpoint_state(model, optimizer, scheduler, run, loop_config)
-                        audit.write(epoch, step)
-                        trained = run.position.trained_rows
-                        assert trained is not None
-                        report_checkpoint(
-                            {"epoch": step / steps, "step": step, SCORE: NOT_EVALUATED},
-                            state,
-                            upload,
-                            {POSITION_FILE: position_file(epoch, trained.numpy())},
-                        )
+                        metrics = {"epoch": step / steps, "step": step, SCORE: NOT_EVALUATED}
+                        checkpointer.save(run, metrics, epoch, rows, finished=False)
                 if due.stops:
                     if rank == 0 and step == config.stop_at_step:
                         log.info("stopped at step %d as asked (--stop-at-step)", step)
-                    stopped = True
-                    break
-            if not stopped and run.step != epoch * steps:
-                raise DataShardError(
-                    f"rank {rank}'s shard of epoch {epoch} ended after step {run.step}; the epoch "
-                    f"ends at step {epoch * steps}: the dataset changed under the run?"
-                )
+                    return
+            check_epoch_ended(run.step, epoch, steps, rank)
     finally:
         sink.close()  # sends what rank 0 queued (bounded wait)
+
+
+def carried_rows(run: RunState, rank: int) -> np.ndarray | None:
+    """The resumed epoch's rows trained before the stop: rank 0 carries them (so the merge counts
+    them once)."""
+    trained = run.position.trained_rows if run.position is not None else None
+    return trained.numpy() if trained is not None and rank == 0 else None
+
+
+def checkpoint_policy(config: TrainConfig, steps: int) -> CheckpointPolicy:
+    """Checkpoints at epoch ends, every --checkpoint-every-steps, on a preemption notice and at
+    --stop-at-step."""
+    return CheckpointPolicy(
+        every_steps=config.checkpoint_every_steps,
+        last_step=steps * config.epochs,
+        epoch_steps=steps,
+        stop_at_step=config.stop_at_step,
+        preemption_check_steps=config.preemption_check_steps,
+    )
+
+
+def check_epoch_ended(step: int, epoch: int, steps: int, rank: int) -> None:
+    if step != epoch * steps:
+        raise DataShardError(
+            f"rank {rank}'s shard of epoch {epoch} ended after step {step}; the epoch ends at "
+            f"step {epoch * steps}: the dataset changed under the run?"
+        )
+
+
+class Checkpointer:
+    """Writes the run's checkpoints: the state from rank 0, the epoch's trained rows beside it
+    (what the dataset factory of a resumed epoch reads), each rank's row-id audit, and the report
+    every rank makes (a barrier). It also keeps, per batch, what those need."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        loop_config: dict[str, Any],
+        run_dir: StoragePath,
+        rank: int,
+    ) -> None:
+        config = TrainConfig(**loop_config["config"])
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.loop_config, self.rank = loop_config, rank
+        self.upload = upload_with_retries(config.storage_path, config.storage_patience_s)
+        self.audit = RowIdAudit(run_dir, rank, enabled=config.record_row_ids)
+
+    def trained(
+        self, batch: dict[str, torch.Tensor], rows: EpochRows, run: RunState, dtype: str
+    ) -> None:
+        """Note a batch trained on: its ids, the dtype it computed in, and (rank 0) where it was
+        decoded and when the run's first batch came."""
+        run.compute_dtype = dtype
+        ids = batch["id"].numpy()
+        rows.mark(ids)
+        self.audit.add(ids)
+        if self.rank == 0:
+            count_decode_nodes(run.decoded_on, batch["decode_node"].numpy())
+        if run.first_batch_s is None:
+            run.first_batch_s = time.time() - self.loop_config["launched_at"]
+
+    def save(
+        self,
+        run: RunState,
+        metrics: dict[str, float],
+        epoch: int,
+        rows: EpochRows,
+        finished: bool,
+    ) -> None:
+        """Checkpoint `run` with `metrics`; a finished epoch's next one starts with no rows."""
+        state = checkpoint_state(self.model, self.optimizer, self.scheduler, run, self.loop_config)
+        self.audit.write(epoch, run.step)
+        trained = run.position.trained_rows if run.position is not None else None
+        place = (epoch + 1, rows.bits[:0]) if finished else (epoch, trained.numpy())  # type: ignore[union-attr]
+        report_checkpoint(metrics, state, self.upload, {POSITION_FILE: position_file(*place)})
 
 
 class DataWait:
