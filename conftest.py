@@ -47,6 +47,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+# Credentials for the S3 protocol servers on loopback (moto) that some tests start, set before any
+# test starts a Ray cluster: every Ray process inherits them (pyarrow takes none in a URI). Never
+# valid on AWS.
+for _name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+    os.environ.setdefault(_name, "testing")
+
+
 @pytest.fixture(scope="session")
 def ray_cluster() -> Iterator[None]:
     """A local Ray cluster started the way the pipelines start one (2 workers' CPUs + Ray Data's)."""
@@ -55,10 +62,6 @@ def ray_cluster() -> Iterator[None]:
     from raytrain_common.ray_start import init_ray
 
     os.environ.pop("RAY_ADDRESS", None)
-    # Credentials for the S3 protocol server on loopback (moto) that some tests start: every Ray
-    # process inherits them from here (pyarrow takes none in a URI). Never valid on AWS.
-    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
-        os.environ.setdefault(name, "testing")
     init_ray(train_cpus=2)
     yield
     ray.shutdown()

@@ -184,7 +184,7 @@ def test_transparent_images_are_composited_onto_white_without_warnings(tmp_path:
 def s3_bucket() -> Iterator[tuple[Any, str]]:
     """(boto3 client, URI options naming the endpoint) of a bucket on a real S3 protocol server
     (moto) on loopback, which every Ray process reaches through pyarrow's S3 (with the
-    credentials `ray_cluster` gives the cluster)."""
+    credentials the root conftest gives every Ray process)."""
     moto_server = pytest.importorskip("moto.server")
     import boto3
 
