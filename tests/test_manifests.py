@@ -570,26 +570,6 @@ def test_manifest_is_what_a_platform_team_accepts(name: str) -> None:
     assert gpu_workers >= 1, "a worker group with GPUs"
 
 
-def test_the_vision_job_decodes_on_its_cpu_only_group() -> None:
-    """mnist_resnet's training workers take all of their GPU pod's CPUs and its "trainer"
-    resource, which only the GPU group declares; a CPU-only group is then where Ray Data's tasks
-    can run (tests/.. test_cpu_only_nodes_decode_while_the_training_node_trains runs that shape)."""
-    spec = rayjobs()["mnist_resnet"]["spec"]
-    groups = {g["groupName"]: g for g in spec["rayClusterSpec"]["workerGroupSpecs"]}
-    env = yaml.safe_load(spec["runtimeEnvYAML"])["env_vars"]
-    placement = env["PLACEMENT_ARGS"].split()
-    cpus = placement[placement.index("--cpus-per-worker") + 1]
-    resource = placement[placement.index("--worker-resource") + 1]
-    assert "$PLACEMENT_ARGS" in spec["entrypoint"]
-    gpu, ingest = groups["gpu"], groups["ingest"]
-    assert gpu["rayStartParams"]["num-cpus"] == cpus
-    assert json.loads(json.loads(gpu["rayStartParams"]["resources"])) == {resource: 1}
-    [gpu_container] = gpu["template"]["spec"]["containers"]
-    assert gpu_container["resources"]["limits"]["cpu"] == cpus
-    assert "resources" not in ingest["rayStartParams"] and "num-gpus" not in ingest["rayStartParams"]
-    [ingest_container] = ingest["template"]["spec"]["containers"]
-    assert "nvidia.com/gpu" not in ingest_container["resources"]["limits"]
-
 
 @pytest.mark.parametrize("name", RAYJOB_FILES)
 def test_the_object_store_fits_in_dev_shm(name: str) -> None:
