@@ -570,7 +570,6 @@ def test_manifest_is_what_a_platform_team_accepts(name: str) -> None:
     assert gpu_workers >= 1, "a worker group with GPUs"
 
 
-
 @pytest.mark.parametrize("name", RAYJOB_FILES)
 def test_the_object_store_fits_in_dev_shm(name: str) -> None:
     """Each group sets object-store-memory below its /dev/shm volume (Ray would take ~30 % of the

@@ -427,8 +427,9 @@ def pixel_stats(loaded: Loaded, splits: dict[str, Split | FileSplit], seed: int)
     from raytrain_common.ray_start import init_ray
 
     init_ray(train_cpus=1)  # only now: the checks before run without a cluster
-    samples = []
+    samples: list[pa.Table] = []
     for name, split in splits.items():
+        assert isinstance(split, FileSplit)  # a tree's splits are all file lists
         count = min(STATS_SAMPLE if name == "train" else CHECK_SAMPLE, len(split.labels))
         picked = np.random.default_rng([seed, len(samples)]).choice(
             len(split.labels), count, replace=False

@@ -115,12 +115,14 @@ class ImageData:
         """Rows → {id, label, image: uint8 (C, H, W), decode_node}, decoded in Ray Data tasks."""
         info = self.info
         if info.get("image_root"):
-            fn, kwargs = pixels_from_files, {"root_uri": info["image_root"], "side": info["height"]}
-        else:
-            fn, kwargs = pixels_from_bytes, {"height": info["height"], "width": info["width"]}
-        return rows.map_batches(
-            fn, batch_size=DECODE_BATCH, fn_kwargs={**kwargs, "channels": info["channels"]}
-        )
+            files = {"root_uri": info["image_root"], "side": info["height"]}
+            return rows.map_batches(
+                pixels_from_files,
+                batch_size=DECODE_BATCH,
+                fn_kwargs={**files, "channels": info["channels"]},
+            )
+        pixels = {"height": info["height"], "width": info["width"], "channels": info["channels"]}
+        return rows.map_batches(pixels_from_bytes, batch_size=DECODE_BATCH, fn_kwargs=pixels)
 
     def position(self) -> tuple[int, np.ndarray | None]:
         """(epoch in progress, bitmap of its rows trained) of the run's newest checkpoint;
