@@ -638,6 +638,16 @@ def _check_parquet_file(file: StoragePath, info: DatasetInfo) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+def on_device(
+    batch: dict[str, torch.Tensor], info: DatasetInfo, device: torch.device
+) -> dict[str, torch.Tensor]:
+    """A Ray Data batch as the model takes it: uint8 images cross to `device` (a quarter of the
+    bytes of float) and are normalised there; labels alongside."""
+    images = batch["image"].to(device, non_blocking=True)
+    labels = batch["label"].to(device, non_blocking=True)
+    return {"image": normalise(images, info.mean, info.std), "label": labels}
+
+
 def as_nchw(images: np.ndarray) -> torch.Tensor:
     """In-memory images (N, H, W) or (N, H, W, C) as the model's (N, C, H, W) layout."""
     tensor = torch.from_numpy(np.ascontiguousarray(images))

@@ -183,9 +183,6 @@ class ImageData:
         """Any split decoded, unshuffled: the test split, and the single-process tools."""
         return self.decoded(self.rows(split, limit))
 
-    def datasets(self) -> dict[str, Any]:
-        return {TRAIN: self.train, REST_OF_EPOCH: self.rest_of_epoch, VAL: self.val}
-
 
 def epoch_seed(seed: int, epoch: int) -> int:
     """One 32-bit seed per (run seed, epoch)."""

@@ -16,7 +16,7 @@ import pyarrow.dataset as pads
 import ray.data
 import torch
 
-from mnist_resnet.data import DataError, DatasetInfo, as_nchw, normalise
+from mnist_resnet.data import DataError, DatasetInfo, as_nchw, normalise, on_device
 from mnist_resnet.images import IMAGE_SUFFIXES, load_image
 from mnist_resnet.ingest import ImageData
 from mnist_resnet.task import build_model, evaluate
@@ -77,10 +77,7 @@ def checkpoint_test_metrics(checkpoint_uri: str, limit: int | None = None) -> di
         nonlocal seen
         for batch in read_test_split(state, limit).iter_torch_batches(batch_size=512, device="cpu"):
             seen += len(batch["label"])
-            yield {
-                "image": normalise(batch["image"].to(device), info.mean, info.std),
-                "label": batch["label"].to(device),
-            }
+            yield on_device(batch, info, device)
 
     bf16 = bool(state["config"].get("bf16")) and device.type == "cuda"
     metrics = evaluate(model, batches(), device, bf16, split="test")

@@ -36,7 +36,7 @@ from torch import nn
 
 from mnist_resnet import __version__
 from mnist_resnet.config import TrainConfig
-from mnist_resnet.data import DatasetInfo, inspect_dataset, normalise
+from mnist_resnet.data import DatasetInfo, inspect_dataset, on_device
 from mnist_resnet.ingest import (
     POSITION_FILE,
     REST_OF_EPOCH,
@@ -226,8 +226,8 @@ def train_step(
     in `grad_accum_steps` micro-batches; returns the dtype the forward pass computed in (bfloat16
     when autocast is really in effect)."""
     device = totals.sums.device
-    images = normalise(batch["image"].to(device, non_blocking=True), info.mean, info.std)
-    labels = batch["label"].to(device, non_blocking=True)
+    inputs = on_device(batch, info, device)
+    images, labels = inputs["image"], inputs["label"]
     model.train()
     logits = torch.empty(0)
     batches = [
@@ -264,10 +264,7 @@ def val_metrics(
     started = time.perf_counter()
     shard = ray.train.get_dataset_shard(VAL)
     batches = (
-        {
-            "image": normalise(batch["image"].to(device), info.mean, info.std),
-            "label": batch["label"].to(device),
-        }
+        on_device(batch, info, device)
         for batch in shard.iter_torch_batches(batch_size=VAL_BATCH_ROWS, device="cpu")
     )
     metrics = evaluate(model, batches, device, bf16, split="val")
