@@ -262,7 +262,7 @@ def test_a_storage_outage_during_a_checkpoint_upload_is_retried_or_fails_naming_
     s3, s3_down = S3Outage(), S3Outage()
     s3.client().create_bucket(Bucket="team")
     try:
-        with multinode_cluster(head_cpus=2) as cluster:
+        with multinode_cluster(head_cpus=4) as cluster:
 
             def train(endpoint: S3Outage, run_name: str, *extra: str) -> Driver:
                 command = [
