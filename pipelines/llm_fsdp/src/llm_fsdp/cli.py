@@ -58,7 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True)
 
-    prepare = commands.add_parser("prepare", help="a corpus → tokenised, packed Parquet blocks")
+    prepare = commands.add_parser(
+        "prepare", help="a corpus → tokenised, packed blocks in a token file"
+    )
     add_config_options(prepare, PrepareConfig)
 
     train = commands.add_parser(

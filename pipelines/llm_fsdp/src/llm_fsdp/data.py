@@ -1,9 +1,8 @@
-"""A text corpus → documents → tokens → packed blocks of `seq_len + 1` tokens, as Parquet.
+"""A text corpus → documents → tokens → packed blocks of `seq_len + 1` tokens in one token file.
 
 Layout of a prepared dataset folder:
     tokenizer/                 the tokenizer the blocks were made with (a Hugging Face folder)
-    documents/{train,validation}/   EOS-ended token ids per document (raytrain_common.pretokenize)
-    train/ validation/         packed blocks (`input_ids`, fixed-size lists) and stats.json
+    train/ validation/         tokens.bin (the packed blocks, `llm_fsdp.tokens`) and stats.json
     dataset.json               seq_len, tokenizer, document split, packing stats; written last
 """
 
@@ -12,12 +11,15 @@ from __future__ import annotations
 import array
 import codecs
 import fnmatch
+import functools
 import json
 import logging
+import os
 import shutil
 import subprocess
 import sys
 import tarfile
+import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -26,11 +28,19 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute
 import pyarrow.json
 import pyarrow.parquet as pq
 
+from llm_fsdp.tokens import (
+    TOKEN_FILE,
+    TokenBlocks,
+    TokenFileWriter,
+    open_token_file,
+    token_dtype,
+)
 from raytrain_common.packing import PackStats, read_pack_stats
-from raytrain_common.rowfile import RowFile, row_file
+from raytrain_common.pretokenize import STATS_FILE
 from raytrain_common.storage import StoragePath, resolve_storage, staged_folder
 from raytrain_common.text import UTF8, check_encoding, iter_decoded
 
@@ -328,7 +338,7 @@ def iter_documents(
 @dataclass
 class DocumentShards:
     """The corpus's documents (columns doc, text) in Parquet shards, with every document's
-    length: what the split, the tokenizer and Ray Data's tokenisation read, in bounded pieces."""
+    length: what the split, the tokenizer and the tokenising tasks read, in bounded pieces."""
 
     folder: StoragePath
     lengths: np.ndarray  # characters of document i
@@ -536,35 +546,130 @@ def chars_per_token(tokenizer: Any, documents: Iterable[str]) -> float:
     return size / max(tokens, 1)
 
 
-def documents_of(shards: DocumentShards, ids: np.ndarray | None) -> Any:
-    """A Ray Dataset of the shards' documents (columns doc, text), only `ids` if given: a block
-    per shard, read by a task of its own when the tokenising actors ask for it (Ray's Parquet
-    reader would merge small shards into one block, and one actor would do all the work)."""
-    import ray.data
+@dataclass(frozen=True)
+class ShardTokens:
+    """What one tokenising task reports: its shard's counts, its part file and the node that did
+    the work."""
 
-    files = [file.path for file in shards.folder.list_files(".parquet")]
+    documents: int
+    tokens: int
+    part: str
+    node: str
+
+
+def tokenise_shard(
+    shard: str,
+    filesystem: Any,
+    member: np.ndarray | None,
+    tokenizer_json: str,
+    eos_id: int,
+    vocab_size: int,
+    part: str,
+) -> ShardTokens:
+    """One document shard's documents (only those `member` marks, if given), in document order,
+    each ended with EOS → their token ids, end to end, in the token file's type at `part`.
+
+    A Ray task of its own per shard: the cluster's CPUs set how many run at once, on every node.
+    The tokenizer is rebuilt from its JSON with the small `tokenizers` library (importing
+    transformers would cost each worker seconds)."""
+    import ray
+
+    with filesystem.open_input_file(shard) as stream:
+        table = pq.read_table(stream).sort_by("doc")
+    if member is not None:
+        table = table.filter(pa.array(member[table.column("doc").to_numpy()]))
+    encoded = fast_tokenizer(tokenizer_json).encode_batch_fast(table.column("text").to_pylist())
+    ids = np.empty(sum(len(encoding.ids) + 1 for encoding in encoded), dtype=np.int64)
+    end = 0
+    for encoding in encoded:
+        start, end = end, end + len(encoding.ids) + 1
+        ids[start : end - 1] = encoding.ids
+        ids[end - 1] = eos_id
+    if len(ids) and ids.max() >= vocab_size:
+        raise DataError(
+            f"the tokenizer produced id {ids.max()} for a vocabulary of {vocab_size}: its files "
+            "and its recorded size disagree; rebuild it with prepare --force"
+        )
+    partial = f"{part}.{os.getpid()}.partial"  # a retried task rewrites its part whole
+    ids.astype(token_dtype(vocab_size)).tofile(partial)
+    os.replace(partial, part)
+    node = ray.get_runtime_context().get_node_id()
+    return ShardTokens(documents=len(encoded), tokens=len(ids), part=part, node=node)
+
+
+@functools.lru_cache(maxsize=2)
+def fast_tokenizer(tokenizer_json: str) -> Any:
+    """The Rust tokenizer, built once per worker process (Ray reuses them across tasks; building
+    GPT-2's takes a fraction of a second), one thread: the tasks are the parallelism."""
+    from tokenizers import Tokenizer
+
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # read by the library at each call
+    tokenizer = Tokenizer.from_str(tokenizer_json)
+    tokenizer.no_truncation()
+    tokenizer.no_padding()
+    return tokenizer
+
+
+def tokenise_documents(
+    shards: DocumentShards,
+    ids: np.ndarray | None,
+    parts: Path,
+    tokenizer_json: str,
+    eos_id: int,
+    vocab_size: int,
+) -> list[ShardTokens]:
+    """Every shard tokenised by a Ray task of its own (1 CPU each: as many at once as the cluster
+    has CPUs), each into a part file under `parts` (a folder every node writes: prepare's data
+    folder), in shard order; this process holds the tasks' counts, never tokens."""
+    import ray
+
+    parts.mkdir(parents=True, exist_ok=True)
     member = None
     if ids is not None:
         member = np.zeros(len(shards), dtype=bool)
         member[ids] = True
-    return ray.data.from_items(
-        [{"path": path} for path in files], override_num_blocks=len(files)
-    ).map_batches(
-        read_shard,
-        fn_kwargs={"filesystem": shards.folder.filesystem, "member": member},
-        batch_size=1,
-        batch_format="pyarrow",
+    # SPREAD: the shards go round the nodes instead of filling the driver's node first.
+    task = ray.remote(tokenise_shard).options(
+        num_cpus=1, max_retries=2, scheduling_strategy="SPREAD"
     )
+    shared_member, shared_tokenizer = ray.put(member), ray.put(tokenizer_json)
+    pending = [
+        task.remote(
+            file.path,
+            shards.folder.filesystem,
+            shared_member,
+            shared_tokenizer,
+            eos_id,
+            vocab_size,
+            str(parts / f"part-{index:09d}.bin"),
+        )
+        for index, file in enumerate(shards.folder.list_files(".parquet"))
+    ]
+    return list(ray.get(pending))
 
 
-def read_shard(batch: pa.Table, filesystem: Any, member: np.ndarray | None) -> pa.Table:
-    """One shard's documents, only those `member` marks if given."""
-    [path] = batch.column("path").to_pylist()
-    with filesystem.open_input_file(path) as stream:
-        table = pq.read_table(stream)
-    if member is None:
-        return table
-    return table.filter(pa.array(member[table.column("doc").to_numpy()]))
+def pack_token_file(
+    shards: list[ShardTokens], target: Path, block_len: int, vocab_size: int
+) -> PackStats:
+    """The shards' token parts, in document order, appended byte for byte to one token file of
+    blocks of `block_len` (`llm_fsdp.tokens`); the tail after the last whole block is dropped. A
+    copy of files: this process holds a copy buffer, and the disk sets the pace."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    writer = TokenFileWriter(target, block_len, vocab_size)
+    try:
+        for shard in shards:
+            writer.append_file(Path(shard.part), shard.tokens)
+        blocks, dropped = writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    return PackStats(
+        documents=sum(shard.documents for shard in shards),
+        tokens=writer.tokens,
+        block_size=block_len,
+        blocks=blocks,
+        tokens_dropped=dropped,
+    )
 
 
 def prepare(
@@ -581,17 +686,16 @@ def prepare(
     encoding: str = UTF8,
     glob: str | None = None,
 ) -> DatasetInfo:
-    """Read, split by document, tokenise (Ray Data) and pack a corpus; idempotent unless `force`.
+    """Read, split by document, tokenise (Ray tasks) and pack a corpus; idempotent unless `force`.
 
     A stream throughout: the documents are read a file and a chunk at a time into numbered
     Parquet shards (this process holds one shard), the split is drawn from their lengths, a trained
-    tokenizer learns from at most TOKENIZER_SAMPLE_CHARS of training text, and Ray Data tokenises
-    the shards and `pack_blocks` packs them a file at a time.
+    tokenizer learns from at most TOKENIZER_SAMPLE_CHARS of training text, a Ray task per shard
+    tokenises it (as many at once as the cluster has CPUs, on every node), and the shards' tokens
+    are appended in document order to the split's token file, a shard at a time.
     """
     from transformers import AutoTokenizer
 
-    from raytrain_common.packing import pack_blocks
-    from raytrain_common.pretokenize import pretokenize
     from raytrain_common.ray_start import init_ray
 
     if seq_len < 8:
@@ -658,28 +762,35 @@ def prepare(
             }
 
         init_ray(train_cpus=1)  # only now: every check above runs without a cluster
+        tokenizer_json = hf_tokenizer.backend_tokenizer.to_str()
         packing: dict[str, dict[str, int]] = {}
         documents_in: dict[str, int] = {}
         for name, (source, ids) in sources.items():
             documents_in[name] = len(source) if ids is None else len(ids)
-            tokens_dir = staging.join("documents", name)
-            pretokenize(
-                documents_of(source, ids),
-                tokens_dir,
-                tokenizer_path=str(folder),
-                text_column="text",
-                max_length=None,
-                keep_columns=["doc"],
-                eos_id=hf_tokenizer.eos_token_id,
-                batch_size=4,  # long documents (a play is ~40k tokens): a few per batch
+            started = time.perf_counter()
+            shard_tokens = tokenise_documents(
+                source,
+                ids,
+                Path(staging.path) / "parts" / name,
+                tokenizer_json,
+                hf_tokenizer.eos_token_id,
+                len(hf_tokenizer),
             )
-            stats = pack_blocks(
-                tokens_dir, staging.join(name), block_size=seq_len + 1, order_column="doc"
+            stats = pack_token_file(
+                shard_tokens,
+                Path(staging.join(name).path) / TOKEN_FILE,
+                block_len=seq_len + 1,
+                vocab_size=len(hf_tokenizer),
             )
+            staging.join(name, STATS_FILE).write_text(json.dumps(asdict(stats), indent=2) + "\n")
             packing[name] = asdict(stats)
+            seconds = time.perf_counter() - started
             log.info(
-                "%s: %d documents, %d tokens → %d blocks of %d (%d tokens dropped)",
+                "%s: %d documents, %d tokens → %d blocks of %d (%d tokens dropped); tokenised by "
+                "%d tasks on %d node(s) and packed in %.1f s (%.0f tokens/s)",
                 name, stats.documents, stats.tokens, stats.blocks, seq_len + 1, stats.tokens_dropped,
+                len(shard_tokens), len({c.node for c in shard_tokens}), seconds,
+                stats.tokens / max(seconds, 1e-9),
             )  # fmt: skip
             if stats.blocks == 0:
                 raise DataError(
@@ -687,7 +798,9 @@ def prepare(
                     f"document(s)), less than one block of {seq_len + 1}: give more text, a "
                     "smaller --seq-len or a larger --validation-fraction"
                 )
-        shutil.rmtree(texts.path)  # a copy of the corpus: the tokens are what training reads
+        # Copies of the corpus and of its tokens: the token files are what training reads.
+        shutil.rmtree(texts.path)
+        shutil.rmtree(Path(staging.path) / "parts")
         info = DatasetInfo(
             source=report.source,
             seq_len=seq_len,
@@ -720,16 +833,15 @@ def inspect_dataset(data_dir: StoragePath) -> DatasetInfo:
             raise DataError(
                 f"{data_dir.uri}/{split} does not match {DATASET_FILE}: rerun prepare --force"
             )
+        if not data_dir.join(split, TOKEN_FILE).exists():
+            raise DataError(
+                f"{data_dir.uri}/{split} has no {TOKEN_FILE} (prepared by llm-fsdp 0.10 or "
+                "earlier, or copied without it): rerun `llm-fsdp prepare --force`"
+            )
     return info
 
 
-def block_file(split_dir: StoragePath) -> RowFile:
-    """The split's packed blocks on this node, as int32 rows of seq_len + 1 tokens read by index
-    (raytrain_common.rowfile: built once per node from the Parquet, in bounded memory)."""
-    return row_file(split_dir, "blocks", ["input_ids"], block_rows, version="int32-v1")
-
-
-def block_rows(batch: pa.RecordBatch) -> np.ndarray:
-    column = batch.column(0)
-    tokens = column.flatten().to_numpy(zero_copy_only=False).astype(np.int32)
-    return tokens.reshape(len(column), column.type.list_size)
+def split_blocks(data_dir: StoragePath, split: str, info: DatasetInfo) -> TokenBlocks:
+    """The split's packed blocks of seq_len + 1 tokens, read by index from its token file, in place
+    (a local or shared folder) or from a node-local copy (object storage): `llm_fsdp.tokens`."""
+    return open_token_file(data_dir.join(split), info.seq_len + 1, info.vocab_size)

@@ -27,7 +27,7 @@ from ray.train.torch import TorchTrainer
 from llm_fsdp import __version__
 from llm_fsdp.checkpoint import load_checkpoint, read_train_state, save_checkpoint
 from llm_fsdp.config import TrainConfig
-from llm_fsdp.data import DataError, DatasetInfo, block_file, inspect_dataset
+from llm_fsdp.data import DataError, DatasetInfo, inspect_dataset, split_blocks
 from llm_fsdp.loss import NextTokenLoss
 from llm_fsdp.model import (
     SMOLLM2,
@@ -39,6 +39,7 @@ from llm_fsdp.model import (
 )
 from llm_fsdp.parallelize import UnsupportedModelError, check_parallelizable, parallelize
 from llm_fsdp.task import build_model, model_flops_per_token, val_metrics
+from llm_fsdp.tokens import TokenBlocks
 from raytrain_common.checkpoint import (
     best_complete_checkpoint,
     resume_checkpoint,
@@ -73,7 +74,6 @@ from raytrain_common.metrics import (
 )
 from raytrain_common.order import global_batch_indices, micro_batches
 from raytrain_common.ray_start import quiet_ray_output, start_ray_for_run
-from raytrain_common.rowfile import RowFile
 from raytrain_common.runs import fit, locate_run, summary_header
 from raytrain_common.storage import StoragePath, resolve_storage
 from raytrain_common.tracking import (
@@ -110,20 +110,20 @@ def learning_rate(step: int, config: TrainConfig) -> float:
 # ---------------------------------------------------------------------------------------------
 
 
-def stage_blocks(blocks: RowFile, device: torch.device) -> RowFile | torch.Tensor:
-    """Where batches are cut from: the node's block file, read row by row (memory: the batch), or,
-    on a GPU whose free memory is 16× the split's size (Shakespeare in SmolLM2's tokens: 15 MB),
+def stage_blocks(blocks: TokenBlocks, device: torch.device) -> TokenBlocks | torch.Tensor:
+    """Where batches are cut from: the split's token file, read block by block (memory: the batch),
+    or, on a GPU whose free memory is 16× the split's size (Shakespeare in SmolLM2's tokens: 15 MB),
     the whole split staged on the GPU, where cutting a batch costs no host work at all."""
     if device.type != "cuda":
         return blocks
     free, _ = torch.cuda.mem_get_info(device)
-    if blocks.nbytes * 2 >= free // 16:  # int64 on the GPU: twice the file's int32
+    if blocks.nbytes * 2 >= free // 16:  # int64 on the GPU: twice the blocks as int32
         return blocks
     return torch.cat([torch.from_numpy(chunk).to(device).long() for chunk in blocks.read_all()])
 
 
 def take_blocks(
-    source: RowFile | torch.Tensor, indices: np.ndarray, device: torch.device
+    source: TokenBlocks | torch.Tensor, indices: np.ndarray, device: torch.device
 ) -> torch.Tensor:
     """Rows `indices` on `device`, without making the host wait for the GPU."""
     if isinstance(source, torch.Tensor):
@@ -198,7 +198,7 @@ def mean_window_loss(local_sums: torch.Tensor, tokens_per_rank: int, step: int) 
 @torch.no_grad()
 def evaluate(
     model: NextTokenLoss,
-    blocks: RowFile,
+    blocks: TokenBlocks,
     micro: int,
     config: TrainConfig,
     device: torch.device,
@@ -347,7 +347,7 @@ def window_row(
 
 def validate(
     model: NextTokenLoss,
-    val_blocks: RowFile,
+    val_blocks: TokenBlocks,
     micro: int,
     config: TrainConfig,
     device: torch.device,
@@ -421,8 +421,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     model, optimizer = build_sharded_model(spec, info, config, device, world)
 
     data_dir = resolve_storage(config.resolved_data_dir())
-    train_blocks = stage_blocks(block_file(data_dir.join("train")), device)
-    val_blocks = block_file(data_dir.join("validation"))
+    train_blocks = stage_blocks(split_blocks(data_dir, "train", info), device)
+    val_blocks = split_blocks(data_dir, "validation", info)
     run_dir = resolve_storage(config.storage_path).join(config.run_name)
     last_step = min(config.max_steps, config.stop_at_step or config.max_steps)
     checkpoints = CheckpointPolicy(
