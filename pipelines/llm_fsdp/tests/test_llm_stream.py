@@ -113,3 +113,45 @@ def test_reading_a_corpus_holds_one_shard_not_the_corpus(
     corpus_mb = 8 * sum(len(w) for w in works) / 2**20
     print(f"peak {small:.0f} MB reading 1×, {large:.0f} MB reading 8× ({corpus_mb:.0f} MB of text)")
     assert large - small < 20
+
+
+@pytest.mark.ray
+def test_ray_tasks_read_a_corpus_into_the_documents_one_process_reads(
+    tmp_path: Path, ray_cluster: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Groups of files read by Ray tasks (a group a file or two here) give the same documents, in
+    the same order and with the same ids, and the same report; a bad file's error is the one a
+    single process gives, naming the file."""
+    from llm_fsdp import data
+
+    corpus = tmp_path / "corpus"
+    for index in range(7):
+        (corpus / f"part{index}").mkdir(parents=True)
+        (corpus / f"part{index}" / "notes.txt").write_text(f"document {index}\n" * (index + 1))
+        rows = "".join(f'{{"text": "row {index}.{row}"}}\n' for row in range(index))
+        (corpus / f"part{index}" / "rows.jsonl").write_text(rows)
+    (corpus / "part3" / "blank.md").write_text("\n")
+    (corpus / "cover.png").write_bytes(b"\x89PNG")
+    serial, serial_report = shards_of(tmp_path / "serial", corpus)
+    monkeypatch.setattr(data, "READ_GROUP_BYTES", 40)
+    report = data.CorpusReport(str(corpus))
+    chosen = data.chosen_files(str(corpus), None, report)
+    sizes = [(tmp_path / "corpus" / relative).stat().st_size for relative, _ in chosen]
+    parallel = data.read_documents_in_tasks(
+        chosen, sizes, "text", "utf-8", resolve_storage(tmp_path / "tasks"), 1 << 16, report
+    )
+    assert len(parallel.files) > 5  # several groups, each its own shards
+    assert list(parallel.texts()) == list(serial.texts())
+    assert parallel.lengths.tolist() == serial.lengths.tolist()
+    wanted = np.array([1, 4, 9, 20])
+    assert list(parallel.texts(wanted)) == list(serial.texts(wanted))
+    assert report.files() == serial_report.files()
+
+    (corpus / "part5" / "rows.jsonl").write_text('{"text": "fine"}\nnot json\n')
+    report = data.CorpusReport(str(corpus))
+    chosen = data.chosen_files(str(corpus), None, report)
+    with pytest.raises(data.DataError, match=r"part5/rows\.jsonl as JSON lines: line 2"):
+        data.read_documents_in_tasks(
+            chosen, [1] * len(chosen), "text", "utf-8", resolve_storage(tmp_path / "bad"), 1 << 16,
+            report,
+        )  # fmt: skip

@@ -60,10 +60,13 @@ def ray_data_actors(shards: DocumentShards, out: Path, tokenizer: str, block_len
     from raytrain_common.packing import pack_blocks
     from raytrain_common.pretokenize import pretokenize
 
-    files = [file.path for file in shards.folder.list_files(".parquet")]
-    dataset = ray.data.from_items(
-        [{"path": path} for path in files], override_num_blocks=len(files)
-    ).map_batches(read_shard, batch_size=1, batch_format="pyarrow")
+    items = [
+        {"path": file.path, "first": int(first)}
+        for file, first in zip(shards.files, shards.firsts, strict=True)
+    ]
+    dataset = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
+        read_shard, batch_size=1, batch_format="pyarrow"
+    )
     eos = AutoTokenizer.from_pretrained(tokenizer).eos_token_id
     tokens = resolve_storage(out / "documents")
     pretokenize(dataset, tokens, tokenizer_path=tokenizer, text_column="text", max_length=None,
@@ -74,8 +77,10 @@ def ray_data_actors(shards: DocumentShards, out: Path, tokenizer: str, block_len
 
 
 def read_shard(batch: pa.Table) -> pa.Table:
-    [path] = batch.column("path").to_pylist()
-    return pq.read_table(path)
+    """A shard with its documents' ids, as 0.10's shards held them."""
+    [path], [first] = batch.column("path").to_pylist(), batch.column("first").to_pylist()
+    table = pq.read_table(path)
+    return table.append_column("doc", pa.array(range(first, first + len(table)), pa.int64()))
 
 
 def datasets_map(shards: DocumentShards, out: Path, tokenizer: str, block_len: int) -> int:
@@ -86,7 +91,7 @@ def datasets_map(shards: DocumentShards, out: Path, tokenizer: str, block_len: i
 
     datasets.disable_progress_bars()
     hf = AutoTokenizer.from_pretrained(tokenizer)
-    files = [file.path for file in shards.folder.list_files(".parquet")]
+    files = [file.path for file in shards.files]
     corpus = datasets.Dataset.from_parquet(files, cache_dir=str(out / "hf-cache"))
 
     def tokenise(batch: dict[str, list[str]]) -> dict[str, list[list[int]]]:

