@@ -2,8 +2,8 @@
 
 - one per pipeline and hardware, and its benchmark, each registered by its pipeline's own
   `pipelines/*/sessions.py` (a pipeline you add brings its own);
-- `quick` (no Ray cluster), `tests`, `tests_gpu`, `faults`, `manifests` and `lint` (ruff and
-  mypy), over every package;
+- `quick` (no Ray cluster), `tests`, `slow`, `tests_gpu`, `faults`, `manifests` and `lint` (ruff
+  and mypy), over every package;
 - `new_pipeline`: copy a pipeline under a new name, here or as a standalone project;
 - `doctor`: check a Ray cluster for a run before the run (`raytrain-doctor`);
 - `ui`: MLflow's UI on the local tracking store the runs write.
@@ -61,8 +61,25 @@ def run_marked_tests(session: nox.Session, markers: str, *default_args: str) -> 
 
 @nox.session(venv_backend="none")
 def tests(session: nox.Session) -> None:
-    """Every package's tests and the cross-cutting ones, on real Ray clusters (~20 minutes on a 2-core box)."""
-    run_marked_tests(session, "not manifests and not faults and not memory_cap", "--durations=25")
+    """Every package's tests and the cross-cutting ones, on real Ray clusters, but the `slow` ones
+    (~15 minutes on a 2-core box, with `quick`'s tier; CI runs it)."""
+    run_marked_tests(
+        session, "not manifests and not faults and not memory_cap and not slow", "--durations=25"
+    )
+
+
+@nox.session(venv_backend="none")
+def slow(session: nox.Session) -> None:
+    """The long end-to-end runs CI leaves out (~60 minutes on a 2-core box): each pipeline trained
+    to its accuracy bar through a killed worker, exact resumes on another worker count, the sweep,
+    the CPU-only decode nodes, and the fault scenarios beyond `faults`' first (the faults in a
+    pytest process of their own: they start their own multi-node clusters)."""
+    python = stack_python(session)
+    args = session.posargs or ["-q", "--durations=0"]
+    run_in_stack(
+        session, python, "-m", "pytest", "-m", "slow and not faults and not memory_cap", *args
+    )
+    run_in_stack(session, python, "-m", "pytest", "-m", "slow and faults", *args)
 
 
 @nox.session(venv_backend="none")
@@ -78,9 +95,11 @@ def quick(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none")
 def faults(session: nox.Session) -> None:
-    """Faults on a real 2-node Ray cluster on this box: a node preempted (drain with a deadline,
-    then killed), the driver SIGKILLed and rerun; each pipeline resumes and reaches its quality bar."""
-    run_marked_tests(session, "faults", "--durations=0")
+    """A fault on a real 2-node Ray cluster on this box (CI runs it): an FSDP2 run's node preempted
+    (drained with a deadline, then killed), after both nodes tokenised its corpus and read its one
+    token file in place; the run resumes from the shards written at the notice, a torn shard is
+    refused. The other fault scenarios are `slow` (`nox -s slow`)."""
+    run_marked_tests(session, "faults and not slow", "--durations=0")
 
 
 @nox.session(venv_backend="none")

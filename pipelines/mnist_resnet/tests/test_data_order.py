@@ -203,6 +203,7 @@ def s3_bucket() -> Iterator[tuple[Any, str]]:
         server.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.ray
 def test_a_class_sorted_image_tree_on_s3_trains_to_high_test_accuracy_without_a_copy(
     small_config: Callable[..., Any],

