@@ -92,8 +92,11 @@ def small_volume(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[
 
     def mount(size: str) -> Path:
         folder = tmp_path_factory.mktemp(f"volume-{size}")
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
-                              capture_output=True, text=True)  # fmt: skip
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
+            capture_output=True,
+            text=True,
+        )
         if done.returncode != 0:
             pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip()}): needs root")
         mounted.append(folder)

@@ -169,10 +169,18 @@ def ui(session: nox.Session) -> None:
         port = session.posargs[session.posargs.index("--port") + 1]
     session.log(f"MLflow UI at http://127.0.0.1:{port} (runs of {store})")
     run_in_stack(
-        session, python, "-m", "mlflow", "ui", "--backend-store-uri", f"sqlite:///{store}",
-        "--host", "127.0.0.1", *([] if "--port" in session.posargs else ["--port", port]),
+        session,
+        python,
+        "-m",
+        "mlflow",
+        "ui",
+        "--backend-store-uri",
+        f"sqlite:///{store}",
+        "--host",
+        "127.0.0.1",
+        *([] if "--port" in session.posargs else ["--port", port]),
         *session.posargs,
-    )  # fmt: skip
+    )
 
 
 @nox.session

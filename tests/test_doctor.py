@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from raytrain_common.local_cluster import stop
-from raytrain_common.multinode import (
+from raytrain_testkit.multinode import (
     AUTH_VARIABLES,
     MultiNodeCluster,
     multinode_cluster,
@@ -38,8 +38,12 @@ def doctor(
     env = {**os.environ, "RAY_ADDRESS": address}
     done = subprocess.run(
         [DOCTOR, "--json", str(report), *args],
-        env=env, capture_output=True, text=True, timeout=timeout_s, cwd=out,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        cwd=out,
+    )
     document = json.loads(report.read_text()) if report.exists() else {}
     return done.returncode, document, done.stdout + done.stderr
 
@@ -62,9 +66,18 @@ def test_a_collective_that_cannot_finish_in_time_fails_naming_the_likely_causes(
     hang (the test after it finds the cluster's CPUs all free again)."""
     start = time.monotonic()
     code, report, output = doctor(
-        two_nodes.address, tmp_path, "--storage-path", str(tmp_path / "runs"), "--storage-is-shared",
-        "--num-workers", "2", "--collective-timeout-s", "0.5", "--collective-mb", "512",
-    )  # fmt: skip
+        two_nodes.address,
+        tmp_path,
+        "--storage-path",
+        str(tmp_path / "runs"),
+        "--storage-is-shared",
+        "--num-workers",
+        "2",
+        "--collective-timeout-s",
+        "0.5",
+        "--collective-mb",
+        "512",
+    )
     assert time.monotonic() - start < 90
     assert code == 1, output
     collective = rows(report, "collective")[0]
@@ -87,16 +100,36 @@ def test_a_healthy_two_node_cluster_passes_every_check_in_under_a_minute(
     storage = tmp_path / "runs"
     start = time.monotonic()
     code, report, output = doctor(
-        two_nodes.address, tmp_path, "--pipeline", "mnist_resnet", "--storage-path", str(storage),
-        "--storage-is-shared", "--", "--num-workers", "2", "--placement-strategy", "SPREAD",
-    )  # fmt: skip
+        two_nodes.address,
+        tmp_path,
+        "--pipeline",
+        "mnist_resnet",
+        "--storage-path",
+        str(storage),
+        "--storage-is-shared",
+        "--",
+        "--num-workers",
+        "2",
+        "--placement-strategy",
+        "SPREAD",
+    )
     seconds = time.monotonic() - start
     assert code == 0, output
     assert report["ok"] and seconds < 60, output
     assert {row["status"] for row in report["rows"]} == {"OK"}, output
     checks = {row["check"] for row in report["rows"]}
-    assert {"versions", "imports", "resources", "/dev/shm", "memory", "storage", "storage shared",
-            "collective", "memory forecast", "authentication"} <= checks  # fmt: skip
+    assert {
+        "versions",
+        "imports",
+        "resources",
+        "/dev/shm",
+        "memory",
+        "storage",
+        "storage shared",
+        "collective",
+        "memory forecast",
+        "authentication",
+    } <= checks
     assert rows(report, "authentication")[0]["value"].startswith("token on all 2 node(s)")
     assert len(rows(report, "imports")) == 2  # one per node
     assert len(rows(report, "storage")) == 2
@@ -129,10 +162,21 @@ def test_a_memory_forecast_over_the_stated_limit_fails_with_the_knobs_that_fit(
     two_nodes: MultiNodeCluster, tmp_path: Path
 ) -> None:
     code, report, output = doctor(
-        two_nodes.address, tmp_path, "--pipeline", "llm_fsdp", "--storage-path",
-        str(tmp_path / "runs"), "--storage-is-shared", "--memory-limit-gb", "1.5",
-        "--", "--global-batch-size", "256", "--num-workers", "2",
-    )  # fmt: skip
+        two_nodes.address,
+        tmp_path,
+        "--pipeline",
+        "llm_fsdp",
+        "--storage-path",
+        str(tmp_path / "runs"),
+        "--storage-is-shared",
+        "--memory-limit-gb",
+        "1.5",
+        "--",
+        "--global-batch-size",
+        "256",
+        "--num-workers",
+        "2",
+    )
     assert code == 1, output
     forecast = rows(report, "memory forecast")[0]
     assert forecast["status"] == "FAIL", forecast
@@ -177,12 +221,21 @@ def divergent_cluster(tmp_path: Path) -> Iterator[tuple[MultiNodeCluster, Path, 
                 os.environ["PYTHONPATH"] = saved
             ray_cli = Path(sys.executable).with_name("ray")
             node = subprocess.Popen(
-                ["unshare", "-m", "--propagation", "private", "sh", "-c",
-                 f"mount -t tmpfs tmpfs '{storage}' && exec '{ray_cli}' start "
-                 f"--address={cluster.address} --num-cpus=1 --block"],
+                [
+                    "unshare",
+                    "-m",
+                    "--propagation",
+                    "private",
+                    "sh",
+                    "-c",
+                    f"mount -t tmpfs tmpfs '{storage}' && exec '{ray_cli}' start "
+                    f"--address={cluster.address} --num-cpus=1 --block",
+                ],
                 env={**os.environ, "PYTHONPATH": str(old.parent)},
-                start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            )  # fmt: skip
+                start_new_session=True,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
             try:
                 wait_for(lambda: len(cluster.alive_node_ids()) == 2, 60, "the second node")
                 yield cluster, storage, head_only
@@ -201,9 +254,16 @@ def test_storage_a_module_and_a_version_that_differ_on_one_node_each_fail_with_t
 ) -> None:
     cluster, storage, _ = divergent_cluster
     code, report, output = doctor(
-        cluster.address, tmp_path, "--storage-path", str(storage), "--storage-is-shared",
-        "--num-workers", "2", "--require-module", "doctor_head_only_module",
-    )  # fmt: skip
+        cluster.address,
+        tmp_path,
+        "--storage-path",
+        str(storage),
+        "--storage-is-shared",
+        "--num-workers",
+        "2",
+        "--require-module",
+        "doctor_head_only_module",
+    )
     assert code == 1, output
 
     failed = {(row["check"], row["node"]) for row in report["rows"] if row["status"] == "FAIL"}
@@ -241,10 +301,19 @@ def test_a_node_without_the_cluster_token_cannot_join(
     env.update(HOME=str(tmp_path), RAY_AUTH_MODE="disabled", RAY_gcs_server_port_wait_time_s="2")
     try:
         done = subprocess.run(
-            [str(Path(sys.executable).with_name("ray")), "start", f"--address={two_nodes.address}",
-             "--num-cpus=1", f"--temp-dir={temp}", "--disable-usage-stats"],
-            env=env, capture_output=True, text=True, timeout=180,
-        )  # fmt: skip
+            [
+                str(Path(sys.executable).with_name("ray")),
+                "start",
+                f"--address={two_nodes.address}",
+                "--num-cpus=1",
+                f"--temp-dir={temp}",
+                "--disable-usage-stats",
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
         assert done.returncode != 0, done.stdout + done.stderr
         assert "InvalidAuthToken" in done.stdout + done.stderr
         assert len(two_nodes.alive_node_ids()) == 2
@@ -264,14 +333,32 @@ def test_a_pipeline_command_without_the_token_ends_naming_the_token_variables(
     data = str(tmp_path / "data")
     prepared = subprocess.run(  # MNIST from the wheel: no Ray
         [sys.executable, "-m", "mnist_resnet", "prepare", "--data-dir", data],
-        env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert prepared.returncode == 0, prepared.stderr[-3000:]
     done = subprocess.run(
-        [sys.executable, "-m", "mnist_resnet", "train", "--data-dir", data, "--storage-path",
-         str(tmp_path), "--storage-is-shared", "--tracking", "none"],
-        env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "mnist_resnet",
+            "train",
+            "--data-dir",
+            data,
+            "--storage-path",
+            str(tmp_path),
+            "--storage-is-shared",
+            "--tracking",
+            "none",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert done.returncode == 1, done.stdout + done.stderr
     last = own_last_line(done.stderr)
     assert "known failure (Ray authentication)" in last, done.stderr[-3000:]

@@ -171,16 +171,28 @@ def pod_templates(document: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 # Pod Security Standards, "restricted" profile (Kubernetes 1.35): the volume types it allows, and
 # the only capability a container may add.
-RESTRICTED_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "image",
-                      "persistentVolumeClaim", "projected", "secret"}  # fmt: skip
+RESTRICTED_VOLUMES = {
+    "configMap",
+    "csi",
+    "downwardAPI",
+    "emptyDir",
+    "ephemeral",
+    "image",
+    "persistentVolumeClaim",
+    "projected",
+    "secret",
+}
 
 
 def restricted_violations(pod: dict[str, Any]) -> list[str]:
     """What in a pod spec the "restricted" Pod Security profile refuses (empty: it is admitted):
     host namespaces, host paths and ports, privileged or root containers, privilege escalation,
     capabilities not dropped, seccomp neither RuntimeDefault nor Localhost."""
-    found = [f"{key}: true" for key in ("hostNetwork", "hostPID", "hostIPC", "hostUsers")
-             if pod.get(key) is (key != "hostUsers")]  # fmt: skip
+    found = [
+        f"{key}: true"
+        for key in ("hostNetwork", "hostPID", "hostIPC", "hostUsers")
+        if pod.get(key) is (key != "hostUsers")
+    ]
     for volume in pod.get("volumes", []):
         kinds = set(volume) - {"name"}
         if not kinds <= RESTRICTED_VOLUMES:
@@ -323,23 +335,40 @@ DASHBOARD = 8265
 def policy_cases(job: str) -> list[tuple[str, Source, set[int]]]:
     """(who, the source pod, the ports it must reach: every other one of RAY_PORTS is refused)."""
     ours = {"raytrain-pipelines/rayjob": job}
-    operator = {"app.kubernetes.io/name": "kuberay-operator",
-                "app.kubernetes.io/component": "kuberay-operator"}  # fmt: skip
+    operator = {
+        "app.kubernetes.io/name": "kuberay-operator",
+        "app.kubernetes.io/component": "kuberay-operator",
+    }
     return [
         ("the job's head or worker", Source(ours, "team"), set(RAY_PORTS)),
         ("its submitter", Source({"batch.kubernetes.io/job-name": job}, "team"), {DASHBOARD}),
         ("the operator (Helm chart)", Source(operator, "kuberay-system"), {DASHBOARD}),
-        ("the operator (kustomize install)",
-         Source({"app.kubernetes.io/name": "kuberay",
-                 "app.kubernetes.io/component": "kuberay-operator"}, "ray-system"), {DASHBOARD}),
+        (
+            "the operator (kustomize install)",
+            Source(
+                {
+                    "app.kubernetes.io/name": "kuberay",
+                    "app.kubernetes.io/component": "kuberay-operator",
+                },
+                "ray-system",
+            ),
+            {DASHBOARD},
+        ),
         ("another job's pod", Source({"raytrain-pipelines/rayjob": "other-job"}, "team"), set()),
-        ("another job's submitter", Source({"batch.kubernetes.io/job-name": "other"}, "team"), set()),
+        (
+            "another job's submitter",
+            Source({"batch.kubernetes.io/job-name": "other"}, "team"),
+            set(),
+        ),
         ("a pod of the namespace", Source({"app": "notebook"}, "team"), set()),
         ("a pod of another namespace", Source({"app": "notebook"}, "elsewhere"), set()),
         ("a copy of our label in another namespace", Source(ours, "elsewhere"), set()),
-        ("a copy of the submitter's label elsewhere",
-         Source({"batch.kubernetes.io/job-name": job}, "elsewhere"), set()),
-    ]  # fmt: skip
+        (
+            "a copy of the submitter's label elsewhere",
+            Source({"batch.kubernetes.io/job-name": job}, "elsewhere"),
+            set(),
+        ),
+    ]
 
 
 @pytest.mark.parametrize("name", RAYJOB_FILES)
@@ -406,13 +435,16 @@ def test_every_pod_of_the_job_passes_a_restricted_namespace(name: str) -> None:
 def test_the_restricted_check_refuses_what_admission_would() -> None:
     """The check itself: KubeRay's default submitter pod (no securityContext), a root container, a
     hostPath and a host network are each refused."""
-    default_submitter = {"containers": [{"name": "ray-job-submitter", "image": "rayproject/ray"}],
-                         "restartPolicy": "Never"}  # fmt: skip
-    assert {"ray-job-submitter: runAsNonRoot is not true",
-            "ray-job-submitter: allowPrivilegeEscalation is not false",
-            "ray-job-submitter: seccompProfile None",
-            "ray-job-submitter: capabilities not dropped (ALL)"} <= set(
-        restricted_violations(default_submitter))  # fmt: skip
+    default_submitter = {
+        "containers": [{"name": "ray-job-submitter", "image": "rayproject/ray"}],
+        "restartPolicy": "Never",
+    }
+    assert {
+        "ray-job-submitter: runAsNonRoot is not true",
+        "ray-job-submitter: allowPrivilegeEscalation is not false",
+        "ray-job-submitter: seccompProfile None",
+        "ray-job-submitter: capabilities not dropped (ALL)",
+    } <= set(restricted_violations(default_submitter))
     good = pod_templates(rayjobs()[next(iter(PIPELINES))])["head"]["spec"]
     for change, expected in (
         (lambda pod: pod["securityContext"].update(runAsUser=0), "runAsUser 0"),
@@ -450,7 +482,16 @@ def test_the_validation_rejects_what_the_api_server_would() -> None:
         check_rayjob(bad_pod)
     template = bad_pod["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]
     with pytest.raises(kubernetes_validate.ValidationError):  # Kubernetes' own schema, on its own
-        kubernetes_validate.validate({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}, "template": template}, K8S_VERSION, strict=True)  # fmt: skip
+        kubernetes_validate.validate(
+            {
+                "apiVersion": "v1",
+                "kind": "PodTemplate",
+                "metadata": {"name": "t"},
+                "template": template,
+            },
+            K8S_VERSION,
+            strict=True,
+        )
 
 
 def kustomize(folder: Path) -> list[dict[str, Any]]:
@@ -646,7 +687,7 @@ def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Head]:
     deploy/README.md starts one; stopped by its own processes, never `ray stop` (which ends every
     Ray process of the user on the machine)."""
     from raytrain_common.local_cluster import stop
-    from raytrain_common.multinode import AUTH_VARIABLES, new_auth_token, process_token
+    from raytrain_testkit.multinode import AUTH_VARIABLES, new_auth_token, process_token
 
     temp = Path(tempfile.mkdtemp(prefix="ray-head-", dir="/tmp"))  # Ray's socket paths stay short
     port, dashboard = free_port(), free_port()
@@ -663,10 +704,22 @@ def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Head]:
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     ray = str(Path(sys.executable).parent / "ray")
     subprocess.run(
-        [ray, "start", "--head", f"--port={port}", f"--dashboard-port={dashboard}", "--dashboard-host=127.0.0.1",
-         "--num-cpus=8", f"--temp-dir={temp}", "--disable-usage-stats"],
-        check=True, env=env, capture_output=True, text=True,
-    )  # fmt: skip
+        [
+            ray,
+            "start",
+            "--head",
+            f"--port={port}",
+            f"--dashboard-port={dashboard}",
+            "--dashboard-host=127.0.0.1",
+            "--num-cpus=8",
+            f"--temp-dir={temp}",
+            "--disable-usage-stats",
+        ],
+        check=True,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     try:
         yield Head(f"http://127.0.0.1:{dashboard}", token, temp)
     finally:
@@ -747,15 +800,17 @@ def test_a_submission_without_the_token_is_refused(ray_head: Head, tmp_path: Pat
     """What anyone who reaches the dashboard port would try: the Jobs API answers 401 to a
     request without the token or with another one, `ray job submit` fails naming the token, and no
     job was created."""
-    from raytrain_common.multinode import AUTH_VARIABLES, new_auth_token
+    from raytrain_testkit.multinode import AUTH_VARIABLES, new_auth_token
 
     body = json.dumps({"entrypoint": "echo pwned"}).encode()
     # No token: 401 Unauthorized; another token: 403 Forbidden (Ray 2.60, measured).
     for headers, code in (({}, 401), ({"Authorization": f"Bearer {new_auth_token()}"}, 403)):
         request = urllib.request.Request(
-            f"{ray_head.url}/api/jobs/", data=body, method="POST",
+            f"{ray_head.url}/api/jobs/",
+            data=body,
+            method="POST",
             headers={"Content-Type": "application/json", **headers},
-        )  # fmt: skip
+        )
         with pytest.raises(urllib.error.HTTPError) as refused:
             urllib.request.urlopen(request, timeout=30)
         assert refused.value.code == code, headers
@@ -763,10 +818,21 @@ def test_a_submission_without_the_token_is_refused(ray_head: Head, tmp_path: Pat
     env = {name: value for name, value in os.environ.items() if name not in AUTH_VARIABLES}
     env.update(HOME=str(tmp_path))  # no ~/.ray/auth_token to fall back on
     done = subprocess.run(
-        [str(Path(sys.executable).parent / "ray"), "job", "submit", "--address", ray_head.url,
-         "--", "echo", "pwned"],
-        env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            str(Path(sys.executable).parent / "ray"),
+            "job",
+            "submit",
+            "--address",
+            ray_head.url,
+            "--",
+            "echo",
+            "pwned",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode != 0
     assert "AuthenticationError" in done.stderr + done.stdout
     assert "RAY_AUTH_TOKEN" in done.stderr + done.stdout

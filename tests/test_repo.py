@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import itertools
 import os
@@ -17,7 +18,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PIPELINES = sorted(p.parent for p in (ROOT / "pipelines").glob("[!.]*/pyproject.toml"))
-PACKAGES = [ROOT / "packages" / "common", *PIPELINES]
+PACKAGES = [ROOT / "packages" / "common", ROOT / "packages" / "testkit", *PIPELINES]
 
 
 def readme_test_command() -> str:
@@ -35,8 +36,11 @@ def test_ci_runs_exactly_the_readme_test_command() -> None:
 def nox_sessions() -> list[str]:
     listing = subprocess.run(
         [sys.executable, "-m", "nox", "-l", "-f", str(ROOT / "noxfile.py")],
-        capture_output=True, text=True, check=True, cwd=ROOT,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+    )
     return re.findall(r"^[*-] (\w+)", listing.stdout, re.M)
 
 
@@ -81,9 +85,13 @@ def test_gpu_session_fails_at_once_without_a_gpu(session: str, cpu_session: str)
         pytest.skip("this machine has nvidia-smi")
     done = subprocess.run(
         [sys.executable, "-m", "nox", "-s", session, "-f", str(ROOT / "noxfile.py")],
-        capture_output=True, text=True, timeout=60, check=False, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        cwd=ROOT,
         env={**os.environ, "PATH": "/usr/bin:/bin"},
-    )  # fmt: skip
+    )
     assert done.returncode != 0
     assert f"{session} needs an NVIDIA GPU" in done.stderr + done.stdout
     assert f"nox -s {cpu_session}" in done.stderr + done.stdout
@@ -114,6 +122,73 @@ def test_common_never_names_a_pipeline() -> None:
         text = source.read_text()
         for name in names:
             assert name not in text, f"{source} names the pipeline {name}"
+
+
+def module_imports(package: Path) -> dict[str, set[str]]:
+    """Each module of an import package (its subpackages' too) → the modules it imports, in
+    functions too."""
+    imports: dict[str, set[str]] = {}
+    for source in package.rglob("*.py"):
+        parts = source.relative_to(package.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        names: set[str] = set()
+        for node in ast.walk(ast.parse(source.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names |= {node.module, *(f"{node.module}.{a.name}" for a in node.names)}
+            elif isinstance(node, ast.Import):
+                names |= {alias.name for alias in node.names}
+        imports[name] = names
+    return imports
+
+
+def import_cycle(imports: dict[str, set[str]]) -> list[str] | None:
+    """A cycle among the modules of `imports`, if there is one."""
+    edges = {m: {d for d in names if d in imports and d != m} for m, names in imports.items()}
+    visiting: list[str] = []
+    done: set[str] = set()
+
+    def visit(module: str) -> list[str] | None:
+        if module in visiting:
+            return [*visiting[visiting.index(module) :], module]
+        if module in done:
+            return None
+        visiting.append(module)
+        cycle = next((c for c in map(visit, sorted(edges[module])) if c), None)
+        visiting.pop()
+        done.add(module)
+        return cycle
+
+    return next((c for c in map(visit, sorted(edges)) if c), None)
+
+
+def test_no_package_has_an_import_cycle() -> None:
+    packages = [p for package in PACKAGES for p in package.glob("src/*/__init__.py")]
+    assert len(packages) == len(PACKAGES)
+    for init in packages:
+        assert import_cycle(module_imports(init.parent)) is None, init.parent.name
+    assert import_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+
+
+def test_the_common_wheel_ships_no_test_harness() -> None:
+    """Users install raytrain-common; the harness (clusters on one box, memory caps, scaling
+    measures, the vocabulary tests check) is raytrain-testkit's, and training code never imports it."""
+    common = ROOT / "packages" / "common" / "src" / "raytrain_common"
+    harness = {p.stem for p in (ROOT / "packages/testkit/src/raytrain_testkit").glob("*.py")}
+    assert {"multinode", "memory_cap", "scaling", "vocabulary"} <= harness
+    assert not harness & {p.stem for p in common.glob("*.py")} - {"__init__"}
+    for source in [*common.glob("*.py"), *ROOT.glob("pipelines/*/src/*/*.py")]:
+        if source.stem.startswith("bench"):
+            continue  # benchmarks are run by nox sessions, where the harness is installed
+        assert "raytrain_testkit" not in source.read_text(), source
+
+
+@pytest.mark.parametrize("package", ["common", "testkit"])
+def test_a_shared_packages_readme_lists_every_module(package: str) -> None:
+    folder = ROOT / "packages" / package
+    listed = set(re.findall(r"^\| `(\w+)` \|", (folder / "README.md").read_text(), re.M))
+    modules = {p.stem for p in folder.glob("src/*/*.py")} - {"__init__", "__main__"}
+    modules |= {p.parent.name for p in folder.glob("src/*/*/__init__.py")}  # subpackages
+    assert modules == listed, f"listed but gone: {listed - modules}; unlisted: {modules - listed}"
 
 
 def test_the_files_a_standalone_copy_takes_never_name_a_pipeline() -> None:
@@ -154,10 +229,18 @@ def copy_pipeline(repo: Path, origin: str) -> str:
     name = f"copy_of_{origin}"
     if not (repo / "pipelines" / name).exists():
         done = subprocess.run(
-            [sys.executable, str(repo / "tools" / "new_pipeline.py"), "--from", origin,
-             "--name", name],
-            capture_output=True, text=True, check=False,
-        )  # fmt: skip
+            [
+                sys.executable,
+                str(repo / "tools" / "new_pipeline.py"),
+                "--from",
+                origin,
+                "--name",
+                name,
+            ],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
         assert done.returncode == 0, done.stderr
     return name
 
@@ -166,10 +249,16 @@ def copy_pipeline(repo: Path, origin: str) -> str:
 def scratch_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """This repository's files as git sees them (tracked and new, not ignored), copied: the copies
     are made there, never here."""
-    listed = subprocess.run(
-        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-        cwd=ROOT, capture_output=True, check=True,
-    ).stdout.decode().split("\0")  # fmt: skip
+    listed = (
+        subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            cwd=ROOT,
+            capture_output=True,
+            check=True,
+        )
+        .stdout.decode()
+        .split("\0")
+    )
     scratch = tmp_path_factory.mktemp("repo")
     for relative in filter(None, listed):
         source = ROOT / relative

@@ -1,6 +1,6 @@
 """One shape for three pipelines: each per-worker loop reads in one screen, without closures in its
 loops or exceptions as control flow, the task lives in task.py, and docs/vocabulary.md records
-exactly the names raytrain_common.vocabulary checks every pipeline's outputs against."""
+exactly the names raytrain_testkit.vocabulary checks every pipeline's outputs against."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from raytrain_common.vocabulary import METRIC_COLUMNS, SUMMARY_KEYS
+from raytrain_testkit.vocabulary import METRIC_COLUMNS, SUMMARY_KEYS
 
 ROOT = Path(__file__).resolve().parents[1]
 PIPELINES = sorted(p.parent for p in (ROOT / "pipelines").glob("[!.]*/pyproject.toml"))

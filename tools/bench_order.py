@@ -68,8 +68,10 @@ def main() -> None:
         else:
             drawn = "not run (8 GB) | 7629 | –"
         print(f"| {rows:.0e} | {ms:.2f} | {mib:.2f} | {drawn} |")
-    print(f"\nreading a rank's 16 rows of 2,049 uint16 tokens from a 1 GiB file: "
-          f"{measure_reads():.2f} ms (rows chosen as above, one preadv per row)")  # fmt: skip
+    print(
+        f"\nreading a rank's 16 rows of 2,049 uint16 tokens from a 1 GiB file: "
+        f"{measure_reads():.2f} ms (rows chosen as above, one preadv per row)"
+    )
 
 
 def measure_reads(rows_per_read: int = 16, row_bytes: int = 2049 * 2, reads: int = 200) -> float:

@@ -7,7 +7,8 @@ In this repository the copy lands in pipelines/<name>/ with its RayJob manifest 
 deploy/rayjob/<name>.yaml (the kustomize base's list of manifests is rewritten from that folder);
 the noxfile, the Dockerfile and the tests find it from there. With --out, the copy becomes a
 standalone project instead: the pipeline, packages/common vendored beside it (installed from that
-folder, never from an index), the noxfile and its helpers, the deploy files and the manifest tests.
+folder, never from an index), packages/testkit (the harness its fault and memory tests import), the
+noxfile and its helpers, the deploy files and the manifest tests.
 
 What is renamed: the import package, the distribution and its console script, the nox sessions, the
 run-name and data-folder defaults, and the manifest's name, labels and entrypoint. The version starts
@@ -36,10 +37,28 @@ SKIPPED = shutil.ignore_patterns(
 )
 # Names a new pipeline cannot take: they would shadow what the pipelines import.
 TAKEN = {
-    "accelerate", "conftest", "datasets", "jsonschema", "matplotlib", "moto", "nox", "nox_stack",
-    "numpy", "pandas", "pyarrow", "pytest", "ray", "raytrain_common", "tests", "tokenizers",
-    "torch", "torchvision", "transformers", "yaml",
-}  # fmt: skip
+    "accelerate",
+    "conftest",
+    "datasets",
+    "jsonschema",
+    "matplotlib",
+    "moto",
+    "nox",
+    "nox_stack",
+    "numpy",
+    "pandas",
+    "pyarrow",
+    "pytest",
+    "ray",
+    "raytrain_common",
+    "raytrain_testkit",
+    "tests",
+    "tokenizers",
+    "torch",
+    "torchvision",
+    "transformers",
+    "yaml",
+}
 NAME_PATTERN = re.compile(r"[a-z][a-z0-9]*(?:_[a-z0-9]+)*")
 DOCTOR_MANIFEST = "doctor.yaml"  # raytrain-doctor's RayJob, beside the pipelines' own
 KUSTOMIZATION_HEADER = """\
@@ -242,6 +261,7 @@ This project stands alone: it needs no access to the repository it came from.
 |---|---|
 | `pipelines/{name}/` | the pipeline: its code, tests, README, CHANGELOG and nox sessions (`sessions.py`) |
 | `packages/common/` | `raytrain-common`, vendored: installed from this folder, never from an index |
+| `packages/testkit/` | `raytrain-testkit`: the tests' multi-node clusters and memory caps (not needed to train) |
 | `deploy/` | the image (`Dockerfile`) and the RayJob manifest for a KubeRay cluster |
 | `tools/` | the shared nox environment (`nox_stack.py`) and `new_pipeline.py` for further copies |
 
@@ -289,9 +309,10 @@ def write_standalone(origin: str, name: str, out: Path, today: str) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
-        shutil.copytree(
-            ROOT / "packages" / "common", staging / "packages" / "common", ignore=SKIPPED
-        )
+        for package in ("common", "testkit"):  # testkit: the copied fault and memory tests use it
+            shutil.copytree(
+                ROOT / "packages" / package, staging / "packages" / package, ignore=SKIPPED
+            )
         copy_pipeline(ROOT / "pipelines" / origin, staging / "pipelines" / name, name, today)
         for relative in STANDALONE_FILES:
             source = ROOT / relative

@@ -81,7 +81,7 @@ def pipeline_folders() -> list[Path]:
 
 
 def local_packages() -> list[Path]:
-    return [ROOT / "packages" / "common", *pipeline_folders()]
+    return [ROOT / "packages" / "common", ROOT / "packages" / "testkit", *pipeline_folders()]
 
 
 def import_packages() -> list[Path]:
@@ -114,14 +114,24 @@ def stack_python(session: nox.Session) -> str:
         session.run(*pip, "--no-compile", "--no-deps", *NO_DEPS, external=True)
         site_packages = subprocess.run(
             [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-            check=True, capture_output=True, text=True,
-        ).stdout.strip()  # fmt: skip
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
         # Exit 1 names the few files that do not compile (torch's own Python-3.12-only test
         # helpers, which pip's compile skips too); the rest are compiled.
         session.run(
-            str(python), "-m", "compileall", "-q", "-j", "0", site_packages,
-            external=True, success_codes=[0, 1], silent=True,
-        )  # fmt: skip
+            str(python),
+            "-m",
+            "compileall",
+            "-q",
+            "-j",
+            "0",
+            site_packages,
+            external=True,
+            success_codes=[0, 1],
+            silent=True,
+        )
         complete.write_text("\n".join(STACK + NO_DEPS) + "\n")
 
     packages = local_packages()

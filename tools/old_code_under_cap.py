@@ -21,8 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from raytrain_common.memory_cap import capped_node
-from raytrain_common.multinode import Driver
+from raytrain_testkit.multinode import Driver, capped_node
 
 ROOT = Path(__file__).resolve().parents[1]
 

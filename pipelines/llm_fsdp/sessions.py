@@ -37,9 +37,18 @@ def gpu(session: nox.Session) -> None:
     # The gpu preset's model is SmolLM2, whose data folder is the one this prepare writes.
     run_in_stack(session, python, "-m", PACKAGE, *SMOLLM2_PREPARE)
     run_in_stack(
-        session, python, "-m", PACKAGE, "train", "--preset", "gpu", "--num-workers", str(gpus),
-        *run_name, *session.posargs,
-    )  # fmt: skip
+        session,
+        python,
+        "-m",
+        PACKAGE,
+        "train",
+        "--preset",
+        "gpu",
+        "--num-workers",
+        str(gpus),
+        *run_name,
+        *session.posargs,
+    )
     run_in_stack(session, python, "-m", PACKAGE, "export", *run_name)
     run_in_stack(session, python, "-m", PACKAGE, "generate", *run_name, "--prompt", "ROMEO:")
 

@@ -33,9 +33,18 @@ def gpu(session: nox.Session) -> None:
     run_name = ["--run-name", f"{PACKAGE}_gpu"]
     run_in_stack(session, python, "-m", PACKAGE, "prepare")
     run_in_stack(
-        session, python, "-m", PACKAGE, "train", "--preset", "gpu", "--num-workers", str(gpus),
-        *run_name, *session.posargs,
-    )  # fmt: skip
+        session,
+        python,
+        "-m",
+        PACKAGE,
+        "train",
+        "--preset",
+        "gpu",
+        "--num-workers",
+        str(gpus),
+        *run_name,
+        *session.posargs,
+    )
     run_in_stack(session, python, "-m", PACKAGE, "predict", *run_name)
 
 

@@ -134,10 +134,15 @@ def test_a_killed_workers_scratch_folder_is_removed_by_the_next_one_and_a_live_o
     """A worker SIGKILLed while it held a checkpoint's scratch folder (a lost node, an OOM kill)
     cannot remove it; the next worker on the machine does, and leaves live workers' folders alone."""
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from raytrain_common.checkpoint import "
-         "new_scratch_folder; print(new_scratch_folder('test-scratch'), flush=True); time.sleep(600)"],
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from raytrain_common.checkpoint import "
+            "new_scratch_folder; print(new_scratch_folder('test-scratch'), flush=True); time.sleep(600)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     killed = Path(holder.stdout.readline().strip())
     (killed / "model.safetensors").write_bytes(bytes(1 << 20))
     os.kill(holder.pid, signal.SIGKILL)

@@ -62,21 +62,54 @@ def test_a_cause_is_found_under_layers_of_wrapping() -> None:
 @pytest.mark.parametrize(
     ("text", "name"),
     [
-        ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB", "GPU out of memory"),
-        ("ray.exceptions.OutOfMemoryError: Task was killed due to the node running low on memory.", "node out of memory"),
-        ("Worker exit detail: ... The process is killed by SIGKILL by OOM killer due to high memory usage", "node out of memory"),
-        ("[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=5, OpType=ALLREDUCE)", "collective timeout"),
-        ("torch.distributed.DistNetworkError: The client socket has timed out after 1800s", "collective timeout"),
-        ("NCCL WARN Error: failed to extend /dev/shm/nccl-abc to 9637892 bytes", "shared memory too small"),
-        ("torch.distributed.DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled system error, ncclInternalError", "NCCL error"),
-        ("OSError: When uploading part for key 'runs/x': AWS Error ACCESS_DENIED during UploadPart operation", "storage error"),
+        (
+            "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB",
+            "GPU out of memory",
+        ),
+        (
+            "ray.exceptions.OutOfMemoryError: Task was killed due to the node running low on memory.",
+            "node out of memory",
+        ),
+        (
+            "Worker exit detail: ... The process is killed by SIGKILL by OOM killer due to high memory usage",
+            "node out of memory",
+        ),
+        (
+            "[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=5, OpType=ALLREDUCE)",
+            "collective timeout",
+        ),
+        (
+            "torch.distributed.DistNetworkError: The client socket has timed out after 1800s",
+            "collective timeout",
+        ),
+        (
+            "NCCL WARN Error: failed to extend /dev/shm/nccl-abc to 9637892 bytes",
+            "shared memory too small",
+        ),
+        (
+            "torch.distributed.DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled system error, ncclInternalError",
+            "NCCL error",
+        ),
+        (
+            "OSError: When uploading part for key 'runs/x': AWS Error ACCESS_DENIED during UploadPart operation",
+            "storage error",
+        ),
         ("OSError: [Errno 28] No space left on device", "disk full"),
-        ("RuntimeError: Version mismatch: The cluster was started with Ray 2.60.0 but this process uses 2.59.0", "version mismatch"),
+        (
+            "RuntimeError: Version mismatch: The cluster was started with Ray 2.60.0 but this process uses 2.59.0",
+            "version mismatch",
+        ),
         # What ray.init prints joining a token cluster without the token (Ray 2.60, measured).
-        ("ray.exceptions.AuthenticationError: RPC error: InvalidAuthToken: Authentication token is missing or incorrect.", "Ray authentication"),
-        ("ConnectionError: Failed to connect to Ray cluster at 10.0.0.5:6379 ... Unauthorized: Missing authentication token", "Ray authentication"),
+        (
+            "ray.exceptions.AuthenticationError: RPC error: InvalidAuthToken: Authentication token is missing or incorrect.",
+            "Ray authentication",
+        ),
+        (
+            "ConnectionError: Failed to connect to Ray cluster at 10.0.0.5:6379 ... Unauthorized: Missing authentication token",
+            "Ray authentication",
+        ),
     ],
-)  # fmt: skip
+)
 def test_each_tabulated_message_is_named(text: str, name: str) -> None:
     line = explain(text)
     assert line is not None and line.startswith(f"known failure ({name})"), line

@@ -29,9 +29,12 @@ def mlp_step(micro_batch: int = 32, **changes: object) -> TrainingStep:
 
     settings: dict[str, object] = {"grad_accum_steps": 1, "compute_dtype": torch.float32, **changes}
     return TrainingStep(
-        build_model=build, make_batch=make_batch, loss=loss, micro_batch=micro_batch,
+        build_model=build,
+        make_batch=make_batch,
+        loss=loss,
+        micro_batch=micro_batch,
         **settings,  # type: ignore[arg-type]
-    )  # fmt: skip
+    )
 
 
 def test_saved_activations_are_exactly_what_autograd_keeps() -> None:

@@ -16,7 +16,7 @@ import ray.train
 import torch
 from ray.train.torch import TorchTrainer
 
-from raytrain_common.checkpoint import latest_state, report_checkpoint
+from raytrain_common.checkpoint import latest_state, save_state, write_manifest
 from raytrain_common.configs import RayTrainSettings, build_run_config, build_scaling_config
 from raytrain_common.ray_start import ResourceError, alive_nodes, init_ray, require_resources
 from raytrain_common.storage import resolve_storage
@@ -52,10 +52,14 @@ def fit(storage: Path, steps: int) -> ray.train.Result:
         start = state["step"] if state else 0
         rank = ray.train.get_context().get_world_rank()
         for step in range(start + 1, config["steps"] + 1):
-            report_checkpoint(
-                {"step": step, "rank_seen": rank, "resumed_from": start},
-                {"step": step, "weights": torch.full((2,), float(step))},
-            )
+            metrics = {"step": step, "rank_seen": rank, "resumed_from": start}
+            if rank != 0:  # every rank reports (a barrier); rank 0 with the checkpoint
+                ray.train.report(metrics, checkpoint=None)
+                continue
+            with tempfile.TemporaryDirectory() as folder:
+                save_state(folder, {"step": step, "weights": torch.full((2,), float(step))})
+                write_manifest(folder)
+                ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(folder))
 
     settings = RayTrainSettings(
         run_name="ranks", storage_path=str(storage), num_workers=2, num_to_keep=5

@@ -59,9 +59,12 @@ def test_rows_read_by_index_are_the_parquet_rows(tmp_path: Path) -> None:
         blocks.take(np.array([len(expected)]))
     # Scalar rows (a label per row) work the same way.
     labels = row_file(
-        resolve_storage(tmp_path / "train"), "labels", ["label"],
-        lambda batch: batch.column(0).to_numpy().astype(np.int64), "int64-v1",
-    )  # fmt: skip
+        resolve_storage(tmp_path / "train"),
+        "labels",
+        ["label"],
+        lambda batch: batch.column(0).to_numpy().astype(np.int64),
+        "int64-v1",
+    )
     np.testing.assert_array_equal(labels.take(picked), expected[picked, 0] % 7)
 
 
@@ -143,8 +146,10 @@ def test_building_and_reading_hold_memory_that_does_not_grow_with_the_split(
     def peak(mode: str) -> int:
         done = subprocess.run(
             [sys.executable, "-c", MEASURE, str(split), mode],
-            capture_output=True, text=True, check=True,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         return int(done.stdout.strip())
 
     growth = peak("build") - peak("import")
@@ -178,10 +183,13 @@ def test_a_split_in_a_shared_folder_is_built_by_one_process_of_all_that_mount_it
     split, log = tmp_path / "shared" / "train", tmp_path / "builds.log"
     write_split(split, [300, 300])
     processes = [
-        subprocess.Popen([sys.executable, "-c", BUILD_IN_PROCESS, str(split), str(log)],
-                         stdout=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, "-c", BUILD_IN_PROCESS, str(split), str(log)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         for _ in range(4)
-    ]  # fmt: skip
+    ]
     answers = {process.communicate(timeout=120)[0].strip() for process in processes}
     assert all(process.returncode == 0 for process in processes)
     assert len(answers) == 1 and answers.pop().endswith(" 600")

@@ -138,5 +138,7 @@ def test_a_folder_appears_whole_or_not_at_all(tmp_path: Path) -> None:
 
     write_folder_whole(target, finished)
     assert sorted(p.name for p in (tmp_path / "predicted").iterdir()) == [
-        "part-0.parquet", "part-1.parquet", "part-2.parquet"
-    ]  # fmt: skip
+        "part-0.parquet",
+        "part-1.parquet",
+        "part-2.parquet",
+    ]

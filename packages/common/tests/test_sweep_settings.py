@@ -60,18 +60,37 @@ def test_the_search_space_holds_what_was_asked_and_bad_options_are_refused() -> 
 
 def test_the_printed_command_is_the_preset_plus_what_differs_and_the_best_values() -> None:
     preset = Train()
-    sweep = Sweep(storage_path="/data/runs", epochs=3, limit_train_rows=512, bf16=True,
-                  run_name="ignored", parent_run_id="p")  # fmt: skip
+    sweep = Sweep(
+        storage_path="/data/runs",
+        epochs=3,
+        limit_train_rows=512,
+        bf16=True,
+        run_name="ignored",
+        parent_run_id="p",
+    )
     base = train_fields(sweep, Train)
     assert type(base) is Train and base.limit_train_rows == 512
     command = train_command(
-        "pipe train --preset cpu", base, preset, {"lr": 0.0123456},
-        {"limit_train_rows": None, "epochs": 2}, "best",
-    )  # fmt: skip
+        "pipe train --preset cpu",
+        base,
+        preset,
+        {"lr": 0.0123456},
+        {"limit_train_rows": None, "epochs": 2},
+        "best",
+    )
     assert shlex.split(command) == [
-        "pipe", "train", "--preset", "cpu", "--storage-path", "/data/runs", "--bf16",
-        "--lr", "0.01235", "--run-name", "best",
-    ]  # fmt: skip
+        "pipe",
+        "train",
+        "--preset",
+        "cpu",
+        "--storage-path",
+        "/data/runs",
+        "--bf16",
+        "--lr",
+        "0.01235",
+        "--run-name",
+        "best",
+    ]
     # A full run that keeps a slice the preset does not have says so.
     command = train_command("pipe train", base, preset, {}, {"limit_train_rows": 1000}, "best")
     assert "--limit-train-rows 1000" in command
@@ -108,8 +127,13 @@ def test_a_resumed_sweeps_asha_judges_new_trials_against_the_trials_before_the_i
     sweep = resolve_storage(tmp_path / "sweep")
     sweep.mkdir()
     good, bad = (0.9, 0.2) if mode == "max" else (0.2, 0.9)
-    asha = {"time_attr": "epoch", "max_t": 2, "grace_period": 1, "reduction_factor": 2,
-            "stop_last_trials": False}  # fmt: skip
+    asha = {
+        "time_attr": "epoch",
+        "max_t": 2,
+        "grace_period": 1,
+        "reduction_factor": 2,
+        "stop_last_trials": False,
+    }
 
     def as_created(scheduler: ASHAScheduler) -> ASHAScheduler:
         scheduler.set_search_properties("score", mode)

@@ -122,12 +122,23 @@ def mlflow_server(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]
     log_file = (tmp_path / "server.log").open("wb")
     server = subprocess.Popen(
         [
-            sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
-            "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}",
-            "--default-artifact-root", (tmp_path / "server-artifacts").as_uri(),
+            sys.executable,
+            "-m",
+            "mlflow",
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--backend-store-uri",
+            f"sqlite:///{tmp_path / 'server.db'}",
+            "--default-artifact-root",
+            (tmp_path / "server-artifacts").as_uri(),
         ],
-        stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
+        stdout=log_file,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120  # ~15 s on an idle 2-core box

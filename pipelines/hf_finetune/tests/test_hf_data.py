@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from hf_finetune.cli import main
@@ -19,13 +20,26 @@ from hf_finetune.data import (
     label_names,
     prepare,
     read_labels_of,
-    read_split,
     read_vader,
     split_indices,
     table_part,
 )
 from hf_finetune.model import ModelError, resolve_model
 from raytrain_common.storage import StoragePath, resolve_storage
+
+
+def read_split(data_dir: StoragePath, split: str, limit: int | None = None) -> pa.Table:
+    """One pre-tokenised split as an Arrow table (input_ids, length, label, text)."""
+    tables = []
+    for file in data_dir.join(split).list_files(".parquet"):
+        with file.filesystem.open_input_file(file.path) as stream:
+            tables.append(pq.read_table(stream))
+    if not tables:
+        raise DataError(f"no Parquet files in {data_dir.uri}/{split}: rerun `hf-finetune prepare`")
+    table = pa.concat_tables(tables)
+    # Ray Data writes blocks in completion order: sort by the row id so every worker sees one order.
+    table = table.sort_by("row")
+    return table.slice(0, limit) if limit is not None else table
 
 
 def test_vader_is_the_published_corpus(vader_sdist: Path) -> None:

@@ -4,18 +4,39 @@ epoch is read again (a resume relies on it)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import pyarrow as pa
 from accelerate.data_loader import BatchSamplerShard
 from torch.utils.data import BatchSampler
 from transformers.trainer_pt_utils import get_length_grouped_indices
 
-from hf_finetune.train import EpochSeededLengthGroupedSampler, TokenizedSplit, eval_batch_per_worker
+from hf_finetune.train import (
+    EpochSeededLengthGroupedSampler,
+    TokenizedSplit,
+    eval_batch_per_worker,
+    label_length_rows,
+    token_rows,
+)
 
 BATCH, WORKERS = 16, 2
 # A worker's ~1,200 rows give a standard error of ~0.014 on a label's share; 0.07 is 5 of them,
 # while a worker fed a contiguous half of a label-sorted split would be off by 0.4.
 MAX_SHARE_GAP = 0.07
+
+
+class ArrayRows:
+    """Rows in memory, read like a RowFile."""
+
+    def __init__(self, array: np.ndarray) -> None:
+        self.array = array
+
+    def __len__(self) -> int:
+        return len(self.array)
+
+    def take(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
+        return self.array[np.asarray(indices, dtype=np.int64)]
 
 
 def label_sorted_split(rows: int = 2400) -> TokenizedSplit:
@@ -29,7 +50,18 @@ def label_sorted_split(rows: int = 2400) -> TokenizedSplit:
             "length": lengths,
         }
     )
-    return TokenizedSplit.from_table(table, max_length=64)
+    return split_from_table(table, max_length=64)
+
+
+def split_from_table(table: pa.Table, max_length: int) -> TokenizedSplit:
+    """A split already in memory, read the way training reads a prepared one."""
+    batch = pa.RecordBatch.from_arrays(
+        [table.column(name).combine_chunks() for name in ("input_ids", "label", "length")],
+        names=["input_ids", "label", "length"],
+    )
+    both = label_length_rows(batch, max_length)
+    rows = ArrayRows(token_rows(batch, max_length))
+    return TokenizedSplit(rows, both[:, 0].astype(np.int64), both[:, 1].astype(np.int64))
 
 
 def labels_of_worker(split: TokenizedSplit, epoch: int, rank: int) -> np.ndarray:
@@ -75,11 +107,17 @@ def test_the_sampler_draws_transformers_length_grouped_order_in_numpy() -> None:
 def evaluated_rows(rows: int, batch: int) -> list[list[int]]:
     """The rows each worker evaluates, as the Trainer's accelerate DataLoader shards them."""
     return [
-        [row for rows_of_batch in BatchSamplerShard(BatchSampler(range(rows), batch, drop_last=False),
-                                                    num_processes=WORKERS, process_index=rank)
-         for row in rows_of_batch]
+        [
+            row
+            for rows_of_batch in BatchSamplerShard(
+                BatchSampler(range(rows), batch, drop_last=False),
+                num_processes=WORKERS,
+                process_index=rank,
+            )
+            for row in rows_of_batch
+        ]
         for rank in range(WORKERS)
-    ]  # fmt: skip
+    ]
 
 
 def test_evaluation_covers_the_split_once_with_the_fewest_filler_rows() -> None:

@@ -13,8 +13,8 @@ import pytest
 from hf_finetune.config import PrepareConfig
 from hf_finetune.data import prepare
 from raytrain_common.metrics import read_metrics_csv
-from raytrain_common.multinode import Driver, multinode_cluster, wait_for
 from raytrain_common.storage import StoragePath, resolve_storage
+from raytrain_testkit.multinode import Driver, multinode_cluster, wait_for
 
 pytestmark = pytest.mark.faults
 
@@ -29,12 +29,30 @@ def train_command(storage: Path, data_dir: StoragePath, run_name: str) -> list[s
     """2 epochs of 32 steps on a VADER slice, 2 workers, one per node (SPREAD), a preemption check
     and a progress note every step, storage declared shared (one box)."""
     return [
-        sys.executable, "-m", "hf_finetune", "train",
-        "--storage-path", str(storage), "--storage-is-shared", "--data-dir", data_dir.uri,
-        "--run-name", run_name, "--epochs", "2", "--limit-train-rows", "1024",
-        "--limit-val-rows", "384", "--log-every-steps", "1", "--preemption-check-steps", "1",
-        "--placement-strategy", "SPREAD",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "hf_finetune",
+        "train",
+        "--storage-path",
+        str(storage),
+        "--storage-is-shared",
+        "--data-dir",
+        data_dir.uri,
+        "--run-name",
+        run_name,
+        "--epochs",
+        "2",
+        "--limit-train-rows",
+        "1024",
+        "--limit-val-rows",
+        "384",
+        "--log-every-steps",
+        "1",
+        "--preemption-check-steps",
+        "1",
+        "--placement-strategy",
+        "SPREAD",
+    ]
 
 
 def progress_step(run_dir: Path) -> int:

@@ -29,8 +29,8 @@ import pytest
 
 from hf_finetune.bench_data import write_dataset
 from hf_finetune.data import read_vader
-from raytrain_common.memory_cap import train_capped_after_baseline, unavailable
-from raytrain_common.multinode import Driver
+from raytrain_testkit.memory_cap import unavailable
+from raytrain_testkit.multinode import Driver, train_capped_after_baseline
 
 pytestmark = [
     pytest.mark.memory_cap,
@@ -51,21 +51,51 @@ def prepare_csv(vader_sdist: Path, root: Path) -> Path:
     source, data_dir = root / "reviews.csv", root / "data"
     write_dataset(sentences, CSV_ROWS, source)
     subprocess.run(
-        [sys.executable, "-m", "hf_finetune", "prepare", "--dataset", str(source),
-         "--data-dir", str(data_dir)],
-        check=True, capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "hf_finetune",
+            "prepare",
+            "--dataset",
+            str(source),
+            "--data-dir",
+            str(data_dir),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
         env={key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"},
-    )  # fmt: skip
+    )
     return data_dir
 
 
 def train(data_dir: Path, root: Path, name: str, address: str, *extra: str) -> tuple[int, str]:
     command = [
-        sys.executable, "-m", "hf_finetune", "train", "--data-dir", str(data_dir),
-        "--storage-path", str(root), "--storage-is-shared", "--run-name", name, "--epochs", "1",
-        "--stop-at-step", str(STEPS), "--warmup-fraction", "0", "--limit-val-rows", "384",
-        "--log-every-steps", "16", "--tracking", "none", *extra,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "hf_finetune",
+        "train",
+        "--data-dir",
+        str(data_dir),
+        "--storage-path",
+        str(root),
+        "--storage-is-shared",
+        "--run-name",
+        name,
+        "--epochs",
+        "1",
+        "--stop-at-step",
+        str(STEPS),
+        "--warmup-fraction",
+        "0",
+        "--limit-val-rows",
+        "384",
+        "--log-every-steps",
+        "16",
+        "--tracking",
+        "none",
+        *extra,
+    ]
     driver = Driver(command, address, root / f"{name}.log")
     return driver.wait(timeout_s=1500), driver.log()
 

@@ -25,8 +25,8 @@ from hf_finetune.train import run
 from raytrain_common.configs import ConfigError
 from raytrain_common.metrics import read_metrics_csv
 from raytrain_common.storage import StoragePath, resolve_storage
-from raytrain_common.tracking import metric_history
-from raytrain_common.vocabulary import METRIC_COLUMNS, summary_problems, unknown_names
+from raytrain_testkit.tracking import metric_history
+from raytrain_testkit.vocabulary import METRIC_COLUMNS, summary_problems, unknown_names
 
 pytestmark = pytest.mark.ray
 
@@ -118,13 +118,28 @@ def test_two_workers_learn_survive_a_lost_worker_and_the_checkpoint_predicts(
     (folder / "2026" / "11").mkdir(parents=True)
     (folder / "good.txt").write_text(f"{sentences[0]}\n\nSuch a delightful, charming story.\n")
     (folder / "2026" / "11" / "bad.txt").write_text(f"{sentences[1]}\nAwful. A waste of money.\n")
-    assert main(["predict", "--storage-path", str(tmp_path), "--run-name", "vader", str(folder),
-                 "--predictions", str(tmp_path / "predicted")]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "predict",
+                "--storage-path",
+                str(tmp_path),
+                "--run-name",
+                "vader",
+                str(folder),
+                "--predictions",
+                str(tmp_path / "predicted"),
+            ]
+        )
+        == 0
+    )
     rows = pq.read_table(tmp_path / "predicted").to_pylist()
     assert sorted((Path(row["path"]).name, row["label"]) for row in rows) == [
-        ("bad.txt", "negative"), ("bad.txt", "negative"),
-        ("good.txt", "positive"), ("good.txt", "positive"),
-    ]  # fmt: skip
+        ("bad.txt", "negative"),
+        ("bad.txt", "negative"),
+        ("good.txt", "positive"),
+        ("good.txt", "positive"),
+    ]
 
     result = evaluate(str(tmp_path), "vader")
     assert result["test_rows"] == 2_370
@@ -152,8 +167,26 @@ def test_a_users_csv_trains_with_flags_alone(
     assert "pass --encoding cp1252" in error and "binary" not in error
     assert not (tmp_path / "data").exists()
     assert ray.is_initialized(), "a refused command ended the cluster its caller had connected to"
-    assert main(["prepare", "--dataset", str(csv), "--encoding", "latin-1", *columns, *storage]) == 0  # fmt: skip
-    assert main(["train", "--epochs", "1", "--global-batch-size", "16", "--lr", "2e-4", "--run-name", "reviews", *storage]) == 0  # fmt: skip
+    assert (
+        main(["prepare", "--dataset", str(csv), "--encoding", "latin-1", *columns, *storage]) == 0
+    )
+    assert (
+        main(
+            [
+                "train",
+                "--epochs",
+                "1",
+                "--global-batch-size",
+                "16",
+                "--lr",
+                "2e-4",
+                "--run-name",
+                "reviews",
+                *storage,
+            ]
+        )
+        == 0
+    )
     assert main(["evaluate", "--run-name", "reviews", *storage]) == 0
     (tmp_path / "new.txt").write_text(
         "wonderful dinner, we will come back soon\n\nthe food was cold\n"
@@ -172,7 +205,17 @@ def test_bad_settings_fail_before_training(
 ) -> None:
     with pytest.raises(ConfigError, match=r"global_batch_size=30 does not divide evenly over 4"):
         run(small_config(tmp_path, vader_dir, num_workers=4, global_batch_size=30))
-    status = main(["train", "--data-dir", vader_dir.uri, "--model", str(tmp_path), "--storage-path", str(tmp_path)])  # fmt: skip
+    status = main(
+        [
+            "train",
+            "--data-dir",
+            vader_dir.uri,
+            "--model",
+            str(tmp_path),
+            "--storage-path",
+            str(tmp_path),
+        ]
+    )
     assert status == 2
     assert "is a folder without config.json" in capsys.readouterr().err
 
@@ -185,8 +228,13 @@ def test_a_run_stopped_mid_epoch_resumes_with_the_steps_it_had_not_taken(
     2) and rerun: the Trainer skips the batches already seen, and the resumed epoch is drawn in its
     own order, so every step's loss matches an uninterrupted run's to 1e-5 relative (measured:
     identical; a resumed epoch drawn in the wrong order was 5-50 % off)."""
-    common = {"log_every_steps": 1, "checkpoint_every_steps": 5, "limit_train_rows": 256,
-              "limit_val_rows": 64, "tracking": "mlflow"}  # fmt: skip
+    common = {
+        "log_every_steps": 1,
+        "checkpoint_every_steps": 5,
+        "limit_train_rows": 256,
+        "limit_val_rows": 64,
+        "tracking": "mlflow",
+    }
     whole = run(small_config(tmp_path, vader_dir, run_name="whole", **common))
     stopped = run(small_config(tmp_path, vader_dir, run_name="cut", stop_at_step=10, **common))
     assert stopped["steps_done"] == 10

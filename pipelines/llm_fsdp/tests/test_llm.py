@@ -21,8 +21,8 @@ from llm_fsdp.train import run
 from raytrain_common.configs import ConfigError
 from raytrain_common.metrics import read_metrics_csv
 from raytrain_common.storage import StoragePath, resolve_storage
-from raytrain_common.tracking import metric_history
-from raytrain_common.vocabulary import METRIC_COLUMNS, summary_problems, unknown_names
+from raytrain_testkit.tracking import metric_history
+from raytrain_testkit.vocabulary import METRIC_COLUMNS, summary_problems, unknown_names
 
 pytestmark = pytest.mark.ray
 RESUME_TOLERANCE = 2e-3  # relative: fp32 sums reduced in another order on another worker count
@@ -159,7 +159,14 @@ def test_bad_input_fails_with_its_reason(
     from transformers import LlamaConfig, LlamaForCausalLM
 
     info = inspect_dataset(shakespeare_dir)
-    short = LlamaConfig(vocab_size=info.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, max_position_embeddings=32)  # fmt: skip
+    short = LlamaConfig(
+        vocab_size=info.vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        max_position_embeddings=32,
+    )
     LlamaForCausalLM(short).save_pretrained(str(tmp_path / "short-model"))
     with pytest.raises(ConfigError, match=r"seq_len 64 is above .*limit of 32 positions"):
         run(small_config(tmp_path, shakespeare_dir, model=str(tmp_path / "short-model")))
@@ -205,10 +212,17 @@ def test_the_summary_line_says_higher_when_the_loss_rose(tmp_path: Path) -> None
         "first": {"step": 0, "val_loss": 3.42, "val_perplexity": 30.6},
         "final": {"step": 500, "val_loss": 5.53, "val_perplexity": 252.0},
         "best": {"step": 200, "val_loss": 3.19, "val_perplexity": 24.3},
-        "val_loss_drop": 1 - 5.53 / 3.42, "steps_done": 500, "tokens_per_s": 300_000.0,
-        "mfu": 0.31, "peak_memory_gb": 41.0, "metrics_csv": "m", "curves_png": "c",
-        "best_checkpoint": "b", "latest_checkpoint": "l", "run_dir": str(tmp_path),
-    }  # fmt: skip
+        "val_loss_drop": 1 - 5.53 / 3.42,
+        "steps_done": 500,
+        "tokens_per_s": 300_000.0,
+        "mfu": 0.31,
+        "peak_memory_gb": 41.0,
+        "metrics_csv": "m",
+        "curves_png": "c",
+        "best_checkpoint": "b",
+        "latest_checkpoint": "l",
+        "run_dir": str(tmp_path),
+    }
     text = describe_run(summary)
     assert "3.4200 → 5.5300 (61.7% higher)" in text
     assert "best validation loss 3.1900 at step 200" in text
@@ -243,10 +257,19 @@ def test_smollm2_converts_trains_a_few_steps_and_exports(
     )
     summary = run(
         small_config(
-            tmp_path, data_dir, model="smollm2", run_name="smol", max_steps=2, warmup_steps=1,
-            global_batch_size=4, eval_every_steps=2, eval_batches=1, checkpoint_every_steps=2, lr=3e-5,
+            tmp_path,
+            data_dir,
+            model="smollm2",
+            run_name="smol",
+            max_steps=2,
+            warmup_steps=1,
+            global_batch_size=4,
+            eval_every_steps=2,
+            eval_batches=1,
+            checkpoint_every_steps=2,
+            lr=3e-5,
         )
-    )  # fmt: skip
+    )
     # Pretrained, not random: the loss starts near what a 135M LM gets on English (ln 49,152 ≈ 10.8).
     assert summary["first"]["val_loss"] < 5.0
     exported = export(summary["latest_checkpoint"], str(tmp_path / "smol-export"))
@@ -297,13 +320,37 @@ def test_a_nested_documentation_tree_in_cp1252_prepares_trains_and_generates(
     assert info.split_by == "documents" and info.documents["validation"] >= 6
     assert info.packing["validation"]["blocks"] >= 1
 
-    config = ["--max-steps", "12", "--warmup-steps", "2", "--eval-every-steps", "6",
-              "--checkpoint-every-steps", "6", "--run-name", "docs"]  # fmt: skip
+    config = [
+        "--max-steps",
+        "12",
+        "--warmup-steps",
+        "2",
+        "--eval-every-steps",
+        "6",
+        "--checkpoint-every-steps",
+        "6",
+        "--run-name",
+        "docs",
+    ]
     assert main(["train", *config, *storage]) == 0
     summary = json.loads((tmp_path / "docs" / "summary.json").read_text())
     assert summary["final"]["val_loss"] < summary["first"]["val_loss"]
     capsys.readouterr()
-    assert main(["generate", "--run-name", "docs", "--prompt", "café", "--max-new-tokens", "20", *storage]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "generate",
+                "--run-name",
+                "docs",
+                "--prompt",
+                "café",
+                "--max-new-tokens",
+                "20",
+                *storage,
+            ]
+        )
+        == 0
+    )
     assert capsys.readouterr().out.startswith("café")
 
 

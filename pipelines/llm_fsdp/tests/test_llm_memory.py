@@ -23,8 +23,8 @@ import pytest
 
 from llm_fsdp.bench_data import write_corpus
 from llm_fsdp.data import GPT2_TOKENIZER, read_shakespeare
-from raytrain_common.memory_cap import train_capped_after_baseline, unavailable
-from raytrain_common.multinode import Driver
+from raytrain_testkit.memory_cap import unavailable
+from raytrain_testkit.multinode import Driver, train_capped_after_baseline
 
 pytestmark = [
     pytest.mark.memory_cap,
@@ -42,22 +42,58 @@ def prepare_corpus(works: list[str], copies: int, root: Path) -> Path:
     corpus, data_dir = root / f"corpus-{copies}x", root / f"data-{copies}x"
     write_corpus(works, copies, corpus)
     subprocess.run(
-        [sys.executable, "-m", "llm_fsdp", "prepare", "--dataset", str(corpus),
-         "--tokenizer", GPT2_TOKENIZER, "--seq-len", str(SEQ_LEN), "--data-dir", str(data_dir)],
-        check=True, capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "llm_fsdp",
+            "prepare",
+            "--dataset",
+            str(corpus),
+            "--tokenizer",
+            GPT2_TOKENIZER,
+            "--seq-len",
+            str(SEQ_LEN),
+            "--data-dir",
+            str(data_dir),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
         env={key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"},
-    )  # fmt: skip
+    )
     return data_dir
 
 
 def train(data_dir: Path, root: Path, name: str, address: str) -> tuple[int, str]:
     command = [
-        sys.executable, "-m", "llm_fsdp", "train", "--preset", "cpu", "--data-dir", str(data_dir),
-        "--storage-path", str(root), "--storage-is-shared", "--run-name", name,
-        "--max-steps", str(STEPS), "--warmup-steps", "2", "--eval-every-steps", "10",
-        "--eval-batches", "2", "--checkpoint-every-steps", str(STEPS), "--log-every-steps", "5",
-        "--tracking", "none",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "llm_fsdp",
+        "train",
+        "--preset",
+        "cpu",
+        "--data-dir",
+        str(data_dir),
+        "--storage-path",
+        str(root),
+        "--storage-is-shared",
+        "--run-name",
+        name,
+        "--max-steps",
+        str(STEPS),
+        "--warmup-steps",
+        "2",
+        "--eval-every-steps",
+        "10",
+        "--eval-batches",
+        "2",
+        "--checkpoint-every-steps",
+        str(STEPS),
+        "--log-every-steps",
+        "5",
+        "--tracking",
+        "none",
+    ]
     driver = Driver(command, address, root / f"{name}.log")
     return driver.wait(timeout_s=900), driver.log()
 

@@ -21,16 +21,28 @@ from llm_fsdp.train import check_model_fits_data
 
 def dataset(vocab_size: int = 512, seq_len: int = 32) -> DatasetInfo:
     return DatasetInfo(
-        source="test", seq_len=seq_len, tokenizer="t", tokenizer_name="t", vocab_size=vocab_size,
-        eos_id=0, documents={}, packing={}, seed=0,
-    )  # fmt: skip
+        source="test",
+        seq_len=seq_len,
+        tokenizer="t",
+        tokenizer_name="t",
+        vocab_size=vocab_size,
+        eos_id=0,
+        documents={},
+        packing={},
+        seed=0,
+    )
 
 
 def tiny_gpt2() -> GPT2Config:
     return GPT2Config(
-        n_layer=2, n_embd=64, n_head=2, vocab_size=512, n_positions=64, bos_token_id=0,
+        n_layer=2,
+        n_embd=64,
+        n_head=2,
+        vocab_size=512,
+        n_positions=64,
+        bos_token_id=0,
         eos_token_id=0,
-    )  # fmt: skip
+    )
 
 
 def test_a_gpt2_model_folder_passes_the_driver_checks_and_trains_sharded(tmp_path: Path) -> None:
@@ -47,8 +59,14 @@ def test_a_gpt2_model_folder_passes_the_driver_checks_and_trains_sharded(tmp_pat
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     try:
         model = NextTokenLoss(GPT2LMHeadModel.from_pretrained(folder), chunk_tokens=64)
-        parallelize(model, device_type="cpu", world_size=1, bf16=False,
-                    activation_checkpointing=True, compile=False)  # fmt: skip
+        parallelize(
+            model,
+            device_type="cpu",
+            world_size=1,
+            bf16=False,
+            activation_checkpointing=True,
+            compile=False,
+        )
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
         blocks = torch.randint(1, 512, (4, 33))
         losses = []

@@ -103,8 +103,10 @@ def test_reading_a_corpus_holds_one_shard_not_the_corpus(
         )
         done = subprocess.run(
             [sys.executable, "-c", script, str(corpus), str(tmp_path / f"shards-{copies}")],
-            capture_output=True, text=True, check=True,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         count, peak_kib = json.loads(done.stdout)
         assert count == copies * len(works)
         return peak_kib / 1024
@@ -152,6 +154,11 @@ def test_ray_tasks_read_a_corpus_into_the_documents_one_process_reads(
     chosen = data.chosen_files(str(corpus), None, report)
     with pytest.raises(data.DataError, match=r"part5/rows\.jsonl as JSON lines: line 2"):
         data.read_documents_in_tasks(
-            chosen, [1] * len(chosen), "text", "utf-8", resolve_storage(tmp_path / "bad"), 1 << 16,
+            chosen,
+            [1] * len(chosen),
+            "text",
+            "utf-8",
+            resolve_storage(tmp_path / "bad"),
+            1 << 16,
             report,
-        )  # fmt: skip
+        )

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import dataclasses
+import gzip
+import struct
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -10,7 +12,6 @@ import pytest
 
 from mnist_resnet.config import TrainConfig, cpu_preset
 from mnist_resnet.data import HUB_SOURCE, prepare
-from mnist_resnet.data import write_idx as write_idx_file
 from raytrain_common.storage import StoragePath, resolve_storage
 
 
@@ -51,3 +52,10 @@ def small_config() -> Callable[..., TrainConfig]:
 @pytest.fixture
 def write_idx() -> Callable[[Path, np.ndarray], None]:
     return write_idx_file
+
+
+def write_idx_file(path: Path, array: np.ndarray) -> None:
+    """Write an IDX file of unsigned bytes, gzipped, as the MNIST family is published."""
+    header = b"\x00\x00\x08" + bytes([array.ndim]) + struct.pack(f">{array.ndim}I", *array.shape)
+    with gzip.open(path, "wb") as stream:
+        stream.write(header + np.ascontiguousarray(array, dtype=np.uint8).tobytes())

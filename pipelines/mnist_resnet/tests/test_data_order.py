@@ -52,9 +52,18 @@ def class_sorted_dataset(folder: Path) -> ImageData:
         for part, start in enumerate(range(0, ROWS, 2000)):
             pq.write_table(rows.slice(start, 2000), folder / name / f"part-{part:03d}.parquet")
     info = DatasetInfo(
-        "sorted", 10, 28, 28, 0.1307, 0.3081, ROWS, ROWS, ROWS, format=FORMAT,
+        "sorted",
+        10,
+        28,
+        28,
+        0.1307,
+        0.3081,
+        ROWS,
+        ROWS,
+        ROWS,
+        format=FORMAT,
         image_root=str(folder / "tree"),
-    )  # fmt: skip
+    )
     (folder / DATASET_FILE).write_text(json.dumps(dataclasses.asdict(info)))
     return ImageData(str(folder), dataclasses.asdict(info), str(folder / "run"), seed=0)
 
@@ -115,9 +124,10 @@ def test_pixel_rows_come_in_a_fresh_mixed_order_every_epoch_through_bounded_memo
     epochs = []
     for epoch in (1, 2):
         batches = train.iter_torch_batches(
-            batch_size=128, local_shuffle_buffer_size=data.local_shuffle_rows,
+            batch_size=128,
+            local_shuffle_buffer_size=data.local_shuffle_rows,
             local_shuffle_seed=epoch,
-        )  # fmt: skip
+        )
         epochs.append([(b["id"].numpy(), b["label"].numpy()) for b in batches])
     for batches in epochs:
         ids = np.concatenate([ids for ids, _ in batches])
@@ -193,9 +203,12 @@ def s3_bucket() -> Iterator[tuple[Any, str]]:
     try:
         endpoint = "{}:{}".format(*server.get_host_and_port())
         client = boto3.client(
-            "s3", endpoint_url=f"http://{endpoint}", region_name="us-east-1",
-            aws_access_key_id="testing", aws_secret_access_key="testing",
-        )  # fmt: skip
+            "s3",
+            endpoint_url=f"http://{endpoint}",
+            region_name="us-east-1",
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+        )
         client.create_bucket(Bucket="images")
         options = f"endpoint_override={endpoint}&scheme=http&region=us-east-1"
         yield client, options
@@ -232,14 +245,25 @@ def test_a_class_sorted_image_tree_on_s3_trains_to_high_test_accuracy_without_a_
     prepared = sorted(
         p.relative_to(data_dir).as_posix() for p in data_dir.rglob("*") if p.is_file()
     )
-    assert prepared == ["dataset.json", "test/part-000.parquet", "train/part-000.parquet",
-                        "val/part-000.parquet"]  # fmt: skip
+    assert prepared == [
+        "dataset.json",
+        "test/part-000.parquet",
+        "train/part-000.parquet",
+        "val/part-000.parquet",
+    ]
     assert sum(p.stat().st_size for p in data_dir.rglob("*.parquet")) < 200_000  # lists, no pixels
 
     config = small_config(
-        tmp_path, resolve_storage(data_dir), run_name="sorted", epochs=3, global_batch_size=64,
-        lr=0.05, limit_train_rows=None, limit_val_rows=None, limit_test_rows=None,
-    )  # fmt: skip
+        tmp_path,
+        resolve_storage(data_dir),
+        run_name="sorted",
+        epochs=3,
+        global_batch_size=64,
+        lr=0.05,
+        limit_train_rows=None,
+        limit_val_rows=None,
+        limit_test_rows=None,
+    )
     summary = run(config)
     assert summary["test"]["test_rows"] == 1000
     assert summary["test"]["test_accuracy"] >= 0.95  # majority class ~0.11; shuffled: ~0.97

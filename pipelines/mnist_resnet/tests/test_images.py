@@ -76,17 +76,38 @@ def test_an_image_tree_prepares_trains_on_two_workers_and_predicts_new_files(
     assert len(info.mean) == 3 and all(s > 0 for s in info.std)
 
     config = small_config(
-        tmp_path, resolve_storage(data_dir), run_name="shapes", epochs=6, global_batch_size=32,
-        lr=0.05, limit_train_rows=None, limit_val_rows=None, limit_test_rows=None,
-    )  # fmt: skip
+        tmp_path,
+        resolve_storage(data_dir),
+        run_name="shapes",
+        epochs=6,
+        global_batch_size=32,
+        lr=0.05,
+        limit_train_rows=None,
+        limit_val_rows=None,
+        limit_test_rows=None,
+    )
     summary = run(config)
     assert summary["test"]["test_accuracy"] >= 0.8  # chance is 1/3
 
     new_images = tmp_path / "new"
     write_tree(new_images, per_class=10, seed=1, nested=False)
     # A folder: Ray Data batch inference into Parquet, one row per file.
-    assert main(["predict", "--storage-path", str(tmp_path), "--run-name", "shapes",
-                 "--input", str(new_images), "--predictions", str(tmp_path / "predicted")]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "predict",
+                "--storage-path",
+                str(tmp_path),
+                "--run-name",
+                "shapes",
+                "--input",
+                str(new_images),
+                "--predictions",
+                str(tmp_path / "predicted"),
+            ]
+        )
+        == 0
+    )
     rows = pq.read_table(tmp_path / "predicted").to_pylist()
     images = sorted(str(f) for f in new_images.rglob("*") if f.suffix in {".png", ".jpg", ".webp"})
     assert sorted(row["path"] for row in rows) == images  # README.txt skipped
@@ -97,8 +118,20 @@ def test_an_image_tree_prepares_trains_on_two_workers_and_predicts_new_files(
     # One file: answered at once, in this process.
     capsys.readouterr()
     one = images[0]
-    assert main(["predict", "--storage-path", str(tmp_path), "--run-name", "shapes",
-                 "--input", str(one)]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "predict",
+                "--storage-path",
+                str(tmp_path),
+                "--run-name",
+                "shapes",
+                "--input",
+                str(one),
+            ]
+        )
+        == 0
+    )
     [line] = capsys.readouterr().out.strip().splitlines()
     label, probability, file = line.split("\t")
     assert file == one and label in CLASSES and 0 < float(probability) <= 1

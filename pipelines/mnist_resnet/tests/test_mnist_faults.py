@@ -15,8 +15,8 @@ import pytest
 
 from raytrain_common.checkpoint import TornCheckpointError, verify_checkpoint
 from raytrain_common.metrics import read_metrics_csv
-from raytrain_common.multinode import Driver, MultiNodeCluster, multinode_cluster, wait_for
 from raytrain_common.storage import StoragePath, resolve_storage
+from raytrain_testkit.multinode import Driver, MultiNodeCluster, multinode_cluster, wait_for
 
 pytestmark = pytest.mark.faults
 
@@ -28,14 +28,35 @@ def train_command(storage: Path, data_dir: StoragePath, run_name: str, *extra: s
     """A 2-epoch run of 32 steps per epoch on a MNIST slice, logged (and its progress noted) every
     step, one worker per node (SPREAD), storage declared shared (one box)."""
     return [
-        sys.executable, "-m", "mnist_resnet", "train",
-        "--storage-path", str(storage), "--storage-is-shared", "--data-dir", data_dir.uri,
-        "--run-name", run_name, "--epochs", "2", "--limit-train-rows", "4096",
-        "--limit-val-rows", "1000", "--limit-test-rows", "1000", "--global-batch-size", "128",
-        "--lr", "0.05",
-        "--log-every-steps", "1",
-        "--placement-strategy", "SPREAD", *extra,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "mnist_resnet",
+        "train",
+        "--storage-path",
+        str(storage),
+        "--storage-is-shared",
+        "--data-dir",
+        data_dir.uri,
+        "--run-name",
+        run_name,
+        "--epochs",
+        "2",
+        "--limit-train-rows",
+        "4096",
+        "--limit-val-rows",
+        "1000",
+        "--limit-test-rows",
+        "1000",
+        "--global-batch-size",
+        "128",
+        "--lr",
+        "0.05",
+        "--log-every-steps",
+        "1",
+        "--placement-strategy",
+        "SPREAD",
+        *extra,
+    ]
 
 
 def progress_step(run_dir: Path) -> int:
@@ -167,12 +188,25 @@ def predict_a_folder_while_an_actor_is_killed(
     truth = write_digit_files(storage / "new", data_dir, 1200)
     output = storage / "predicted"
     predicting = Driver(
-        [sys.executable, "-m", "mnist_resnet", "predict", "--storage-path", str(storage),
-         "--run-name", run_name, "--input", str(storage / "new"), "--predictions", str(output),
-         "--inference-batch-size", "32"],
+        [
+            sys.executable,
+            "-m",
+            "mnist_resnet",
+            "predict",
+            "--storage-path",
+            str(storage),
+            "--run-name",
+            run_name,
+            "--input",
+            str(storage / "new"),
+            "--predictions",
+            str(output),
+            "--inference-batch-size",
+            "32",
+        ],
         cluster.address,
         storage / "predict.log",
-    )  # fmt: skip
+    )
     wait_for(lambda: any(storage.glob("predicted.partial-*/*.parquet")), 300, "first predictions")
     [victim, *_] = [
         actor
@@ -269,14 +303,36 @@ def test_a_storage_outage_during_a_checkpoint_upload_is_retried_or_fails_naming_
 
             def train(endpoint: S3Outage, run_name: str, *extra: str) -> Driver:
                 command = [
-                    sys.executable, "-m", "mnist_resnet", "train",
-                    "--storage-path", endpoint.uri("team"),
-                    "--data-dir", mnist_dir.uri, "--run-name", run_name, "--num-workers", "1",
-                    "--epochs", "2", "--limit-train-rows", "4096", "--limit-val-rows", "1000",
-                    "--limit-test-rows", "1000",
-                    "--global-batch-size", "128", "--lr", "0.05",
-                    "--checkpoint-every-steps", "8", "--log-every-steps", "1", *extra,
-                ]  # fmt: skip
+                    sys.executable,
+                    "-m",
+                    "mnist_resnet",
+                    "train",
+                    "--storage-path",
+                    endpoint.uri("team"),
+                    "--data-dir",
+                    mnist_dir.uri,
+                    "--run-name",
+                    run_name,
+                    "--num-workers",
+                    "1",
+                    "--epochs",
+                    "2",
+                    "--limit-train-rows",
+                    "4096",
+                    "--limit-val-rows",
+                    "1000",
+                    "--limit-test-rows",
+                    "1000",
+                    "--global-batch-size",
+                    "128",
+                    "--lr",
+                    "0.05",
+                    "--checkpoint-every-steps",
+                    "8",
+                    "--log-every-steps",
+                    "1",
+                    *extra,
+                ]
                 return Driver(command, cluster.address, tmp_path / f"{run_name}.log")
 
             driver = train(s3, "outage")

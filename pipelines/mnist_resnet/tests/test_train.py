@@ -29,8 +29,8 @@ from raytrain_common.faults import read_progress
 from raytrain_common.metrics import read_metrics_csv
 from raytrain_common.ray_start import ResourceError
 from raytrain_common.storage import StorageError, StoragePath, resolve_storage
-from raytrain_common.tracking import metric_history
-from raytrain_common.vocabulary import METRIC_COLUMNS, summary_problems, unknown_names
+from raytrain_testkit.tracking import metric_history
+from raytrain_testkit.vocabulary import METRIC_COLUMNS, summary_problems, unknown_names
 
 pytestmark = pytest.mark.ray
 
@@ -70,9 +70,16 @@ def test_two_workers_learn_survive_a_killed_worker_choose_on_validation_and_test
     )
     killer.start()
     config = small_config(
-        tmp_path, mnist_dir, run_name="learn", epochs=3, limit_train_rows=4096,
-        limit_test_rows=1000, max_failures=2, log_every_steps=1, tracking="mlflow",
-    )  # fmt: skip
+        tmp_path,
+        mnist_dir,
+        run_name="learn",
+        epochs=3,
+        limit_train_rows=4096,
+        limit_test_rows=1000,
+        max_failures=2,
+        log_every_steps=1,
+        tracking="mlflow",
+    )
     summary = run(config)
     killer.join(timeout=10)
 
@@ -436,13 +443,41 @@ def test_a_loss_that_turns_nan_ends_with_one_line_naming_the_cause_and_the_fix(
     hands the driver the failure, and the command's last line says what happened and what to change,
     under the traceback (which stays for whoever needs it)."""
     done = subprocess.run(
-        [sys.executable, "-m", "mnist_resnet", "train", "--preset", "cpu", "--storage-path",
-         str(tmp_path), "--data-dir", mnist_dir.uri, "--run-name", "diverges", "--lr", "1e6",
-         "--epochs", "1", "--limit-train-rows", "1024", "--limit-val-rows", "256",
-         "--global-batch-size", "128", "--log-every-steps", "2", "--tracking", "none",
-         "--max-failures", "0"],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "RAY_ADDRESS": ray_address},
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "mnist_resnet",
+            "train",
+            "--preset",
+            "cpu",
+            "--storage-path",
+            str(tmp_path),
+            "--data-dir",
+            mnist_dir.uri,
+            "--run-name",
+            "diverges",
+            "--lr",
+            "1e6",
+            "--epochs",
+            "1",
+            "--limit-train-rows",
+            "1024",
+            "--limit-val-rows",
+            "256",
+            "--global-batch-size",
+            "128",
+            "--log-every-steps",
+            "2",
+            "--tracking",
+            "none",
+            "--max-failures",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "RAY_ADDRESS": ray_address},
+    )
     assert done.returncode == 1, done.stdout + done.stderr
     lines = done.stderr.rstrip().splitlines()
     assert lines[-1].startswith("mnist-resnet train: known failure (non-finite loss): "), lines[-5:]
@@ -460,8 +495,15 @@ def test_a_full_storage_fails_the_run_at_once_naming_the_path(
     momentum) does not fit. The run ends at once with a StorageError saying the storage is full and
     naming it, not after --storage-patience-s of retries blamed on the network."""
     volume = small_volume("40m")
-    config = small_config(volume, mnist_dir, run_name="full", epochs=1, limit_train_rows=256,
-                          tracking="none", storage_patience_s=300.0)  # fmt: skip
+    config = small_config(
+        volume,
+        mnist_dir,
+        run_name="full",
+        epochs=1,
+        limit_train_rows=256,
+        tracking="none",
+        storage_patience_s=300.0,
+    )
     with pytest.raises(StorageError) as failed:
         run(config)
     message = str(failed.value)

@@ -1,7 +1,9 @@
-"""Checkpoints for data-parallel runs: rank 0 writes, every rank reports, loading never runs pickled code.
+"""Checkpoint folders that are whole or refused, and loading that never runs pickled code.
 
-`ray.train.report` is a barrier across the worker group: a rank that skips it leaves the others
-waiting for ever. So the one function here that saves is called by every rank.
+Each pipeline calls `ray.train.report` itself, in its own checkpointer (every rank, since the
+report is a barrier; rank 0, or every rank under FSDP, with a checkpoint): this module gives it
+the folder's contents (`save_state`, `write_manifest`, `scratch_folder`), the upload that rides
+out a storage outage, and the way back (`latest_state`, `resume_checkpoint`).
 
 Every checkpoint carries manifests (`manifest-rank<N>.json`: each file's size and SHA-256), written
 after the files they describe, one per rank that wrote files. A checkpoint cut off mid-upload, or a
@@ -419,35 +421,6 @@ def scratch_folder(prefix: str) -> Iterator[str]:
         yield folder
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-
-
-def report_checkpoint(
-    metrics: Mapping[str, Any],
-    state: Mapping[str, Any],
-    upload: UploadFn | None = None,
-    files: Mapping[str, bytes] | None = None,
-) -> None:
-    """Report `metrics` from every rank, with a checkpoint of `state` from rank 0 only.
-
-    Under data parallelism every rank holds the same weights, so one copy is enough; the other ranks
-    still call `ray.train.report`, which is a barrier. `files`: small files written beside
-    state.pt (and listed in its manifest), for readers that need not load the state. The temporary
-    folder is removed once Ray has copied it to the run's storage (reports upload before
-    returning).
-    """
-    if ray.train.get_context().get_world_rank() != 0:
-        ray.train.report(dict(metrics), checkpoint=None)
-        return
-    with scratch_folder("checkpoint") as folder:
-        save_state(folder, state)
-        for name, data in (files or {}).items():
-            (Path(folder) / name).write_bytes(data)
-        write_manifest(folder)
-        ray.train.report(
-            dict(metrics),
-            checkpoint=ray.train.Checkpoint.from_directory(folder),
-            checkpoint_upload_fn=upload,
-        )
 
 
 def latest_state(run_dir: StoragePath) -> dict[str, Any] | None:

@@ -12,19 +12,45 @@ import sys
 import traceback
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal, TypeVar
 
 Config = TypeVar("Config")
 
 
-def option(default: Any, help: str, *, positional: bool = False) -> Any:
+def option(
+    default: Any, help: str, *, positional: bool = False, deprecated: Sequence[str] = ()
+) -> Any:
     """A dataclass field with a default and the help text its command-line flag shows.
 
     `positional=True` makes it an optional positional argument instead of a flag (an input file).
     `{name}` in the help is replaced by the config class's attribute `name` (e.g. `{data_folder}`).
+    `deprecated`: the flag's former names, still accepted for one version with a warning.
     """
-    return dataclasses.field(default=default, metadata={"help": help, "positional": positional})
+    metadata = {"help": help, "positional": positional, "deprecated": tuple(deprecated)}
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+class _DeprecatedFlag(argparse.Action):
+    """A former name of a flag: sets the same field and says, once, what the name is now."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        self.current = kwargs.pop("current")
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        print(
+            f"{parser.prog}: warning: {option_string} is deprecated and goes in the next version: "
+            f"use {self.current}",
+            file=sys.stderr,
+        )
+        setattr(namespace, self.dest, values)
 
 
 def add_config_options(
@@ -73,6 +99,19 @@ def add_config_options(
             parser.add_argument(
                 flag, dest=field.name, default=argparse.SUPPRESS, help=help_text, **kwargs
             )
+            for former in field.metadata.get("deprecated", ()):
+                alias = {
+                    key: kwargs[key] for key in ("type", "metavar", "choices") if key in kwargs
+                }
+                parser.add_argument(
+                    former,
+                    dest=field.name,
+                    default=argparse.SUPPRESS,
+                    help=f"deprecated: {flag}",
+                    action=_DeprecatedFlag,
+                    current=flag,
+                    **alias,
+                )
 
 
 def config_from_args(

@@ -8,7 +8,14 @@ import torch
 # Dense bf16 peak FLOP/s by device-name fragment (NVIDIA data sheets; SXM parts, no sparsity).
 # Order matters: the first fragment found in the name wins ("H100" before "A100" is irrelevant,
 # but "L40S" must come before "L4").
-PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12, "A10": 125e12}  # fmt: skip
+PEAK_BF16_FLOPS = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+    "L4": 121e12,
+    "A10": 125e12,
+}
 
 
 def peak_bf16_flops(device: torch.device) -> float | None:

@@ -199,10 +199,6 @@ class ThroughputMeter:
             return self._rate(self.steps - self.warmup_steps, now - self.steady_started)
         return self._rate(self.steps, now - self.started)
 
-    def elapsed_s(self) -> float:
-        """Seconds since the start, pauses left out."""
-        return time.perf_counter() - self.started
-
     def _rate(self, steps: int, seconds: float) -> Throughput:
         seconds = max(seconds, 1e-9)
         items_per_s = steps * self.items_per_step / seconds

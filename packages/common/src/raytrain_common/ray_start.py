@@ -44,12 +44,16 @@ KNOWN_HARMLESS_LINES = (
     # object store; core_worker logs that at ERROR level on every run (ray-project/ray#53727).
     re.compile(r"PreemptionWatcher.*constructor arguments in the object store"),
     # Ray Train's controller and workers narrating the worker group's start-up, at INFO level.
-    re.compile(r"^(Requesting resources|Attempting to start training worker group|"
-               r"Started training worker group|Setting up process group for|- \(ip=)"),
+    re.compile(
+        r"^(Requesting resources|Attempting to start training worker group|"
+        r"Started training worker group|Setting up process group for|- \(ip=)"
+    ),
     # Ray Data's split coordinator narrating each execution of a dataset (every epoch), at INFO.
-    re.compile(r"^(Starting execution of Dataset|Execution plan of Dataset|Progress bars disabled"
-               r"|.*Dataset \S+ execution finished in)"),
-)  # fmt: skip
+    re.compile(
+        r"^(Starting execution of Dataset|Execution plan of Dataset|Progress bars disabled"
+        r"|.*Dataset \S+ execution finished in)"
+    ),
+)
 
 
 def show_ray_output(verbose: bool) -> None:

@@ -49,24 +49,11 @@ RowsOf = Callable[[pa.RecordBatch], np.ndarray]
 
 
 class RowSource(Protocol):
-    """What a training loop reads rows through: a RowFile, or ArrayRows for rows in memory."""
+    """What a training loop reads rows through: a RowFile, or anything that takes rows by index."""
 
     def __len__(self) -> int: ...
 
     def take(self, indices: Sequence[int] | np.ndarray) -> np.ndarray: ...
-
-
-class ArrayRows:
-    """Rows already in memory (a test's, a tool's small split), read like a RowFile."""
-
-    def __init__(self, array: np.ndarray) -> None:
-        self.array = array
-
-    def __len__(self) -> int:
-        return len(self.array)
-
-    def take(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
-        return self.array[np.asarray(indices, dtype=np.int64)]
 
 
 class RowFile:

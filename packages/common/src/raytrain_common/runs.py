@@ -14,7 +14,9 @@ from raytrain_common.checkpoint import raise_storage_error_of
 from raytrain_common.storage import StoragePath, check_writable, resolve_storage
 
 
-class RunConfig(Protocol):
+class LocatedRun(Protocol):
+    """What `locate_run` reads of a pipeline's train config (named apart from Ray's RunConfig)."""
+
     storage_path: str
     run_name: str
 
@@ -23,7 +25,7 @@ class RunConfig(Protocol):
     def resolved_data_dir(self) -> str: ...
 
 
-def locate_run(config: RunConfig) -> tuple[StoragePath, StoragePath]:
+def locate_run(config: LocatedRun) -> tuple[StoragePath, StoragePath]:
     """The run's storage (checked writable before anything starts) and its data folder, once the
     config's values are known to be sane."""
     config.validate()

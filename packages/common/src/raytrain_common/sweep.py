@@ -169,7 +169,7 @@ def trial_config(
         min_workers=None,
         tracking_uri=tracking_uri,
         parent_run_id=parent_run_id,
-    )  # fmt: skip
+    )
 
 
 def train_command(
@@ -260,14 +260,24 @@ def run_sweep(
         experiment=base.experiment_name or pipeline,
         run_name=f"sweep {settings.sweep_name}",
         params={
-            **{f"sweep.{k}": v for k, v in dataclasses.asdict(settings).items()
-               if k in {f.name for f in dataclasses.fields(SweepSettings)}},
+            **{
+                f"sweep.{k}": v
+                for k, v in dataclasses.asdict(settings).items()
+                if k in {f.name for f in dataclasses.fields(SweepSettings)}
+            },
             "sweep.metric": objective.metric,
             "sweep.mode": objective.mode,
         },
-        tags={**system_tags(pipeline, version, workers=settings.workers_per_trial,
-                            device="gpu" if base.use_gpu else "cpu"), "sweep": "parent"},
-    )  # fmt: skip
+        tags={
+            **system_tags(
+                pipeline,
+                version,
+                workers=settings.workers_per_trial,
+                device="gpu" if base.use_gpu else "cpu",
+            ),
+            "sweep": "parent",
+        },
+    )
     tracking_uri = parent.tracking_uri if parent else None
 
     def trial(params: dict[str, Any]) -> None:
@@ -280,10 +290,14 @@ def run_sweep(
                 tune.report(row)
             return
         config = trial_config(
-            base, params, trials=trials, trial_id=trial_id,
-            workers=settings.workers_per_trial, tracking_uri=tracking_uri,
+            base,
+            params,
+            trials=trials,
+            trial_id=trial_id,
+            workers=settings.workers_per_trial,
+            tracking_uri=tracking_uri,
             parent_run_id=parent.run_id if parent else None,
-        )  # fmt: skip
+        )
         train(config, [TuneReportCallback()])
 
     # The trial's driver only waits on its TorchTrainer (Tune refuses a request of nothing).
@@ -331,8 +345,9 @@ def run_sweep(
         )
     results = tuner.fit()
     close_stopped_trial_runs(parent)
-    outcome = write_sweep_outputs(sweep_dir, results, objective, settings, base, preset, command,
-                                  full_run)  # fmt: skip
+    outcome = write_sweep_outputs(
+        sweep_dir, results, objective, settings, base, preset, command, full_run
+    )
     finish_tracked_run(
         parent,
         artifacts=[sweep_dir.join(name) for name in (RESULTS_FILE, TRIALS_PICTURE, BEST_FILE)],
@@ -405,9 +420,11 @@ def write_sweep_outputs(
     for result in results:
         trial_id = result.path.rstrip("/").rsplit("/", 1)[-1] if result.path else "?"
         history = result.metrics_dataframe
-        reported = [] if history is None or objective.metric not in history else (
-            history[[objective.time_attr, objective.metric]].dropna().to_numpy().tolist()
-        )  # fmt: skip
+        reported = (
+            []
+            if history is None or objective.metric not in history
+            else (history[[objective.time_attr, objective.metric]].dropna().to_numpy().tolist())
+        )
         # A trial that finished after Tune last saved reports its evaluations again on resume:
         # one evaluation per point of progress, the last one reported.
         evaluated = sorted({float(when): float(value) for when, value in reported}.items())
@@ -415,15 +432,17 @@ def write_sweep_outputs(
         reached = evaluated[-1][0] if evaluated else 0.0
         best_value = (max if objective.mode == "max" else min)(values) if values else math.nan
         metrics = result.metrics or {}
-        rows.append({
-            "trial_id": metrics.get("trial_id", trial_id),
-            **{key: result.config.get(key) for key in space_keys},
-            "evaluations": len(values),
-            objective.time_attr: reached,
-            f"best_{objective.metric}": best_value,
-            "stopped_early": reached < objective.max_t - 1e-9 and result.error is None,
-            "error": str(result.error).splitlines()[0] if result.error else "",
-        })  # fmt: skip
+        rows.append(
+            {
+                "trial_id": metrics.get("trial_id", trial_id),
+                **{key: result.config.get(key) for key in space_keys},
+                "evaluations": len(values),
+                objective.time_attr: reached,
+                f"best_{objective.metric}": best_value,
+                "stopped_early": reached < objective.max_t - 1e-9 and result.error is None,
+                "error": str(result.error).splitlines()[0] if result.error else "",
+            }
+        )
         label = f"{rows[-1]['trial_id']} lr={result.config.get('lr', math.nan):.2g}"
         for when, value in evaluated:
             curves.append({objective.time_attr: float(when), label: float(value)})
@@ -432,9 +451,12 @@ def write_sweep_outputs(
     if curves:
         names = sorted({key for row in curves for key in row if key != objective.time_attr})
         plot_curves(
-            sweep_dir.join(TRIALS_PICTURE), curves, [(objective.metric, names)], x=objective.time_attr,
+            sweep_dir.join(TRIALS_PICTURE),
+            curves,
+            [(objective.metric, names)],
+            x=objective.time_attr,
             title=f"sweep {settings.sweep_name}: {objective.metric} by trial",
-        )  # fmt: skip
+        )
     finished = [row for row in rows if not math.isnan(row[f"best_{objective.metric}"])]
     if not finished:
         raise RuntimeError(
@@ -467,8 +489,10 @@ def print_outcome(outcome: Mapping[str, Any], metric: str) -> None:
         f"sweep {outcome['sweep']}: {outcome['trials']} trials, {outcome['stopped_early']} stopped "
         f"early by ASHA, {outcome['errored']} failed"
     )
-    print(f"best trial {outcome['best_trial']}: {metric} {outcome[f'best_{metric}']:.4f} with "
-          f"{json.dumps(outcome['best_config'])}")  # fmt: skip
+    print(
+        f"best trial {outcome['best_trial']}: {metric} {outcome[f'best_{metric}']:.4f} with "
+        f"{json.dumps(outcome['best_config'])}"
+    )
     print(f"train it in full:\n  {outcome['command']}")
     print(f"  (the same outside this environment:\n  {with_interpreter(outcome['command'])})")
     print(f"results: {outcome['results_csv']}\ncurves: {outcome['curves_png']}")

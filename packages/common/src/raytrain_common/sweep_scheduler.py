@@ -107,5 +107,6 @@ class ResumableASHA(ASHAScheduler):
         self._values_written = self._value_count()
         log.info(
             "ASHA: %d evaluations of %d trials from before the interruption are back in its rungs",
-            self._values_written, len(trials),
-        )  # fmt: skip
+            self._values_written,
+            len(trials),
+        )

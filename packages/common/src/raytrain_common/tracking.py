@@ -467,28 +467,6 @@ def open_for_config(
     )
 
 
-def metric_history(storage: StoragePath, experiment: str, run_dir: StoragePath, key: str) -> dict:
-    """What the default store holds for a run folder: {"runs": MLflow runs tracking it, "steps":
-    [(step, value), …] of `key` in the first}. For checks and scripts; the UI shows the same."""
-    uri = default_tracking_uri(storage)
-    if uri is None:
-        raise ValueError(f"no default MLflow store for {storage.uri}")
-    mlflow_client = client(uri)
-    found = mlflow_client.get_experiment_by_name(experiment)
-    if found is None:
-        return {"runs": [], "steps": []}
-    quoted = run_dir.uri.replace("'", "\\'")
-    runs = mlflow_client.search_runs(
-        [found.experiment_id], filter_string=f"tags.`{RUN_DIR_TAG}` = '{quoted}'"
-    )
-    steps = (
-        [(m.step, m.value) for m in mlflow_client.get_metric_history(runs[0].info.run_id, key)]
-        if runs
-        else []
-    )
-    return {"runs": runs, "steps": steps}
-
-
 def finish_for_summary(tracked: TrackedRun | None, run_dir: StoragePath, summary: Mapping) -> None:
     """The end every pipeline's run shares: its summary, metrics table and curves attached, the
     best and latest checkpoints' URIs as tags, the test metrics of the chosen checkpoint (the

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from hf_finetune.data import download_vader, read_vader
-from raytrain_common.scaling import ScalePoint, run_measured, scaling_table
+from raytrain_testkit.scaling import ScalePoint, run_measured, scaling_table
 
 GLOBAL_BATCH = 32
 LOG_EVERY = 10  # steps per progress window
@@ -54,16 +54,33 @@ def measure(
     prepare_mb, prepare_s = run_measured(
         "hf_finetune",
         ["prepare", "--dataset", str(source), "--data-dir", str(data_dir)],
-        root / f"prepare-{scale}x.json", env,
-    )  # fmt: skip
+        root / f"prepare-{scale}x.json",
+        env,
+    )
     run_measured(
         "hf_finetune",
-        ["train", "--data-dir", str(data_dir), "--storage-path", str(root),
-         "--run-name", f"bench-{scale}x", "--epochs", "1", "--stop-at-step", str(steps),
-         "--global-batch-size", str(GLOBAL_BATCH), "--log-every-steps", str(LOG_EVERY),
-         "--tracking", "none"],
-        root / f"train-{scale}x.json", env,
-    )  # fmt: skip
+        [
+            "train",
+            "--data-dir",
+            str(data_dir),
+            "--storage-path",
+            str(root),
+            "--run-name",
+            f"bench-{scale}x",
+            "--epochs",
+            "1",
+            "--stop-at-step",
+            str(steps),
+            "--global-batch-size",
+            str(GLOBAL_BATCH),
+            "--log-every-steps",
+            str(LOG_EVERY),
+            "--tracking",
+            "none",
+        ],
+        root / f"train-{scale}x.json",
+        env,
+    )
     summary = json.loads((root / f"bench-{scale}x" / "summary.json").read_text())
     return ScalePoint(
         scale=scale,

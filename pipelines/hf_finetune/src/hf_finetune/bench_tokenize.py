@@ -127,8 +127,10 @@ def main(argv: list[str] | None = None) -> int:
                 shutil.rmtree(root / folder, ignore_errors=True)
 
     rows = table.num_rows
-    print(f"\n{rows:,} sentences, max {args.max_length} tokens, {os.cpu_count()} cores; "
-          f"Ray start-up {ray_start_s:.1f} s and first-dataset warm-up {ray_warm_up_s:.1f} s (apart)")  # fmt: skip
+    print(
+        f"\n{rows:,} sentences, max {args.max_length} tokens, {os.cpu_count()} cores; "
+        f"Ray start-up {ray_start_s:.1f} s and first-dataset warm-up {ray_warm_up_s:.1f} s (apart)"
+    )
     print("| round | datasets.map rows/s | Ray Data rows/s | ratio (Ray ÷ datasets) |")
     print("| --- | --- | --- | --- |")
     for round_index, baseline_s, ray_s in results:

@@ -192,12 +192,18 @@ def cpu_sweep_preset() -> SweepConfig:
     """6 trials of one worker each, two at a time, on 1,024 training sentences for 3 epochs (ASHA
     compares validation F1 after each): ~10 minutes on a 2-core box."""
     return SweepConfig(
-        **dataclasses.asdict(cpu_preset()) | {"epochs": 3, "limit_train_rows": 1024,
-                                              "limit_val_rows": 512},
+        **dataclasses.asdict(cpu_preset())
+        | {"epochs": 3, "limit_train_rows": 1024, "limit_val_rows": 512},
         sweep_name=SWEEP_NAME,
-        num_samples=6, max_concurrent_trials=2, workers_per_trial=1, lr_min=1e-6, lr_max=5e-4,
-        batch_sizes="16,32", warmup_fractions="0,0.1", weight_decays="0,0.01",
-    )  # fmt: skip
+        num_samples=6,
+        max_concurrent_trials=2,
+        workers_per_trial=1,
+        lr_min=1e-6,
+        lr_max=5e-4,
+        batch_sizes="16,32",
+        warmup_fractions="0,0.1",
+        weight_decays="0,0.01",
+    )
 
 
 def gpu_sweep_preset() -> SweepConfig:
@@ -206,9 +212,15 @@ def gpu_sweep_preset() -> SweepConfig:
     return SweepConfig(
         **dataclasses.asdict(gpu_preset()),
         sweep_name=SWEEP_NAME,
-        num_samples=16, max_concurrent_trials=4, workers_per_trial=1, lr_min=1e-5, lr_max=3e-4,
-        batch_sizes="32,64,128", warmup_fractions="0,0.1", weight_decays="0,0.01",
-    )  # fmt: skip
+        num_samples=16,
+        max_concurrent_trials=4,
+        workers_per_trial=1,
+        lr_min=1e-5,
+        lr_max=3e-4,
+        batch_sizes="32,64,128",
+        warmup_fractions="0,0.1",
+        weight_decays="0,0.01",
+    )
 
 
 SWEEP_PRESETS = {"cpu": cpu_sweep_preset(), "gpu": gpu_sweep_preset()}

@@ -488,20 +488,6 @@ def inspect_dataset(data_dir: StoragePath) -> DatasetInfo:
     return info
 
 
-def read_split(data_dir: StoragePath, split: str, limit: int | None = None) -> pa.Table:
-    """One pre-tokenised split as an Arrow table (input_ids, length, label, text)."""
-    tables = []
-    for file in data_dir.join(split).list_files(".parquet"):
-        with file.filesystem.open_input_file(file.path) as stream:
-            tables.append(pq.read_table(stream))
-    if not tables:
-        raise DataError(f"no Parquet files in {data_dir.uri}/{split}: rerun `hf-finetune prepare`")
-    table = pa.concat_tables(tables)
-    # Ray Data writes blocks in completion order: sort by the row id so every worker sees one order.
-    table = table.sort_by("row")
-    return table.slice(0, limit) if limit is not None else table
-
-
 def read_labels(data_dir: StoragePath, split: str) -> np.ndarray:
     """One split's class ids, read from the label column alone, a file at a time."""
     labels = []
@@ -535,7 +521,13 @@ def load_source(options: PrepareConfig, download_dir: Path) -> tuple[list[RawPar
     return read_hub(options.dataset, options.dataset_config), options.dataset
 
 
-SPLIT_NAMES = {"train": "train", "validation": "validation", "valid": "validation", "dev": "validation", "test": "test"}  # fmt: skip
+SPLIT_NAMES = {
+    "train": "train",
+    "validation": "validation",
+    "valid": "validation",
+    "dev": "validation",
+    "test": "test",
+}
 
 
 @dataclass(frozen=True)
@@ -582,9 +574,14 @@ def place_rows(
             log.warning(
                 "%s: %d rows, not the %d that --%s-fraction %.2f gives, so it holds one batch of "
                 "%d (or %.0f %% of a small dataset)",
-                split, size, round(rows * fraction), split, fraction,
-                MIN_HELD_OUT_ROWS, 100 * MAX_HELD_OUT_SHARE,
-            )  # fmt: skip
+                split,
+                size,
+                round(rows * fraction),
+                split,
+                fraction,
+                MIN_HELD_OUT_ROWS,
+                100 * MAX_HELD_OUT_SHARE,
+            )
     strata = seen[pool].strata.ids(sorted(seen[pool].strata.values))
     for split, chosen in split_indices(rows, strata, fractions, options.seed).items():
         placements[pool].split[chosen] = SPLITS.index(split)
@@ -709,8 +706,10 @@ def prepare(
     if marker.exists():
         existing = inspect_dataset(data_dir)
         same = (existing.tokenizer_sha256, existing.max_length, existing.seed) == (
-            fingerprint, options.max_length, options.seed,
-        )  # fmt: skip
+            fingerprint,
+            options.max_length,
+            options.seed,
+        )
         if not force and same and existing.source.startswith(_source_prefix(options)):
             log.info("dataset at %s is prepared already; --force rewrites it", data_dir.uri)
             return existing
@@ -728,7 +727,9 @@ def prepare(
     seen = [read_labels_of(part, options, stratify) for part in parts]
     names = label_names(seen, options.label_column)
     placements = place_rows(parts, seen, options)
-    counts = {split: int(sum((p.split == i).sum() for p in placements)) for i, split in enumerate(SPLITS)}  # fmt: skip
+    counts = {
+        split: int(sum((p.split == i).sum() for p in placements)) for i, split in enumerate(SPLITS)
+    }
     for split, count in counts.items():
         if count == 0:
             raise DataError(
@@ -754,9 +755,13 @@ def prepare(
             token_stats[split] = asdict(stats)
             log.info(
                 "%s: %d rows, token length p50 %d / p99 %d, %.2f%% truncated at %d",
-                split, stats.rows, stats.length_p50, stats.length_p99,
-                100 * stats.truncated_share, options.max_length,
-            )  # fmt: skip
+                split,
+                stats.rows,
+                stats.length_p50,
+                stats.length_p99,
+                100 * stats.truncated_share,
+                options.max_length,
+            )
         raw.filesystem.delete_dir(raw.path)
         info = DatasetInfo(
             source=source,

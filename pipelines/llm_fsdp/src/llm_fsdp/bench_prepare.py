@@ -71,10 +71,19 @@ def ray_data_actors(shards: DocumentShards, out: Path, tokenizer: str, block_len
     )
     eos = AutoTokenizer.from_pretrained(tokenizer).eos_token_id
     tokens = resolve_storage(out / "documents")
-    pretokenize(dataset, tokens, tokenizer_path=tokenizer, text_column="text", max_length=None,
-                keep_columns=["doc"], eos_id=eos, batch_size=4)  # fmt: skip
-    stats = pack_blocks(tokens, resolve_storage(out / "blocks"), block_size=block_len,
-                        order_column="doc")  # fmt: skip
+    pretokenize(
+        dataset,
+        tokens,
+        tokenizer_path=tokenizer,
+        text_column="text",
+        max_length=None,
+        keep_columns=["doc"],
+        eos_id=eos,
+        batch_size=4,
+    )
+    stats = pack_blocks(
+        tokens, resolve_storage(out / "blocks"), block_size=block_len, order_column="doc"
+    )
     return stats.tokens
 
 
@@ -99,8 +108,13 @@ def datasets_map(shards: DocumentShards, out: Path, tokenizer: str, block_len: i
     def tokenise(batch: dict[str, list[str]]) -> dict[str, list[list[int]]]:
         return {"ids": [[*ids, hf.eos_token_id] for ids in hf(batch["text"])["input_ids"]]}
 
-    mapped = corpus.map(tokenise, batched=True, batch_size=16, num_proc=os.cpu_count(),
-                        remove_columns=corpus.column_names)  # fmt: skip
+    mapped = corpus.map(
+        tokenise,
+        batched=True,
+        batch_size=16,
+        num_proc=os.cpu_count(),
+        remove_columns=corpus.column_names,
+    )
     writer = TokenFileWriter(out / TOKEN_FILE, block_len, len(hf))
     for batch in mapped.with_format("arrow").iter(batch_size=64):
         writer.append(batch.column("ids").combine_chunks().flatten().to_numpy())
@@ -162,10 +176,14 @@ def main(argv: list[str] | None = None) -> int:
     counts = {tokens for tokens, _ in results.values()}
     assert len(counts) == 1, f"the paths tokenised different token counts: {results}"
     chars = sum(map(len, works)) * args.copies
-    print(f"\n{args.copies} × Shakespeare ({chars / 1e6:.0f} M characters, {counts.pop():,} "
-          f"{args.tokenizer} tokens), {len(shards)} documents, {os.cpu_count()} cores")  # fmt: skip
-    print(f"reading the {args.copies * len(works)} files into document shards: {read_s:.1f} s, "
-          f"{chars / read_s / 1e6:.1f} M characters/s (not part of the table)")  # fmt: skip
+    print(
+        f"\n{args.copies} × Shakespeare ({chars / 1e6:.0f} M characters, {counts.pop():,} "
+        f"{args.tokenizer} tokens), {len(shards)} documents, {os.cpu_count()} cores"
+    )
+    print(
+        f"reading the {args.copies * len(works)} files into document shards: {read_s:.1f} s, "
+        f"{chars / read_s / 1e6:.1f} M characters/s (not part of the table)"
+    )
     print("| path | seconds | tokens/s | this version ÷ it |")
     print("|---|---:|---:|---:|")
     ours = results["Ray tasks (this version)"][1]

@@ -256,12 +256,21 @@ def cpu_sweep_preset() -> SweepConfig:
     """The learning rate of the tiny preset: 6 trials of one worker, two at a time, 150 steps
     each, ASHA comparing the validation loss every 25 steps."""
     return SweepConfig(
-        **dataclasses.asdict(cpu_preset()) | {"max_steps": 150, "warmup_steps": 15,
-                                              "eval_every_steps": 25, "checkpoint_every_steps": 25},
+        **dataclasses.asdict(cpu_preset())
+        | {
+            "max_steps": 150,
+            "warmup_steps": 15,
+            "eval_every_steps": 25,
+            "checkpoint_every_steps": 25,
+        },
         sweep_name=SWEEP_NAME,
-        num_samples=6, max_concurrent_trials=2, workers_per_trial=1, lr_min=3e-4, lr_max=3e-2,
+        num_samples=6,
+        max_concurrent_trials=2,
+        workers_per_trial=1,
+        lr_min=3e-4,
+        lr_max=3e-2,
         grace_period=25,
-    )  # fmt: skip
+    )
 
 
 def gpu_sweep_preset() -> SweepConfig:
@@ -269,9 +278,13 @@ def gpu_sweep_preset() -> SweepConfig:
     return SweepConfig(
         **dataclasses.asdict(gpu_preset()),
         sweep_name=SWEEP_NAME,
-        num_samples=8, max_concurrent_trials=4, workers_per_trial=1, lr_min=1e-4, lr_max=3e-3,
+        num_samples=8,
+        max_concurrent_trials=4,
+        workers_per_trial=1,
+        lr_min=1e-4,
+        lr_max=3e-3,
         grace_period=10,
-    )  # fmt: skip
+    )
 
 
 SWEEP_PRESETS = {"cpu": cpu_sweep_preset(), "gpu": gpu_sweep_preset()}

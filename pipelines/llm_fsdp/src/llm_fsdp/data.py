@@ -652,8 +652,9 @@ def split_by_characters(
     log.warning(
         "%d document(s) cannot fill a validation block of --seq-len tokens: holding out the last "
         "%.1f %% of every document instead",
-        len(documents), 100 * share,
-    )  # fmt: skip
+        len(documents),
+        100 * share,
+    )
     return {
         "train": [d for d in train if d.strip()],
         "validation": [d for d in validation if d.strip()],
@@ -911,10 +912,17 @@ def prepare(
             log.info(
                 "%s: %d documents, %d tokens → %d blocks of %d (%d tokens dropped); tokenised by "
                 "%d tasks on %d node(s) and packed in %.1f s (%.0f tokens/s)",
-                name, stats.documents, stats.tokens, stats.blocks, seq_len + 1, stats.tokens_dropped,
-                len(shard_tokens), len({c.node for c in shard_tokens}), seconds,
+                name,
+                stats.documents,
+                stats.tokens,
+                stats.blocks,
+                seq_len + 1,
+                stats.tokens_dropped,
+                len(shard_tokens),
+                len({c.node for c in shard_tokens}),
+                seconds,
                 stats.tokens / max(seconds, 1e-9),
-            )  # fmt: skip
+            )
             if stats.blocks == 0:
                 raise DataError(
                     f"the {name} split holds {stats.tokens:,} tokens ({documents_in[name]} "

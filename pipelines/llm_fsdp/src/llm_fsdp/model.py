@@ -24,9 +24,21 @@ log = logging.getLogger(__name__)
 
 # Llama shapes small enough to train from scratch on a laptop CPU (tiny) or one GPU (small).
 SIZE_PRESETS: dict[str, dict[str, int]] = {
-    "tiny": {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4},
-    "small": {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 12, "num_attention_heads": 9, "num_key_value_heads": 3},
-}  # fmt: skip
+    "tiny": {
+        "hidden_size": 256,
+        "intermediate_size": 768,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+    },
+    "small": {
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+    },
+}
 SMOLLM2 = "smollm2"
 SMOLLM2_FOLDER = "models/smollm2-135m"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -12,7 +12,13 @@ from raytrain_common.pipeline_profiles import PipelineProfile
 
 # SmolLM2-135M's published shape, for a forecast before `prepare --tokenizer smollm2` has converted
 # it, and the sequence length and vocabulary assumed before `prepare` has written the dataset's own.
-SMOLLM2_SHAPE = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3}  # fmt: skip
+SMOLLM2_SHAPE = {
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+}
 DEFAULT_DATA = {"seq_len": 256, "vocab_size": 49152, "eos_id": 0}
 SMOLLM2_SEQ_LEN = 1024
 

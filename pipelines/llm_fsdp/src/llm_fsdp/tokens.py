@@ -215,8 +215,11 @@ def cached_copy(source: StoragePath) -> Path:
         if not target.exists():
             log.info(
                 "copying %s (%.2f GB) to this node's cache %s: object storage is read once per "
-                "node", source.uri, info.size / 1e9, target,
-            )  # fmt: skip
+                "node",
+                source.uri,
+                info.size / 1e9,
+                target,
+            )
             partial = target.with_name(f"{target.name}.{own_suffix()}")
             try:
                 with (

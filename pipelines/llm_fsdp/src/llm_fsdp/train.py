@@ -307,8 +307,10 @@ def resume_or_start(
     if rank == 0:
         log.info(
             "resumed at step %d (written by %d worker(s)) on %d worker(s)",
-            run.step, state["world_size"], world,
-        )  # fmt: skip
+            run.step,
+            state["world_size"],
+            world,
+        )
     return run
 
 
@@ -337,11 +339,15 @@ def window_row(
     if dist.get_rank() == 0:
         log.info(
             "step %d/%d  loss %.4f  lr %.2e  %.0f tokens/s  %s%s%s",
-            step, config.max_steps, row["train_loss"], row["lr"], rate.items_per_s,
+            step,
+            config.max_steps,
+            row["train_loss"],
+            row["lr"],
+            rate.items_per_s,
             eta(config.max_steps - step, rate.seconds_per_step),
             f"  MFU {row['mfu']:.1%}" if "mfu" in row else "",
             f"  peak {row['peak_memory_gb']:.1f} GiB" if "peak_memory_gb" in row else "",
-        )  # fmt: skip
+        )
     return row
 
 
@@ -463,9 +469,14 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             row: dict[str, float] = {"step": step}
             if step % config.log_every_steps == 0 or step == last_step:
                 row |= window_row(
-                    step, meter.window(), window_loss, grad_norm,
-                    micro * config.grad_accum_steps * info.seq_len, config, device,
-                )  # fmt: skip
+                    step,
+                    meter.window(),
+                    window_loss,
+                    grad_norm,
+                    micro * config.grad_accum_steps * info.seq_len,
+                    config,
+                    device,
+                )
                 window_loss.zero_()
             due = checkpoints.due(step, run.faults)  # on every rank: may ask Ray (a barrier)
             with meter.paused():  # evaluation and checkpoints are left out of tokens/s
@@ -560,8 +571,13 @@ def run(config: TrainConfig, callbacks: Sequence[UserCallback] = ()) -> dict[str
     )
     log.info(
         "training %s (FSDP2) on %d blocks of %d tokens, %d worker(s), %d steps; run folder %s",
-        spec.name, info.blocks("train"), info.seq_len, config.num_workers, config.max_steps, storage.join(config.run_name),
-    )  # fmt: skip
+        spec.name,
+        info.blocks("train"),
+        info.seq_len,
+        config.num_workers,
+        config.max_steps,
+        storage.join(config.run_name),
+    )
     run_dir = storage.join(config.run_name)
     with failed_on_error(tracked):
         result = fit(trainer, config.storage_path)

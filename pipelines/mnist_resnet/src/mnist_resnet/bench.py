@@ -115,8 +115,9 @@ def run_previous_version(commit: str, config: TrainConfig, storage: Path) -> flo
         tree = Path(folder) / "tree"
         subprocess.run(
             ["git", "-C", str(REPOSITORY), "worktree", "add", "--detach", str(tree), commit],
-            check=True, capture_output=True,
-        )  # fmt: skip
+            check=True,
+            capture_output=True,
+        )
         try:
             sources = [*sorted(tree.glob("pipelines/*/src")), tree / "packages" / "common" / "src"]
             env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
@@ -125,18 +126,39 @@ def run_previous_version(commit: str, config: TrainConfig, storage: Path) -> flo
             command = [sys.executable, "-m", "mnist_resnet"]
             subprocess.run([*command, "prepare", "--data-dir", str(data)], env=env, check=True)
             subprocess.run(
-                [*command, "train", "--preset", "cpu", "--data-dir", str(data),
-                 "--storage-path", str(storage), "--run-name", f"{RUN_NAME}_previous",
-                 "--epochs", str(config.epochs), "--limit-train-rows", str(config.limit_train_rows),
-                 "--limit-val-rows", "1000", "--limit-test-rows", "1000", "--tracking", "none",
-                 "--num-workers", str(config.num_workers)],
-                env=env, check=True,
-            )  # fmt: skip
+                [
+                    *command,
+                    "train",
+                    "--preset",
+                    "cpu",
+                    "--data-dir",
+                    str(data),
+                    "--storage-path",
+                    str(storage),
+                    "--run-name",
+                    f"{RUN_NAME}_previous",
+                    "--epochs",
+                    str(config.epochs),
+                    "--limit-train-rows",
+                    str(config.limit_train_rows),
+                    "--limit-val-rows",
+                    "1000",
+                    "--limit-test-rows",
+                    "1000",
+                    "--tracking",
+                    "none",
+                    "--num-workers",
+                    str(config.num_workers),
+                ],
+                env=env,
+                check=True,
+            )
         finally:
             subprocess.run(
                 ["git", "-C", str(REPOSITORY), "worktree", "remove", "--force", str(tree)],
-                check=False, capture_output=True,
-            )  # fmt: skip
+                check=False,
+                capture_output=True,
+            )
     summary = json.loads((storage / f"{RUN_NAME}_previous" / "summary.json").read_text())
     return float(summary["final"]["train_images_per_s"])
 

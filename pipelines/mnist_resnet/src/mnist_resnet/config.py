@@ -45,10 +45,11 @@ class PrepareConfig(DataLocation, ConsoleSettings):
         "Share of an image tree held out as the test split when it has no test/ folder (at least "
         "one batch of 64 while that is under 20 %% of the images).",
     )
-    val_fraction: float = option(
+    validation_fraction: float = option(
         0.1,
         "Share of the training data held out as the validation split that picks checkpoints, when "
         "the source has none (MNIST: about 6,000 of its 60,000; same floor as --test-fraction).",
+        deprecated=["--val-fraction"],
     )
     seed: int = option(0, "Seed of the carved splits and of the order rows are written in.")
     force: bool = option(False, "Rewrite a dataset prepared before.")
@@ -201,12 +202,18 @@ def cpu_sweep_preset() -> SweepConfig:
     """8 trials of one worker each, two at a time, on 6,144 training images for 3 epochs: ~10
     minutes on a 2-core box. ASHA compares the trials' validation accuracy after every epoch."""
     return SweepConfig(
-        **dataclasses.asdict(cpu_preset()) | {"epochs": 3, "limit_train_rows": 6144,
-                                              "limit_val_rows": 2000, "limit_test_rows": 2000},
+        **dataclasses.asdict(cpu_preset())
+        | {"epochs": 3, "limit_train_rows": 6144, "limit_val_rows": 2000, "limit_test_rows": 2000},
         sweep_name=SWEEP_NAME,
-        num_samples=8, max_concurrent_trials=2, workers_per_trial=1, lr_min=1e-3, lr_max=0.5,
-        batch_sizes="128,256", warmup_fractions="0.05,0.2", weight_decays="0,0.0005",
-    )  # fmt: skip
+        num_samples=8,
+        max_concurrent_trials=2,
+        workers_per_trial=1,
+        lr_min=1e-3,
+        lr_max=0.5,
+        batch_sizes="128,256",
+        warmup_fractions="0.05,0.2",
+        weight_decays="0,0.0005",
+    )
 
 
 def gpu_sweep_preset() -> SweepConfig:
@@ -215,9 +222,15 @@ def gpu_sweep_preset() -> SweepConfig:
     return SweepConfig(
         **dataclasses.asdict(gpu_preset()) | {"epochs": 4},
         sweep_name=SWEEP_NAME,
-        num_samples=16, max_concurrent_trials=4, workers_per_trial=1, lr_min=0.01, lr_max=0.4,
-        batch_sizes="256,512,1024", warmup_fractions="0.1,0.2", weight_decays="0,0.0005",
-    )  # fmt: skip
+        num_samples=16,
+        max_concurrent_trials=4,
+        workers_per_trial=1,
+        lr_min=0.01,
+        lr_max=0.4,
+        batch_sizes="256,512,1024",
+        warmup_fractions="0.1,0.2",
+        weight_decays="0,0.0005",
+    )
 
 
 SWEEP_PRESETS = {"cpu": cpu_sweep_preset(), "gpu": gpu_sweep_preset()}

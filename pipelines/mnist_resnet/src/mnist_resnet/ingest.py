@@ -198,9 +198,13 @@ class EvenTrainingEveryValidationRow(DataConfig):
     ranks may hold different numbers of rows there."""
 
     def configure(  # type: ignore[override]
-        self, datasets: dict[str, ray.data.Dataset], world_size: int, worker_handles: Any,
-        worker_node_ids: Any, **kwargs: Any,
-    ) -> list[dict[str, Any]]:  # fmt: skip
+        self,
+        datasets: dict[str, ray.data.Dataset],
+        world_size: int,
+        worker_handles: Any,
+        worker_node_ids: Any,
+        **kwargs: Any,
+    ) -> list[dict[str, Any]]:
         if set(datasets) != {VAL}:
             return super().configure(
                 datasets, world_size, worker_handles, worker_node_ids, **kwargs

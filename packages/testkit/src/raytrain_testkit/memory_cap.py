@@ -17,7 +17,7 @@ import contextlib
 import os
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -184,37 +184,3 @@ class CappedRun:
             f"of the baseline run: {self.baseline.largest()}; of the capped run: "
             f"{self.capped.largest()}"
         )
-
-
-# A command run against a cluster address → (exit code, its log).
-Run = Callable[[str], tuple[int, str]]
-
-
-@contextlib.contextmanager
-def capped_node(limit_mb: int = NO_CAP_MB) -> Iterator[tuple[str, MemoryCap]]:
-    """A fresh cluster of a head without CPUs and one 2-CPU node inside a cap of `limit_mb` (the
-    default only measures): the cluster's address, for drivers outside the node, and the cap."""
-    from raytrain_common.multinode import multinode_cluster  # it imports this module
-
-    cap = MemoryCap(limit_mb=limit_mb)
-    try:
-        with multinode_cluster(head_cpus=0, connect=False) as cluster:
-            cluster.add_node(cpus=2, memory_cap=cap)
-            yield cluster.address, cap
-    finally:
-        cap.close()
-
-
-def train_capped_after_baseline(baseline: Run, capped: Run, margin_mb: float) -> CappedRun:
-    """On a `capped_node`: `baseline` runs with no real limit and gives the most memory the node
-    held; `capped` then runs with the node capped at that plus `margin_mb`. Both are drivers
-    outside the node (subprocesses)."""
-    with capped_node() as (address, cap):
-        with cap.sampling_held() as before:
-            code, log = baseline(address)
-        if code != 0:
-            raise RuntimeError(f"the baseline run failed (exit {code}):\n{log[-3000:]}")
-        cap.set_limit(int(before.peak_mb + margin_mb))
-        with cap.sampling_held() as after:
-            code, log = capped(address)
-        return CappedRun(before, after, cap.limit_mb, cap.oom_kills, code, log)

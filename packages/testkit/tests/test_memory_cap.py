@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from raytrain_common.memory_cap import MemoryCap, unavailable
+from raytrain_testkit.memory_cap import MemoryCap, unavailable
 
 pytestmark = pytest.mark.skipif(unavailable() is not None, reason=f"{unavailable()}")
 

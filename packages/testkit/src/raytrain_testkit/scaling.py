@@ -7,7 +7,7 @@ memory of the `prepare` process and of the largest training worker at the larges
 smallest, a worker's growth in bytes per item of data (token, image, sentence), and the training
 throughput at the largest size ÷ at the smallest.
 
-`python -m raytrain_common.scaling OUT -m MODULE ARGS…` runs `python -m MODULE ARGS…` in this
+`python -m raytrain_testkit.scaling OUT -m MODULE ARGS…` runs `python -m MODULE ARGS…` in this
 process and writes its peak resident memory to OUT (JSON) when it ends: the measure of a command's
 own memory, without the Ray processes it starts (those are measured inside the workers:
 summary.json's `worker_peak_rss_mb`).
@@ -45,7 +45,7 @@ def run_measured(
     """Run `python -m module args` as its own process; its peak resident MiB and its seconds."""
     started = time.perf_counter()
     done = subprocess.run(
-        [sys.executable, "-m", "raytrain_common.scaling", str(out), "-m", module, *args],
+        [sys.executable, "-m", "raytrain_testkit.scaling", str(out), "-m", module, *args],
         env=dict(env) if env is not None else None,
         capture_output=True,
         text=True,
@@ -95,7 +95,7 @@ def scaling_table(pipeline: str, unit: str, points: list[ScalePoint]) -> str:
 def main(argv: list[str]) -> int:
     """OUT -m MODULE ARGS…: run the module as `python -m` would, then record the peak memory."""
     if len(argv) < 3 or argv[1] != "-m":
-        print("usage: python -m raytrain_common.scaling OUT -m MODULE [ARGS…]", file=sys.stderr)
+        print("usage: python -m raytrain_testkit.scaling OUT -m MODULE [ARGS…]", file=sys.stderr)
         return 2
     out, module = Path(argv[0]), argv[2]
     sys.argv = [module, *argv[3:]]

@@ -1,0 +1,189 @@
+"""What the run reports, and when: the epoch's sums on every rank, throughput, the wait for data,
+rank 0's progress lines, curve points, metrics.csv and MLflow rows."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import ray.train
+import ray.train.torch
+import torch
+import torch.distributed as dist
+
+from mnist_resnet.config import TrainConfig
+from mnist_resnet.ingest import EpochRows
+from mnist_resnet.run_state import EpochPosition, RunState
+from raytrain_common.hardware import peak_memory_gb
+from raytrain_common.loop import ThroughputMeter, startup_seconds
+from raytrain_common.metrics import METRICS_FILE, eta, write_metrics_csv
+from raytrain_common.storage import StoragePath
+from raytrain_common.tracking import rank_zero_sink
+
+log = logging.getLogger("mnist_resnet")
+
+# The first steps of an epoch include warm-up (allocator, kernels); throughput skips them.
+THROUGHPUT_SKIP_STEPS = 5
+
+
+class EpochTotals:
+    """This rank's running sums of the epoch (loss, correct, images) and of the logging interval,
+    kept on the device: reading them makes the host wait, so they are read when a line is logged."""
+
+    def __init__(self, device: torch.device, rank: int, carried: EpochPosition | None) -> None:
+        carried = carried or EpochPosition()
+        # Sums from before a resume live on rank 0 only, so the all-reduce counts them once.
+        on_this_rank = carried if rank == 0 else EpochPosition()
+        self.sums = torch.tensor(
+            [on_this_rank.loss_sum, on_this_rank.correct, on_this_rank.seen], device=device
+        )
+        self.interval = torch.zeros(2, device=device)  # summed micro-batch losses, micro-batches
+        self.train_s_before = carried.train_s
+        self.started = time.perf_counter()
+
+    def add(self, logits: torch.Tensor, loss: torch.Tensor, labels: torch.Tensor) -> None:
+        detached = loss.detach().float()
+        self.sums += torch.stack(
+            [
+                detached * len(labels),
+                (logits.argmax(dim=1) == labels).sum().float(),
+                torch.tensor(float(len(labels)), device=labels.device),
+            ]
+        )
+        self.interval += torch.stack([detached, torch.ones_like(detached)])
+
+    def interval_loss(self) -> float:
+        """Mean micro-batch loss since the last call, on this rank."""
+        loss_sum, batches = self.interval.tolist()
+        self.interval.zero_()
+        return loss_sum / max(batches, 1)
+
+    def position(self, step_in_epoch: int, rows: EpochRows | None = None) -> EpochPosition:
+        """The epoch's sums over every rank, and its rows trained when `rows` is given (a
+        collective: every rank calls it)."""
+        totals = self.sums.clone()
+        if dist.is_initialized():
+            dist.all_reduce(totals)
+        loss_sum, correct, seen = totals.tolist()
+        train_s = self.train_s_before + time.perf_counter() - self.started
+        trained = None if rows is None else torch.from_numpy(rows.merged(totals.device))
+        return EpochPosition(step_in_epoch, loss_sum, correct, seen, train_s, trained)
+
+
+class MetricsLogger:
+    """What the run reports. Every rank keeps the epoch's sums (loss, accuracy, images), the
+    throughput meter and its wait for data; rank 0 writes the progress lines, the curve points,
+    metrics.csv and the MLflow rows (through the sink, which never blocks a step)."""
+
+    def __init__(
+        self, loop_config: dict[str, Any], run: RunState, run_dir: StoragePath, steps: int
+    ) -> None:
+        self.config = TrainConfig(**loop_config["config"])
+        self.rank = ray.train.get_context().get_world_rank()
+        self.device = ray.train.torch.get_device()
+        self.launched_at, self.run_dir, self.steps = loop_config["launched_at"], run_dir, steps
+        self.totals = EpochTotals(self.device, self.rank, run.position)
+        self.meter = ThroughputMeter(
+            self.config.global_batch_size, warmup_steps=THROUGHPUT_SKIP_STEPS
+        )
+        self.sink = rank_zero_sink(loop_config, self.rank)
+        self.data_wait_s, self.lr = 0.0, 0.0
+        self.epoch_sums, self.epoch_rate = EpochPosition(), 0.0  # the epoch just ended
+
+    def timed(
+        self, batches: Iterable[dict[str, torch.Tensor]]
+    ) -> Iterator[dict[str, torch.Tensor]]:
+        """An epoch's batches, timing this rank's wait for each (about none when ingest keeps up)."""
+        self.data_wait_s = 0.0
+        iterator = iter(batches)
+        while True:
+            started = time.perf_counter()
+            batch = next(iterator, None)
+            self.data_wait_s += time.perf_counter() - started
+            if batch is None:
+                return
+            yield batch
+
+    def step_end(self, run: RunState, lr: float) -> None:
+        """Count the step; rank 0's progress line every --log-every-steps and at an epoch's end;
+        at an epoch's end, its training sums over every rank (a collective: every rank calls)."""
+        self.meter.step()
+        self.lr = lr
+        if run.startup_s is None:
+            run.startup_s = startup_seconds(self.launched_at, self.rank)
+        epoch_end = run.step % self.steps == 0
+        if self.rank == 0 and (run.step % self.config.log_every_steps == 0 or epoch_end):
+            self.sink.log(self.interval_row(run), run.step)
+        if epoch_end:
+            self.epoch_sums = self.totals.position(self.steps)
+            self.epoch_rate = self.meter.steady().items_per_s
+            loss = self.epoch_sums.loss_sum / self.epoch_sums.seen
+            if not math.isfinite(loss):  # every rank sees the same reduced value and stops alike
+                raise FloatingPointError(
+                    f"mean training loss of epoch {run.step // self.steps} is {loss}; lower --lr, "
+                    "or set --grad-clip-norm"
+                )
+
+    def interval_row(self, run: RunState) -> dict[str, float]:
+        """Rank 0's progress line and curve point for the steps since the last one."""
+        loss, step, steps = self.totals.interval_loss(), run.step, self.steps
+        if not math.isfinite(loss):
+            raise FloatingPointError(
+                f"rank 0: loss is {loss} at step {step}; lower --lr, or set --grad-clip-norm"
+            )
+        rate = self.meter.window()
+        run.step_log.append({"epoch": step / steps, "train_loss_interval": loss})
+        position = f"epoch {(step - 1) // steps + 1} step {(step - 1) % steps + 1}/{steps}"
+        remaining = eta(self.config.epochs * steps - step, rate.seconds_per_step)
+        log.info(
+            "%s  loss %.4f  lr %.4g  %.0f img/s  %s",
+            *(position, loss, self.lr, rate.items_per_s, remaining),
+        )
+        return {"train_loss_interval": loss, "lr": self.lr}
+
+    def epoch_row(self, run: RunState, validation: dict[str, float]) -> dict[str, float]:
+        """The ended epoch's row of metrics.csv and MLflow (in the store before the checkpoint's
+        report: a sweep may stop the trial on it)."""
+        sums = self.epoch_sums
+        row = {
+            "epoch": run.step // self.steps,
+            "step": run.step,
+            "train_loss": sums.loss_sum / sums.seen,
+            "train_accuracy": sums.correct / sums.seen,
+            "train_images_per_s": self.epoch_rate,
+            "train_s": sums.train_s,
+            **validation,
+            "lr": self.lr,
+        }
+        if (memory := peak_memory_gb(self.device)) is not None:
+            row["peak_memory_gb"] = memory  # on a GPU
+        row["data_wait_share"] = self.data_wait_s / max(sums.train_s, 1e-9)
+        if self.rank == 0:
+            log.info(
+                "epoch %d/%d  train loss %.4f  val loss %.4f  val accuracy %.4f  %.0f img/s",
+                *(row["epoch"], self.config.epochs, row["train_loss"], row["val_loss"]),
+                *(row["val_accuracy"], row["train_images_per_s"]),
+            )
+        run.history.append(row)
+        self.sink.log(row, run.step)
+        self.sink.flush()
+        return row
+
+    def next_epoch(self, run: RunState) -> None:
+        """After the epoch's checkpoint was reported, so metrics.csv never lists an epoch without
+        its checkpoint: rank 0 rewrites it; every rank starts the next epoch's sums and meter."""
+        if self.rank == 0:
+            write_metrics_csv(self.run_dir.join(METRICS_FILE), run.history)
+        self.totals = EpochTotals(self.device, self.rank, None)
+        self.meter.restart()
+
+    def paused(self) -> contextlib.AbstractContextManager[None]:
+        """Time spent inside (a mid-epoch checkpoint) is left out of the rates."""
+        return self.meter.paused()
+
+    def close(self) -> None:
+        self.sink.close()  # sends what rank 0 queued (bounded wait)

@@ -1,0 +1,137 @@
+"""What `train` leaves once the run ends: the chosen checkpoint's test metrics (evaluated once),
+curves.png and summary.json, read from the checkpointed history (so resumed runs are whole)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any
+
+import ray
+import ray.train
+
+from mnist_resnet import __version__
+from mnist_resnet.checkpointer import SCORE
+from mnist_resnet.config import TrainConfig
+from mnist_resnet.data import DatasetInfo
+from mnist_resnet.predict import checkpoint_test_metrics
+from raytrain_common.checkpoint import best_complete_checkpoint, load_state
+from raytrain_common.faults import FaultLog
+from raytrain_common.metrics import (
+    CURVES_FILE,
+    METRICS_FILE,
+    SUMMARY_FILE,
+    package_versions,
+    plot_curves,
+    write_metrics_csv,
+    write_summary,
+)
+from raytrain_common.runs import summary_header
+from raytrain_common.storage import StoragePath
+
+log = logging.getLogger("mnist_resnet")
+
+
+def evaluate_test_split_once(checkpoint_uri: str, config: TrainConfig) -> dict[str, Any]:
+    """The chosen checkpoint's test loss and accuracy. A GPU run's is evaluated in a Ray task on a
+    worker's resources (the driver may sit on a CPU-only head node); a CPU run's here, in the
+    driver: starting a Ray worker for it (its imports, ~4 s) costs more than the evaluation."""
+    started = time.perf_counter()
+    if config.use_gpu:
+        task = ray.remote(checkpoint_test_metrics).options(
+            num_cpus=config.cpus_per_worker,
+            num_gpus=1,
+            # Not inside the caller's placement group (a sweep trial's holds a tenth of a CPU): the
+            # run's workers have ended, their resources are free in the cluster.
+            scheduling_strategy="DEFAULT",
+        )
+        result: dict[str, Any] = ray.get(task.remote(checkpoint_uri, config.limit_test_rows))
+    else:
+        result = checkpoint_test_metrics(checkpoint_uri, config.limit_test_rows)
+    result["test_s"] = time.perf_counter() - started
+    log.info(
+        "test accuracy %.4f on %d images, checkpoint of epoch %d (chosen by %s)",
+        result["test_accuracy"],
+        result["test_rows"],
+        result["epoch"],
+        SCORE,
+    )
+    return result
+
+
+def write_run_outputs(
+    run_dir: StoragePath,
+    result: ray.train.Result,
+    config: TrainConfig,
+    info: DatasetInfo,
+    steps: int,
+    started: float,
+) -> dict[str, Any]:
+    """Curves PNG and summary.json from the checkpointed history (covers resumed runs too)."""
+    best = best_complete_checkpoint(result, SCORE, "max")
+    if result.checkpoint is None:
+        raise RuntimeError(f"run {config.run_name} finished without a checkpoint under {run_dir}")
+    with result.checkpoint.as_directory() as folder:
+        state = load_state(folder)
+    history = state["history"]
+    progress = {
+        "steps_done": state["step"],
+        "epochs_done": round(state["step"] / steps, 4),
+        "stopped_mid_epoch": state.get("position") is not None,
+        "startup_s": state.get("startup_s"),
+        "first_batch_s": state.get("first_batch_s"),
+        **FaultLog(**state.get("faults", {})).summary(),
+    }
+    if not history:  # stopped (--stop-at-step) before the first epoch ended
+        summary = {
+            **summary_header("mnist_resnet", __version__, config.run_name, run_dir),
+            **progress,
+        }
+        summary |= {"best": None, "latest_checkpoint": result.checkpoint.path}
+        write_summary(run_dir.join(SUMMARY_FILE), summary)
+        return summary
+    write_metrics_csv(run_dir.join(METRICS_FILE), history)
+    # Interval losses (x: fractional epoch) and per-epoch metrics share the plot's epoch axis.
+    plot_curves(
+        run_dir.join(CURVES_FILE),
+        sorted(state["step_log"] + history, key=lambda row: row["epoch"]),
+        [
+            ("loss", ["train_loss_interval", "val_loss"]),
+            ("accuracy", ["train_accuracy", "val_accuracy"]),
+        ],
+        title=f"{config.run_name}: ResNet18 on {info.source}",
+        log_y=["loss"],
+    )
+    if best is None:
+        raise RuntimeError(
+            f"run {config.run_name} has no complete evaluated checkpoint in {run_dir}"
+        )
+    # The history row of the chosen checkpoint's epoch (a torn best one is passed over for the next).
+    chosen = next(m["epoch"] for c, m in result.best_checkpoints if c.path == best.path)
+    best_row = next(row for row in history if row["epoch"] == chosen)
+    best_uri = run_dir.uri_for(best.path)
+    summary = {
+        **summary_header("mnist_resnet", __version__, config.run_name, run_dir),
+        **progress,
+        "final": history[-1],
+        "best": best_row,
+        "best_checkpoint": best_uri,
+        "test": evaluate_test_split_once(best_uri, config),
+        "latest_checkpoint": run_dir.uri_for(result.checkpoint.path),
+        "metrics_csv": run_dir.join(METRICS_FILE).uri,
+        "curves_png": run_dir.join(CURVES_FILE).uri,
+        "train_time_s": sum(row["train_s"] + row["val_s"] for row in history),
+        "compute_dtype": state.get("compute_dtype"),
+        "decoded_on": state.get("decoded_on", {}),
+        "worker_peak_rss_mb": state.get("worker_peak_rss_mb"),
+        "peak_memory_gb": max(
+            (r["peak_memory_gb"] for r in history if "peak_memory_gb" in r), default=None
+        ),
+        "wall_time_s": time.perf_counter() - started,
+        "config": dataclasses.asdict(config),
+        "dataset": dataclasses.asdict(info),
+        "versions": package_versions("torchvision"),
+    }
+    write_summary(run_dir.join(SUMMARY_FILE), summary)
+    return summary
