@@ -25,7 +25,7 @@ from hf_finetune.train import run
 from raytrain_common.configs import ConfigError
 from raytrain_common.metrics import read_metrics_csv
 from raytrain_common.storage import StoragePath, resolve_storage
-from raytrain_testkit.tracking import metric_history
+from raytrain_testkit.tracked_runs import metric_history
 from raytrain_testkit.vocabulary import METRIC_COLUMNS, summary_problems, unknown_names
 
 pytestmark = pytest.mark.ray

@@ -29,7 +29,7 @@ from raytrain_common.faults import read_progress
 from raytrain_common.metrics import read_metrics_csv
 from raytrain_common.ray_start import ResourceError
 from raytrain_common.storage import StorageError, StoragePath, resolve_storage
-from raytrain_testkit.tracking import metric_history
+from raytrain_testkit.tracked_runs import metric_history
 from raytrain_testkit.vocabulary import METRIC_COLUMNS, summary_problems, unknown_names
 
 pytestmark = pytest.mark.ray

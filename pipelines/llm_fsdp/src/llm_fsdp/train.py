@@ -7,6 +7,7 @@ sharded checkpoints, the per-worker loop, then the driver that checks everything
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -57,7 +58,6 @@ from raytrain_common.hardware import peak_bf16_flops, peak_memory_gb, workers_pe
 from raytrain_common.loop import (
     CheckpointPolicy,
     ProgressNotes,
-    Throughput,
     ThroughputMeter,
     ValidationPolicy,
     startup_seconds,
@@ -276,224 +276,258 @@ class RunState:
         return next((row for row in reversed(self.history) if "val_loss" in row), {})
 
 
-def resume_or_start(
-    model: NextTokenLoss,
-    optimizer: torch.optim.Optimizer,
-    run_dir: StoragePath,
-    driver_id: str,
-    checkpoints: CheckpointPolicy,
-) -> RunState:
-    """The newest complete checkpoint's state loaded into the model (resharded to this worker
-    count), or a fresh start; either way the restart, if this is one, recorded with its cause."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    checkpoint = resume_checkpoint(run_dir)
-    if checkpoint is None:
-        run = RunState()
-        if read_progress(run_dir) is not None:  # lost before its first checkpoint: starts over
-            run.faults.record_restart(0, run_dir, driver_id, None, world)
+# ---------------------------------------------------------------------------------------------
+# The loop's components: each decides when it acts, and acts
+# ---------------------------------------------------------------------------------------------
+
+
+class MetricsLogger:
+    """What the run reports: the window's loss and gradient norm (read once per window: the only
+    host syncs of the loop), tokens/s and MFU, peak memory, and rank 0's lines and MLflow rows."""
+
+    def __init__(
+        self, loop_config: dict[str, Any], model: NextTokenLoss, micro: int, last_step: int
+    ) -> None:
+        self.config = TrainConfig(**loop_config["config"])
+        self.seq_len = DatasetInfo(**loop_config["dataset"]).seq_len
+        self.launched_at, self.last_step = loop_config["launched_at"], last_step
+        self.device, self.rank = ray.train.torch.get_device(), dist.get_rank()
+        self.tokens_per_rank_step = micro * self.config.grad_accum_steps * self.seq_len
+        self.meter = ThroughputMeter(
+            self.config.global_batch_size * self.seq_len,
+            flops_per_item=model_flops_per_token(model, self.seq_len),
+            peak_flops=(peak_bf16_flops(self.device) or 0.0) * dist.get_world_size(),
+        )
+        self.window_loss = torch.zeros((), device=self.device)
+        self.sink = rank_zero_sink(loop_config, self.rank)
+        self.row: dict[str, float] = {}
+
+    def step_end(self, run: RunState, loss_sum: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        """Count the step; every --log-every-steps and at the last step, the window's row."""
+        self.window_loss += loss_sum
+        self.meter.step()
+        if run.startup_s is None:
+            run.startup_s = startup_seconds(self.launched_at, self.rank)
+        self.row = {"step": run.step}
+        if run.step % self.config.log_every_steps == 0 or run.step == self.last_step:
+            self.row |= self.window_row(run.step, grad_norm)
+            self.window_loss.zero_()
+
+    def window_row(self, step: int, grad_norm: torch.Tensor) -> dict[str, float]:
+        """One metrics row for the steps since the last one: loss, lr, throughput, MFU, memory."""
+        rate = self.meter.window()
+        row = {
+            "train_loss": mean_window_loss(
+                self.window_loss, self.tokens_per_rank_step * rate.steps, step
+            ),
+            "lr": learning_rate(step - 1, self.config),
+            "grad_norm": float(grad_norm),
+            "tokens_per_s": rate.items_per_s,
+            "workers": dist.get_world_size(),  # changes when an elastic run shrinks or grows
+        }
+        if rate.mfu is not None:
+            row["mfu"] = rate.mfu
+        if (memory := peak_memory_gb(self.device)) is not None:
+            row["peak_memory_gb"] = memory
+        if self.rank == 0:
+            mfu = f"  MFU {row['mfu']:.1%}" if "mfu" in row else ""
+            peak = f"  peak {row['peak_memory_gb']:.1f} GiB" if "peak_memory_gb" in row else ""
+            log.info(
+                "step %d/%d  loss %.4f  lr %.2e  %.0f tokens/s  %s%s%s",
+                *(step, self.config.max_steps, row["train_loss"], row["lr"], rate.items_per_s),
+                *(eta(self.config.max_steps - step, rate.seconds_per_step), mfu, peak),
+            )
+        return row
+
+    def record(self, run: RunState, validation: dict[str, float] | None) -> None:
+        """The step's row, with its validation when there was one, in the history and MLflow (a
+        validation in the store before the checkpoint reports it: a sweep may stop on it)."""
+        self.row |= validation or {}
+        if len(self.row) > 1:
+            run.history.append(self.row)
+            self.sink.log(self.row, run.step)
+            if validation:
+                self.sink.flush()
+
+    def paused(self) -> contextlib.AbstractContextManager[None]:
+        """Evaluation and checkpoints are left out of tokens/s."""
+        return self.meter.paused()
+
+    def close(self) -> None:
+        self.sink.close()  # sends what rank 0 queued (bounded wait)
+
+
+class Validator:
+    """Scores the validation split every --eval-every-steps and at the last step."""
+
+    def __init__(
+        self, model: NextTokenLoss, blocks: TokenBlocks, micro: int, config: TrainConfig
+    ) -> None:
+        self.model, self.blocks, self.micro, self.config = model, blocks, micro, config
+        self.device = ray.train.torch.get_device()
+        last_step = min(config.max_steps, config.stop_at_step or config.max_steps)
+        self.policy = ValidationPolicy(every_steps=config.eval_every_steps, last_step=last_step)
+
+    def maybe_validate(self, step: int) -> dict[str, float] | None:
+        return self.validate(step) if self.policy.due(step) else None
+
+    def validate(self, step: int) -> dict[str, float]:
+        losses = evaluate(self.model, self.blocks, self.micro, self.config, self.device)
+        if dist.get_rank() == 0:
+            dtype = f"  (compute in {self.model.compute_dtype})" if step == 0 else ""
+            log.info(
+                "step %d  val loss %.4f  perplexity %.1f%s",
+                *(step, losses["val_loss"], losses["val_perplexity"], dtype),
+            )
+        return losses
+
+
+class Checkpointer:
+    """Decides when the run checkpoints (every --checkpoint-every-steps, a preemption notice,
+    --stop-at-step, the end: `CheckpointPolicy`) and writes sharded checkpoints from every rank
+    (`checkpoint.py`, which calls `ray.train.report`); restores the run from the newest complete
+    one, resharded to this worker count."""
+
+    def __init__(
+        self,
+        model: NextTokenLoss,
+        optimizer: torch.optim.Optimizer,
+        loop_config: dict[str, Any],
+        run_dir: StoragePath,
+        last_step: int,
+    ) -> None:
+        self.config = config = TrainConfig(**loop_config["config"])
+        self.model, self.optimizer, self.loop_config = model, optimizer, loop_config
+        self.run_dir, self.driver_id = run_dir, loop_config["driver_id"]
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.policy = CheckpointPolicy(
+            every_steps=config.checkpoint_every_steps,
+            last_step=last_step,
+            stop_at_step=config.stop_at_step,
+            preemption_check_steps=config.preemption_check_steps,
+        )
+        self.progress = ProgressNotes(
+            run_dir, self.driver_id, self.world, config.log_every_steps, self.rank
+        )
+        self.upload = upload_with_retries(config.storage_path, config.storage_patience_s)
+
+    def restore(self) -> RunState:
+        """The newest complete checkpoint's state loaded into the model (resharded to this worker
+        count), or a fresh start; either way the restart, if this is one, recorded with its cause."""
+        checkpoint = resume_checkpoint(self.run_dir)
+        if checkpoint is None:
+            run = RunState()
+            if read_progress(self.run_dir) is not None:  # lost before its first checkpoint
+                run.faults.record_restart(0, self.run_dir, self.driver_id, None, self.world)
+            return run
+        with checkpoint.as_directory() as folder:
+            state = load_checkpoint(self.model, self.optimizer, folder)
+        run = RunState(
+            step=state["step"],
+            history=state["history"],
+            faults=FaultLog(**state.get("faults", {})),
+            startup_s=state.get("startup_s"),
+        )
+        if not self.policy.already_done(run.step):
+            restart = run.faults.record_restart(
+                run.step, self.run_dir, self.driver_id, checkpoint.path, self.world
+            )
+            if restart["cause"] == "rerun":  # this command's own start-up is measured anew
+                run.startup_s = None
+        if self.rank == 0:
+            log.info(
+                "resumed at step %d (written by %d worker(s)) on %d worker(s)",
+                *(run.step, state["world_size"], self.world),
+            )
         return run
-    with checkpoint.as_directory() as folder:
-        state = load_checkpoint(model, optimizer, folder)
-    run = RunState(
-        step=state["step"],
-        history=state["history"],
-        faults=FaultLog(**state.get("faults", {})),
-        startup_s=state.get("startup_s"),
-    )
-    if not checkpoints.already_done(run.step):
-        restart = run.faults.record_restart(run.step, run_dir, driver_id, checkpoint.path, world)
-        if restart["cause"] == "rerun":  # this command's own start-up is measured anew
-            run.startup_s = None
-    if rank == 0:
-        log.info(
-            "resumed at step %d (written by %d worker(s)) on %d worker(s)",
-            run.step,
-            state["world_size"],
-            world,
+
+    def report_again_if_lost(self, run: RunState) -> None:
+        """This driver's worker group restarted (an elastic grow) after its last checkpoint was
+        written but before Ray registered it: report that checkpoint again, or the run ends on an
+        older one."""
+        progress = read_progress(self.run_dir) or {}
+        if self.policy.already_done(run.step) and progress.get("driver_id") == self.driver_id:
+            self.save(run)
+
+    def step_end(self, run: RunState) -> bool:
+        """After every step, on every rank (a collective when it asks Ray about a preemption):
+        checkpoint when the policy says so. True when the loop stops here."""
+        due = self.policy.due(run.step, run.faults)
+        self.progress.note(run.step, run.faults, checkpointing=bool(due))
+        if due:
+            self.save(run)
+        return due.stops
+
+    def save(self, run: RunState) -> None:
+        """A sharded checkpoint of every rank, reported with the latest validation loss (Ray ranks
+        checkpoints by it), and how long training waited for it (a metrics.csv row)."""
+        saved = {
+            **dataclasses.asdict(run),
+            "sequences_seen": run.step * self.config.global_batch_size,
+            "world_size": self.world,
+            "compute_dtype": str(self.model.compute_dtype).removeprefix("torch."),
+            "worker_peak_rss_mb": workers_peak_rss_mb(),  # on every rank: a collective
+            "loop_config": self.loop_config,
+        }
+        stalled = time.perf_counter()
+        metrics = {"step": run.step, **run.latest_val()}
+        save_checkpoint(
+            self.model, self.optimizer, saved, metrics, self.config.async_upload, self.upload
         )
-    return run
+        # In metrics.csv (this run's rows; a resumed run's history comes from its checkpoint,
+        # which cannot hold its own stall).
+        run.history.append({"step": run.step, "checkpoint_stall_s": time.perf_counter() - stalled})
 
 
-def window_row(
-    step: int,
-    rate: Throughput,
-    window_loss: torch.Tensor,
-    grad_norm: torch.Tensor,
-    tokens_per_rank_step: int,
-    config: TrainConfig,
-    device: torch.device,
-) -> dict[str, float]:
-    """One metrics row for the steps since the last one: loss, lr, throughput, MFU, memory.
-    The only host syncs of the loop: the reduced loss and the norm, once per window."""
-    row = {
-        "train_loss": mean_window_loss(window_loss, tokens_per_rank_step * rate.steps, step),
-        "lr": learning_rate(step - 1, config),
-        "grad_norm": float(grad_norm),
-        "tokens_per_s": rate.items_per_s,
-        "workers": dist.get_world_size(),  # changes when an elastic run shrinks or grows
-    }
-    if rate.mfu is not None:
-        row["mfu"] = rate.mfu
-    if (memory := peak_memory_gb(device)) is not None:
-        row["peak_memory_gb"] = memory
-    if dist.get_rank() == 0:
-        log.info(
-            "step %d/%d  loss %.4f  lr %.2e  %.0f tokens/s  %s%s%s",
-            step,
-            config.max_steps,
-            row["train_loss"],
-            row["lr"],
-            rate.items_per_s,
-            eta(config.max_steps - step, rate.seconds_per_step),
-            f"  MFU {row['mfu']:.1%}" if "mfu" in row else "",
-            f"  peak {row['peak_memory_gb']:.1f} GiB" if "peak_memory_gb" in row else "",
-        )
-    return row
-
-
-def validate(
-    model: NextTokenLoss,
-    val_blocks: TokenBlocks,
-    micro: int,
-    config: TrainConfig,
-    device: torch.device,
-    step: int,
-) -> dict[str, float]:
-    losses = evaluate(model, val_blocks, micro, config, device)
-    if dist.get_rank() == 0:
-        log.info(
-            "step %d  val loss %.4f  perplexity %.1f%s",
-            step,
-            losses["val_loss"],
-            losses["val_perplexity"],
-            f"  (compute in {model.compute_dtype})" if step == 0 else "",
-        )
-    return losses
-
-
-def save(
-    model: NextTokenLoss,
-    optimizer: torch.optim.Optimizer,
-    run: RunState,
-    config: TrainConfig,
-    loop_config: dict[str, Any],
-) -> None:
-    """A sharded checkpoint of every rank, reported with the latest validation loss (Ray ranks
-    checkpoints by it), and how long training waited for it (a metrics.csv row)."""
-    saved = {
-        **dataclasses.asdict(run),
-        "sequences_seen": run.step * config.global_batch_size,
-        "world_size": dist.get_world_size(),
-        "compute_dtype": str(model.compute_dtype).removeprefix("torch."),
-        "worker_peak_rss_mb": workers_peak_rss_mb(),  # on every rank: a collective
-        "loop_config": loop_config,
-    }
-    stalled = time.perf_counter()
-    save_checkpoint(
-        model,
-        optimizer,
-        saved,
-        {"step": run.step, **run.latest_val()},
-        config.async_upload,
-        upload_with_retries(config.storage_path, config.storage_patience_s),
-    )
-    # In metrics.csv (this run's rows; a resumed run's history comes from its checkpoint, which
-    # cannot hold its own stall).
-    run.history.append({"step": run.step, "checkpoint_stall_s": time.perf_counter() - stalled})
-
-
-def restarted_after_its_last_checkpoint(
-    run: RunState, checkpoints: CheckpointPolicy, run_dir: StoragePath, driver_id: str
-) -> bool:
-    """True when this driver's worker group restarted (an elastic grow) after its last
-    checkpoint was written but before Ray registered it: that checkpoint must be reported
-    again, or the run ends on an older one."""
-    return checkpoints.already_done(run.step) and (
-        (read_progress(run_dir) or {}).get("driver_id") == driver_id
-    )
+# ---------------------------------------------------------------------------------------------
+# The per-worker loop
+# ---------------------------------------------------------------------------------------------
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
-    """Runs on every worker: build and shard, restore, then for each step: train, log, and maybe
-    validate and checkpoint (every N steps, a preemption notice, --stop-at-step, the end)."""
+    """Runs on every worker: build and shard → restore → for each step: train, log, maybe
+    validate, maybe checkpoint → finish. When to log, validate and checkpoint is the components'
+    (MetricsLogger, Validator, Checkpointer, above)."""
     config = TrainConfig(**loop_config["config"])
     quiet_ray_output(config.verbose)
     info = DatasetInfo(**loop_config["dataset"])
-    spec = ModelSpec(**loop_config["model"])
-    driver_id: str = loop_config["driver_id"]
     rank, world = dist.get_rank(), dist.get_world_size()
     device = ray.train.torch.get_device()
     micro = per_worker_batch_size(config.global_batch_size, world, config.grad_accum_steps)
+    spec = ModelSpec(**loop_config["model"])
     model, optimizer = build_sharded_model(spec, info, config, device, world)
-
+    # The token files, read in place: a step reads its rows at their offsets (tokens.py).
     data_dir = resolve_storage(config.resolved_data_dir())
     train_blocks = stage_blocks(split_blocks(data_dir, "train", info), device)
-    val_blocks = split_blocks(data_dir, "validation", info)
     run_dir = resolve_storage(config.storage_path).join(config.run_name)
     last_step = min(config.max_steps, config.stop_at_step or config.max_steps)
-    checkpoints = CheckpointPolicy(
-        every_steps=config.checkpoint_every_steps,
-        last_step=last_step,
-        stop_at_step=config.stop_at_step,
-        preemption_check_steps=config.preemption_check_steps,
-    )
-    validation = ValidationPolicy(every_steps=config.eval_every_steps, last_step=last_step)
-    run = resume_or_start(model, optimizer, run_dir, driver_id, checkpoints)
-    progress = ProgressNotes(run_dir, driver_id, world, config.log_every_steps, rank)
-    meter = ThroughputMeter(
-        config.global_batch_size * info.seq_len,
-        flops_per_item=model_flops_per_token(model, info.seq_len),
-        peak_flops=(peak_bf16_flops(device) or 0.0) * world,
-    )
-    if run.step == 0:
-        run.history.append({"step": 0, **validate(model, val_blocks, micro, config, device, 0)})
-    elif restarted_after_its_last_checkpoint(run, checkpoints, run_dir, driver_id):
-        save(model, optimizer, run, config, loop_config)
-    window_loss = torch.zeros((), device=device)
-    sink = rank_zero_sink(loop_config, rank)
+
+    checkpointer = Checkpointer(model, optimizer, loop_config, run_dir, last_step)
+    run = checkpointer.restore()
+    logger = MetricsLogger(loop_config, model, micro, last_step)
+    validator = Validator(model, split_blocks(data_dir, "validation", info), micro, config)
+    if run.step == 0:  # the untrained model's loss: the curves' first point
+        run.history.append({"step": 0, **validator.validate(0)})
+    checkpointer.report_again_if_lost(run)
     try:
         for step in range(run.step + 1, last_step + 1):
-            indices = global_batch_indices(
+            # Step s's rows: a pure function of (seed, s), cut the same way on any worker count.
+            rows = global_batch_indices(
                 step - 1, config.global_batch_size, len(train_blocks), config.seed
             )
             batches = [
                 take_blocks(train_blocks, part, device)
-                for part in micro_batches(indices, rank, world, config.grad_accum_steps)
+                for part in micro_batches(rows, rank, world, config.grad_accum_steps)
             ]
             loss_sum, grad_norm = train_step(model, optimizer, batches, config, step)
-            window_loss += loss_sum
-            meter.step()
             run.step = step
-            if run.startup_s is None:
-                run.startup_s = startup_seconds(loop_config["launched_at"], rank)
-            row: dict[str, float] = {"step": step}
-            if step % config.log_every_steps == 0 or step == last_step:
-                row |= window_row(
-                    step,
-                    meter.window(),
-                    window_loss,
-                    grad_norm,
-                    micro * config.grad_accum_steps * info.seq_len,
-                    config,
-                    device,
-                )
-                window_loss.zero_()
-            due = checkpoints.due(step, run.faults)  # on every rank: may ask Ray (a barrier)
-            with meter.paused():  # evaluation and checkpoints are left out of tokens/s
-                if validation.due(step):
-                    row |= validate(model, val_blocks, micro, config, device, step)
-                if len(row) > 1:
-                    run.history.append(row)
-                    sink.log(row, step)
-                    if "val_loss" in row:  # in the store before the checkpoint reports it (sweeps)
-                        sink.flush()
-                progress.note(step, run.faults, checkpointing=bool(due))
-                if due:
-                    save(model, optimizer, run, config, loop_config)
-            if due.stops:
-                break
+            logger.step_end(run, loss_sum, grad_norm)
+            with logger.paused():
+                logger.record(run, validator.maybe_validate(step))
+                if checkpointer.step_end(run):
+                    break
     finally:
-        sink.close()  # sends what rank 0 queued (bounded wait)
+        logger.close()
 
 
 # ---------------------------------------------------------------------------------------------
