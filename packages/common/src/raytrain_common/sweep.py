@@ -229,30 +229,69 @@ def run_sweep(
     {"limit_train_rows": None}), for the printed command line.
     """
     from ray import tune
-    from ray.tune.integration.ray_train import TuneReportCallback
-    from ray.tune.search import BasicVariantGenerator
-
-    from raytrain_common.sweep_scheduler import ResumableASHA
 
     settings.validate_sweep()
-    os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", str(STATE_SAVE_S))
     base.validate()
+    # Tune saves which trials finished every few seconds (what an interrupted sweep resumes
+    # from), and trials keep the user's working folder (relative --model and such).
+    os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", str(STATE_SAVE_S))
+    os.environ.setdefault("RAY_CHDIR_TO_TRIAL_DIR", "0")
+    base, storage = with_absolute_paths(base)
+    sweep_dir = storage.join(SWEEPS_FOLDER, settings.sweep_name)
+    per_trial = settings.workers_per_trial * base.cpus_per_worker + TRIAL_DRIVER_CPU
+    init_ray(train_cpus=settings.max_concurrent_trials * per_trial)
+    parent = open_sweep_run(pipeline, version, settings, base, objective, storage, sweep_dir)
+    trial = trial_function(base, settings, objective, train, sweep_dir.join("trials"), parent)
+    # The trial's driver only waits on its TorchTrainer (Tune refuses a request of nothing).
+    trainable = tune.with_resources(trial, {"CPU": TRIAL_DRIVER_CPU})
+    claim_sweep_folder(sweep_dir, pipeline, objective)
+    if tune.Tuner.can_restore(sweep_dir.uri):
+        log.info(
+            "resuming sweep %s from %s: finished trials are kept",
+            settings.sweep_name,
+            sweep_dir.uri,
+        )
+        tuner = tune.Tuner.restore(sweep_dir.uri, trainable=trainable, resume_errored=True)
+    else:
+        tuner = new_tuner(trainable, settings, objective, storage, sweep_dir)
+    results = tuner.fit()
+    close_stopped_trial_runs(parent)
+    outcome = write_sweep_outputs(
+        sweep_dir, results, objective, settings, base, preset, command, full_run
+    )
+    finish_tracked_run(
+        parent,
+        artifacts=[sweep_dir.join(name) for name in (RESULTS_FILE, TRIALS_PICTURE, BEST_FILE)],
+        tags={"best_trial": outcome.get("best_trial"), "best_command": outcome.get("command")},
+    )
+    return outcome
+
+
+def with_absolute_paths(base: Any) -> tuple[Any, StoragePath]:
+    """The config with a local storage path and data folder made absolute (trials run in Tune's
+    actors: a relative path must not depend on their working folder), and its storage."""
     storage = resolve_storage(base.storage_path)
-    if storage.is_local:  # trials run in Tune's actors: relative paths must not depend on their cwd
+    if storage.is_local:
         storage = resolve_storage(Path(storage.path).resolve())
         base = dataclasses.replace(base, storage_path=storage.uri)
-    os.environ.setdefault("RAY_CHDIR_TO_TRIAL_DIR", "0")  # keep the user's relative --model etc.
-    sweep_dir = storage.join(SWEEPS_FOLDER, settings.sweep_name)
-    trials = sweep_dir.join("trials")
     data_dir = base.resolved_data_dir()
     if resolve_storage(data_dir).is_local:
         data_dir = str(Path(resolve_storage(data_dir).path).resolve())
-    base = dataclasses.replace(base, data_dir=data_dir)
+    return dataclasses.replace(base, data_dir=data_dir), storage
 
-    concurrent = settings.max_concurrent_trials
-    per_trial = settings.workers_per_trial * base.cpus_per_worker + TRIAL_DRIVER_CPU
-    init_ray(train_cpus=concurrent * per_trial)
-    parent = open_tracked_run(
+
+def open_sweep_run(
+    pipeline: str,
+    version: str,
+    settings: SweepSettings,
+    base: Any,
+    objective: Objective,
+    storage: StoragePath,
+    sweep_dir: StoragePath,
+) -> TrackedRun | None:
+    """The sweep's MLflow run, which every trial's run is nested under."""
+    sweep_fields = {f.name for f in dataclasses.fields(SweepSettings)}
+    return open_tracked_run(
         tracking=base.tracking,
         tracking_uri=base.tracking_uri,
         storage=storage,
@@ -263,7 +302,7 @@ def run_sweep(
             **{
                 f"sweep.{k}": v
                 for k, v in dataclasses.asdict(settings).items()
-                if k in {f.name for f in dataclasses.fields(SweepSettings)}
+                if k in sweep_fields
             },
             "sweep.metric": objective.metric,
             "sweep.mode": objective.mode,
@@ -278,7 +317,20 @@ def run_sweep(
             "sweep": "parent",
         },
     )
-    tracking_uri = parent.tracking_uri if parent else None
+
+
+def trial_function(
+    base: Any,
+    settings: SweepSettings,
+    objective: Objective,
+    train: Callable[[Any, Sequence[UserCallback]], dict[str, Any]],
+    trials: StoragePath,
+    parent: TrackedRun | None,
+) -> Callable[[dict[str, Any]], None]:
+    """What Tune runs for each trial: the pipeline's own `run` with the trial's parameters, its
+    reports forwarded to Tune (the driver-function pattern of Ray Train V2)."""
+    from ray import tune
+    from ray.tune.integration.ray_train import TuneReportCallback
 
     def trial(params: dict[str, Any]) -> None:
         trial_id = tune.get_context().get_trial_id()
@@ -295,65 +347,60 @@ def run_sweep(
             trials=trials,
             trial_id=trial_id,
             workers=settings.workers_per_trial,
-            tracking_uri=tracking_uri,
+            tracking_uri=parent.tracking_uri if parent else None,
             parent_run_id=parent.run_id if parent else None,
         )
         train(config, [TuneReportCallback()])
 
-    # The trial's driver only waits on its TorchTrainer (Tune refuses a request of nothing).
-    trainable = tune.with_resources(trial, {"CPU": TRIAL_DRIVER_CPU})
-    experiment = sweep_dir.uri
-    claim_sweep_folder(sweep_dir, pipeline, objective)
-    if tune.Tuner.can_restore(experiment):
-        log.info(
-            "resuming sweep %s from %s: finished trials are kept", settings.sweep_name, experiment
-        )
-        tuner = tune.Tuner.restore(experiment, trainable=trainable, resume_errored=True)
-    else:
-        scheduler = ResumableASHA(
-            sweep_dir.uri,
-            time_attr=objective.time_attr,
-            max_t=objective.max_t,
-            grace_period=min(settings.grace_period, objective.max_t),
-            reduction_factor=settings.reduction_factor,
-            # A trial at its last report ends by itself: stopping it there would cut off its
-            # summary.json and the close of its MLflow run.
-            stop_last_trials=False,
-        )
-        scheduler.forget_rungs()  # of a sweep this folder held that Tune cannot restore
-        tuner = tune.Tuner(
-            trainable,
-            param_space=search_space(settings),
-            tune_config=tune.TuneConfig(
-                metric=objective.metric,
-                mode=objective.mode,
-                scheduler=scheduler,
-                # The generator, not TuneConfig, must cap concurrency once a search_alg is given.
-                search_alg=BasicVariantGenerator(
-                    random_state=settings.sweep_seed, max_concurrent=concurrent
-                ),
-                num_samples=settings.num_samples,
-            ),
-            run_config=tune.RunConfig(
-                name=settings.sweep_name,
-                storage_path=storage.join(SWEEPS_FOLDER).uri,
-                verbose=0,
-                # Tune's state (which trials finished) reaches the sweep folder every few seconds,
-                # not every 5 minutes: what an interrupted sweep resumes from.
-                sync_config=tune.SyncConfig(sync_period=STATE_SAVE_S),
-            ),
-        )
-    results = tuner.fit()
-    close_stopped_trial_runs(parent)
-    outcome = write_sweep_outputs(
-        sweep_dir, results, objective, settings, base, preset, command, full_run
+    return trial
+
+
+def new_tuner(
+    trainable: Any,
+    settings: SweepSettings,
+    objective: Objective,
+    storage: StoragePath,
+    sweep_dir: StoragePath,
+) -> Any:
+    """A new sweep: ASHA over the search space, `max_concurrent_trials` at a time."""
+    from ray import tune
+    from ray.tune.search import BasicVariantGenerator
+
+    from raytrain_common.sweep_scheduler import ResumableASHA
+
+    scheduler = ResumableASHA(
+        sweep_dir.uri,
+        time_attr=objective.time_attr,
+        max_t=objective.max_t,
+        grace_period=min(settings.grace_period, objective.max_t),
+        reduction_factor=settings.reduction_factor,
+        # A trial at its last report ends by itself: stopping it there would cut off its
+        # summary.json and the close of its MLflow run.
+        stop_last_trials=False,
     )
-    finish_tracked_run(
-        parent,
-        artifacts=[sweep_dir.join(name) for name in (RESULTS_FILE, TRIALS_PICTURE, BEST_FILE)],
-        tags={"best_trial": outcome.get("best_trial"), "best_command": outcome.get("command")},
+    scheduler.forget_rungs()  # of a sweep this folder held that Tune cannot restore
+    return tune.Tuner(
+        trainable,
+        param_space=search_space(settings),
+        tune_config=tune.TuneConfig(
+            metric=objective.metric,
+            mode=objective.mode,
+            scheduler=scheduler,
+            # The generator, not TuneConfig, must cap concurrency once a search_alg is given.
+            search_alg=BasicVariantGenerator(
+                random_state=settings.sweep_seed, max_concurrent=settings.max_concurrent_trials
+            ),
+            num_samples=settings.num_samples,
+        ),
+        run_config=tune.RunConfig(
+            name=settings.sweep_name,
+            storage_path=storage.join(SWEEPS_FOLDER).uri,
+            verbose=0,
+            # Tune's state (which trials finished) reaches the sweep folder every few seconds,
+            # not every 5 minutes: what an interrupted sweep resumes from.
+            sync_config=tune.SyncConfig(sync_period=STATE_SAVE_S),
+        ),
     )
-    return outcome
 
 
 def claim_sweep_folder(sweep_dir: StoragePath, pipeline: str, objective: Objective) -> None:
@@ -403,6 +450,36 @@ def close_stopped_trial_runs(parent: TrackedRun | None) -> None:
         log.warning("could not close the stopped trials' MLflow runs: %s", error)
 
 
+def trial_row(
+    result: Any, objective: Objective, space_keys: list[str]
+) -> tuple[dict[str, Any], list[tuple[float, float]]]:
+    """One trial's row of results.csv, and its evaluations (progress, value) in order."""
+    trial_id = result.path.rstrip("/").rsplit("/", 1)[-1] if result.path else "?"
+    history = result.metrics_dataframe
+    reported = (
+        []
+        if history is None or objective.metric not in history
+        else (history[[objective.time_attr, objective.metric]].dropna().to_numpy().tolist())
+    )
+    # A trial that finished after Tune last saved reports its evaluations again on resume:
+    # one evaluation per point of progress, the last one reported.
+    evaluated = sorted({float(when): float(value) for when, value in reported}.items())
+    values = [value for _, value in evaluated]
+    reached = evaluated[-1][0] if evaluated else 0.0
+    best_value = (max if objective.mode == "max" else min)(values) if values else math.nan
+    metrics = result.metrics or {}
+    row = {
+        "trial_id": metrics.get("trial_id", trial_id),
+        **{key: result.config.get(key) for key in space_keys},
+        "evaluations": len(values),
+        objective.time_attr: reached,
+        f"best_{objective.metric}": best_value,
+        "stopped_early": reached < objective.max_t - 1e-9 and result.error is None,
+        "error": str(result.error).splitlines()[0] if result.error else "",
+    }
+    return row, evaluated
+
+
 def write_sweep_outputs(
     sweep_dir: StoragePath,
     results: Any,
@@ -418,34 +495,10 @@ def write_sweep_outputs(
     rows: list[dict[str, Any]] = []
     curves: list[dict[str, float]] = []
     for result in results:
-        trial_id = result.path.rstrip("/").rsplit("/", 1)[-1] if result.path else "?"
-        history = result.metrics_dataframe
-        reported = (
-            []
-            if history is None or objective.metric not in history
-            else (history[[objective.time_attr, objective.metric]].dropna().to_numpy().tolist())
-        )
-        # A trial that finished after Tune last saved reports its evaluations again on resume:
-        # one evaluation per point of progress, the last one reported.
-        evaluated = sorted({float(when): float(value) for when, value in reported}.items())
-        values = [value for _, value in evaluated]
-        reached = evaluated[-1][0] if evaluated else 0.0
-        best_value = (max if objective.mode == "max" else min)(values) if values else math.nan
-        metrics = result.metrics or {}
-        rows.append(
-            {
-                "trial_id": metrics.get("trial_id", trial_id),
-                **{key: result.config.get(key) for key in space_keys},
-                "evaluations": len(values),
-                objective.time_attr: reached,
-                f"best_{objective.metric}": best_value,
-                "stopped_early": reached < objective.max_t - 1e-9 and result.error is None,
-                "error": str(result.error).splitlines()[0] if result.error else "",
-            }
-        )
-        label = f"{rows[-1]['trial_id']} lr={result.config.get('lr', math.nan):.2g}"
-        for when, value in evaluated:
-            curves.append({objective.time_attr: float(when), label: float(value)})
+        row, evaluated = trial_row(result, objective, space_keys)
+        rows.append(row)
+        label = f"{row['trial_id']} lr={result.config.get('lr', math.nan):.2g}"
+        curves += [{objective.time_attr: when, label: value} for when, value in evaluated]
     rows.sort(key=lambda row: row["trial_id"])
     write_metrics_csv(sweep_dir.join(RESULTS_FILE), rows)
     if curves:

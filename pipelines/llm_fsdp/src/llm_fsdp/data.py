@@ -812,17 +812,73 @@ def prepare(
     glob: str | None = None,
 ) -> DatasetInfo:
     """Read, split by document, tokenise (Ray tasks) and pack a corpus; idempotent unless `force`.
-
-    A stream throughout: the documents are read a file and a chunk at a time into numbered
-    Parquet shards (this process holds one shard), the split is drawn from their lengths, a trained
-    tokenizer learns from at most TOKENIZER_SAMPLE_CHARS of training text, a Ray task per shard
-    tokenises it (as many at once as the cluster has CPUs, on every node), and the shards' tokens
-    are appended in document order to the split's token file, a shard at a time.
-    """
-    from transformers import AutoTokenizer
-
+    A stream: documents are read a chunk at a time into Parquet shards (this process holds one),
+    split by their lengths (`split_corpus`), tokenised and packed a split at a time."""
     from raytrain_common.ray_start import init_ray
 
+    check_prepare_options(data_dir, seq_len, validation_fraction)
+    existing = prepared_already(data_dir, tokenizer, seq_len, seed, force)
+    if existing is not None:
+        return existing
+    with staged_folder(data_dir, DATASET_FILE) as staging:
+        texts = staging.join("texts")
+        shards, report = read_corpus(
+            dataset, text_column, download_dir, encoding, glob, texts.join("all")
+        )
+        if not len(shards):
+            raise DataError(f"the corpus {dataset!r} is empty: it holds no text")
+        hf_tokenizer = corpus_tokenizer(tokenizer, shards, staging, validation_fraction, seed)
+        split_by, sources = split_corpus(
+            shards, hf_tokenizer, texts, seq_len, validation_fraction, seed
+        )
+        init_ray(train_cpus=1)  # only now: every check above runs without a cluster
+        packing = {
+            name: asdict(tokenise_and_pack(name, source, ids, staging, hf_tokenizer, seq_len))
+            for name, (source, ids) in sources.items()
+        }
+        for scratch in (texts.path, Path(staging.path) / "parts"):
+            shutil.rmtree(scratch)  # copies of the corpus and its tokens: training reads the files
+        info = DatasetInfo(
+            source=report.source,
+            seq_len=seq_len,
+            tokenizer=str(Path(data_dir.path) / "tokenizer"),
+            tokenizer_name=tokenizer,
+            vocab_size=len(hf_tokenizer),
+            eos_id=hf_tokenizer.eos_token_id,
+            documents={
+                name: len(ids if ids is not None else src) for name, (src, ids) in sources.items()
+            },
+            packing=packing,
+            seed=seed,
+            split_by=split_by,
+            files=report.files(),
+        )
+        staging.join(DATASET_FILE).write_text(json.dumps(asdict(info), indent=2) + "\n")
+    return info
+
+
+def corpus_tokenizer(
+    tokenizer: str,
+    shards: DocumentShards,
+    staging: StoragePath,
+    validation_fraction: float,
+    seed: int,
+) -> Any:
+    """The tokenizer, saved in the staging folder. A trained one sees training documents of the
+    document split; a split by characters (a corpus too small for that) is decided after, with
+    its characters per token."""
+    from transformers import AutoTokenizer
+
+    first = split_documents(len(shards), validation_fraction, seed) if len(shards) > 1 else None
+    folder = build_tokenizer(
+        tokenizer,
+        shards.texts(None if first is None else first["train"], TOKENIZER_SAMPLE_CHARS),
+        Path(staging.path) / "tokenizer",
+    )
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+def check_prepare_options(data_dir: StoragePath, seq_len: int, validation_fraction: float) -> None:
     if seq_len < 8:
         raise DataError(f"--seq-len={seq_len}: give at least 8 tokens")
     if not 0 < validation_fraction < 0.5:
@@ -833,120 +889,99 @@ def prepare(
         raise DataError(
             "prepare writes the tokenizer folder locally: give a local or NFS --data-dir"
         )
-    marker = data_dir.join(DATASET_FILE)
-    if marker.exists():
-        existing = inspect_dataset(data_dir)
-        if not force and (existing.seq_len, existing.tokenizer_name, existing.seed) == (
-            seq_len,
-            tokenizer,
-            seed,
-        ):
-            log.info("dataset at %s is prepared already; --force rewrites it", data_dir.uri)
-            return existing
-        if not force:
-            raise DataError(
-                f"{data_dir.uri} holds data prepared from {existing.source} with seq_len "
-                f"{existing.seq_len} and tokenizer {existing.tokenizer_name}: pass --force to rewrite "
-                "it, or choose another --data-dir"
-            )
 
-    final_tokenizer = Path(data_dir.path) / "tokenizer"
-    with staged_folder(data_dir, DATASET_FILE) as staging:
-        texts = staging.join("texts")
-        shards, report = read_corpus(
-            dataset, text_column, download_dir, encoding, glob, texts.join("all")
-        )
-        if not len(shards):
-            raise DataError(f"the corpus {dataset!r} is empty: it holds no text")
-        # A trained tokenizer sees training documents of the document split; a split by
-        # characters (a corpus too small for that) is decided after, with its characters per token.
-        first = split_documents(len(shards), validation_fraction, seed) if len(shards) > 1 else None
-        folder = build_tokenizer(
-            tokenizer,
-            shards.texts(None if first is None else first["train"], TOKENIZER_SAMPLE_CHARS),
-            Path(staging.path) / "tokenizer",
-        )
-        hf_tokenizer = AutoTokenizer.from_pretrained(str(folder))
-        per_token = chars_per_token(
-            hf_tokenizer, shards.texts(max_chars=1_000_000, per_document=100_000)
-        )
-        # 1.3 blocks: the estimate of characters per token is a sample's.
-        min_chars = round(1.3 * (seq_len + 1) * per_token)
-        held_out = held_out_documents(shards.lengths, validation_fraction, seed, min_chars)
-        if held_out is not None:
-            split_by = "documents"
-            train_ids = np.setdiff1d(np.arange(len(shards)), held_out, assume_unique=True)
-            sources = {"train": (shards, train_ids), "validation": (shards, held_out)}
-        else:
-            split_by = "characters"
-            parts = split_by_characters(list(shards.texts()), validation_fraction, min_chars)
-            sources = {
-                name: (write_document_shards(part, texts.join(name), MIN_SHARD_CHARS), None)
-                for name, part in parts.items()
-            }
 
-        init_ray(train_cpus=1)  # only now: every check above runs without a cluster
-        tokenizer_json = hf_tokenizer.backend_tokenizer.to_str()
-        packing: dict[str, dict[str, int]] = {}
-        documents_in: dict[str, int] = {}
-        for name, (source, ids) in sources.items():
-            documents_in[name] = len(source) if ids is None else len(ids)
-            started = time.perf_counter()
-            shard_tokens = tokenise_documents(
-                source,
-                ids,
-                Path(staging.path) / "parts" / name,
-                tokenizer_json,
-                hf_tokenizer.eos_token_id,
-                len(hf_tokenizer),
-            )
-            stats = pack_token_file(
-                shard_tokens,
-                Path(staging.join(name).path) / TOKEN_FILE,
-                block_len=seq_len + 1,
-                vocab_size=len(hf_tokenizer),
-            )
-            staging.join(name, STATS_FILE).write_text(json.dumps(asdict(stats), indent=2) + "\n")
-            packing[name] = asdict(stats)
-            seconds = time.perf_counter() - started
-            log.info(
-                "%s: %d documents, %d tokens → %d blocks of %d (%d tokens dropped); tokenised by "
-                "%d tasks on %d node(s) and packed in %.1f s (%.0f tokens/s)",
-                name,
-                stats.documents,
-                stats.tokens,
-                stats.blocks,
-                seq_len + 1,
-                stats.tokens_dropped,
-                len(shard_tokens),
-                len({c.node for c in shard_tokens}),
-                seconds,
-                stats.tokens / max(seconds, 1e-9),
-            )
-            if stats.blocks == 0:
-                raise DataError(
-                    f"the {name} split holds {stats.tokens:,} tokens ({documents_in[name]} "
-                    f"document(s)), less than one block of {seq_len + 1}: give more text, a "
-                    "smaller --seq-len or a larger --validation-fraction"
-                )
-        # Copies of the corpus and of its tokens: the token files are what training reads.
-        shutil.rmtree(texts.path)
-        shutil.rmtree(Path(staging.path) / "parts")
-        info = DatasetInfo(
-            source=report.source,
-            seq_len=seq_len,
-            tokenizer=str(final_tokenizer),
-            tokenizer_name=tokenizer,
-            vocab_size=len(hf_tokenizer),
-            eos_id=hf_tokenizer.eos_token_id,
-            documents=documents_in,
-            packing=packing,
-            seed=seed,
-            split_by=split_by,
-            files=report.files(),
+def prepared_already(
+    data_dir: StoragePath, tokenizer: str, seq_len: int, seed: int, force: bool
+) -> DatasetInfo | None:
+    """The dataset in `data_dir` when it was prepared with these settings (and no --force); a
+    refusal when it was prepared with others; None when there is none, or --force rewrites it."""
+    if not data_dir.join(DATASET_FILE).exists():
+        return None
+    existing = inspect_dataset(data_dir)
+    if force:
+        return None
+    if (existing.seq_len, existing.tokenizer_name, existing.seed) == (seq_len, tokenizer, seed):
+        log.info("dataset at %s is prepared already; --force rewrites it", data_dir.uri)
+        return existing
+    raise DataError(
+        f"{data_dir.uri} holds data prepared from {existing.source} with seq_len "
+        f"{existing.seq_len} and tokenizer {existing.tokenizer_name}: pass --force to rewrite "
+        "it, or choose another --data-dir"
+    )
+
+
+Sources = dict[str, tuple[DocumentShards, np.ndarray | None]]
+
+
+def split_corpus(
+    shards: DocumentShards,
+    hf_tokenizer: Any,
+    texts: StoragePath,
+    seq_len: int,
+    validation_fraction: float,
+    seed: int,
+) -> tuple[str, Sources]:
+    """The splits' documents: whole documents held out while each fills a block ("documents"),
+    else the end of every document ("characters", written as shards of their own)."""
+    per_token = chars_per_token(
+        hf_tokenizer, shards.texts(max_chars=1_000_000, per_document=100_000)
+    )
+    # 1.3 blocks: the estimate of characters per token is a sample's.
+    min_chars = round(1.3 * (seq_len + 1) * per_token)
+    held_out = held_out_documents(shards.lengths, validation_fraction, seed, min_chars)
+    if held_out is not None:
+        train_ids = np.setdiff1d(np.arange(len(shards)), held_out, assume_unique=True)
+        return "documents", {"train": (shards, train_ids), "validation": (shards, held_out)}
+    parts = split_by_characters(list(shards.texts()), validation_fraction, min_chars)
+    return "characters", {
+        name: (write_document_shards(part, texts.join(name), MIN_SHARD_CHARS), None)
+        for name, part in parts.items()
+    }
+
+
+def tokenise_and_pack(
+    name: str,
+    source: DocumentShards,
+    ids: np.ndarray | None,
+    staging: StoragePath,
+    hf_tokenizer: Any,
+    seq_len: int,
+) -> PackStats:
+    """One split: a Ray task per document shard tokenises it, then the parts are appended in
+    document order to the split's token file; its stats.json beside it."""
+    started = time.perf_counter()
+    shard_tokens = tokenise_documents(
+        source,
+        ids,
+        Path(staging.path) / "parts" / name,
+        hf_tokenizer.backend_tokenizer.to_str(),
+        hf_tokenizer.eos_token_id,
+        len(hf_tokenizer),
+    )
+    stats = pack_token_file(
+        shard_tokens,
+        Path(staging.join(name).path) / TOKEN_FILE,
+        block_len=seq_len + 1,
+        vocab_size=len(hf_tokenizer),
+    )
+    staging.join(name, STATS_FILE).write_text(json.dumps(asdict(stats), indent=2) + "\n")
+    seconds = time.perf_counter() - started
+    log.info(
+        "%s: %d documents, %d tokens → %d blocks of %d (%d tokens dropped); tokenised by "
+        "%d tasks on %d node(s) and packed in %.1f s (%.0f tokens/s)",
+        *(name, stats.documents, stats.tokens, stats.blocks, seq_len + 1, stats.tokens_dropped),
+        *(len(shard_tokens), len({c.node for c in shard_tokens}), seconds),
+        stats.tokens / max(seconds, 1e-9),
+    )
+    if stats.blocks == 0:
+        documents = len(source) if ids is None else len(ids)
+        raise DataError(
+            f"the {name} split holds {stats.tokens:,} tokens ({documents} document(s)), less "
+            f"than one block of {seq_len + 1}: give more text, a smaller --seq-len or a larger "
+            "--validation-fraction"
         )
-        staging.join(DATASET_FILE).write_text(json.dumps(asdict(info), indent=2) + "\n")
-    return info
+    return stats
 
 
 def inspect_dataset(data_dir: StoragePath) -> DatasetInfo:

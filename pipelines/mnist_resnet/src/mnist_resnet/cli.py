@@ -155,7 +155,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     test = summary["test"]
     print(
         f"best validation accuracy {best['val_accuracy']:.4f} at epoch {int(best['epoch'])} "
-        f"of {summary['epochs_done']}; training took {summary['train_time_s']:.0f} s\n"
+        f"of {summary['epochs_done']:g}; training took {summary['train_time_s']:.0f} s\n"
         f"test accuracy {test['test_accuracy']:.4f} on {test['test_rows']} images "
         f"(that checkpoint, evaluated once)\n"
         f"metrics: {summary['metrics_csv']}\ncurves: {summary['curves_png']}\n"

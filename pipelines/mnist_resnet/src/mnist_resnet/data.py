@@ -478,62 +478,27 @@ def prepare(
     validation_fraction: float = 0.1,
     seed: int = 0,
 ) -> DatasetInfo:
-    """Write the source's train, validation and test splits as Parquet; a complete folder is left
-    as it is. A source without a validation split gets one carved from its training rows.
-
-    An image tree (a local or NFS folder, s3://…, gs://…) is listed, not copied: its splits are
-    lists of its files, and Ray Data reads and decodes the images in training. Its statistics come
-    from a sample decoded in Ray Data tasks. An IDX folder is memory-mapped (see load_idx_folder);
+    """Write the source's train, validation (carved when it has none) and test splits as Parquet.
+    An image tree (local, NFS, s3://, gs://) is listed, not copied: Ray Data decodes its images in
+    training, and a sample of them in tasks for the statistics. An IDX folder is memory-mapped;
     MNIST itself (the wheel, torchvision) is read whole: its size is fixed."""
-    if image_size is not None and not 8 <= image_size <= 1024:
-        raise DataError(f"--image-size={image_size}: give a side between 8 and 1024 pixels")
-    for flag, fraction in (
-        ("--test-fraction", test_fraction),
-        ("--validation-fraction", validation_fraction),
-    ):
-        if not 0 < fraction < 0.5:
-            raise DataError(f"{flag}={fraction}: it must lie between 0 and 0.5")
-    marker = data_dir.join(DATASET_FILE)
-    if marker.exists() and not force:
-        info = DatasetInfo(**json.loads(marker.read_text()))
-        if info.format != FORMAT:
-            raise DataError(
-                f"{data_dir} was prepared by an earlier version (without row ids): pass --force "
-                "to prepare it again"
-            )
-        if info.source == _source_id(source) and image_size in (None, info.height):
-            log.info("%s is already prepared from %s; nothing to do", data_dir, info.source)
-            return info
-        raise DataError(
-            f"{data_dir} already holds data prepared from {info.source!r} at {info.height}×"
-            f"{info.width}, not {_source_id(source)!r}"
-            + (f" at {image_size}×{image_size}" if image_size else "")
-            + ": pass --force to replace it, or choose another --data-dir"
-        )
+    check_prepare_options(image_size, test_fraction, validation_fraction)
+    existing = prepared_already(data_dir, source, image_size, force)
+    if existing is not None:
+        return existing
     check_output_folder(data_dir, DATASET_FILE)  # the user's own files: refused before any work
     loaded = load_source(source, download_root, image_size, test_fraction, seed)
     train, test, val = loaded.train, loaded.test, loaded.val
     notes = dict(loaded.notes)
     if val is None:
-        train, val = carve(train, validation_fraction, seed + 1)
-        if len(val.labels) == 0:
-            raise DataError(
-                f"the training data has {len(train.labels)} images: too few to hold out a "
-                "validation split (each class keeps at least one image to train on); give more "
-                "images per class, or a val/ folder beside train/ and test/"
-            )
+        train, val = carve_validation(train, validation_fraction, seed + 1)
         notes["val_split"] = (
             f"carved from the training data: {len(val.labels)} images, stratified by class, "
             f"seed {seed + 1}"
         )
-    num_classes = (
-        len(loaded.class_names)
-        if loaded.class_names
-        else int(max(train.labels.max(), test.labels.max())) + 1
-    )
-    for name, split in (("train", train), ("test", test), ("val", val)):
-        check_split(name, split, num_classes)
+    num_classes = checked_class_count(loaded, {"train": train, "test": test, "val": val})
     mean, std = pixel_stats(loaded, {"train": train, "val": val, "test": test}, seed).mean_std()
+    marker = data_dir.join(DATASET_FILE)
     if marker.exists() and not data_dir.is_local:  # rewritten in place: unmarked until complete
         marker.filesystem.delete_file(marker.path)
     with staged_folder(data_dir, DATASET_FILE) as staging:
@@ -560,6 +525,68 @@ def prepare(
         )
         staging.join(DATASET_FILE).write_text(json.dumps(asdict(info), indent=2) + "\n")
     return info
+
+
+def check_prepare_options(
+    image_size: int | None, test_fraction: float, validation_fraction: float
+) -> None:
+    if image_size is not None and not 8 <= image_size <= 1024:
+        raise DataError(f"--image-size={image_size}: give a side between 8 and 1024 pixels")
+    for flag, fraction in (
+        ("--test-fraction", test_fraction),
+        ("--validation-fraction", validation_fraction),
+    ):
+        if not 0 < fraction < 0.5:
+            raise DataError(f"{flag}={fraction}: it must lie between 0 and 0.5")
+
+
+def prepared_already(
+    data_dir: StoragePath, source: str, image_size: int | None, force: bool
+) -> DatasetInfo | None:
+    """The dataset in `data_dir` when it was prepared from `source` at this size (and no --force);
+    a refusal when it holds another preparation; None when there is none, or --force rewrites."""
+    marker = data_dir.join(DATASET_FILE)
+    if not marker.exists() or force:
+        return None
+    info = DatasetInfo(**json.loads(marker.read_text()))
+    if info.format != FORMAT:
+        raise DataError(
+            f"{data_dir} was prepared by an earlier version (without row ids): pass --force "
+            "to prepare it again"
+        )
+    if info.source == _source_id(source) and image_size in (None, info.height):
+        log.info("%s is already prepared from %s; nothing to do", data_dir, info.source)
+        return info
+    raise DataError(
+        f"{data_dir} already holds data prepared from {info.source!r} at {info.height}×"
+        f"{info.width}, not {_source_id(source)!r}"
+        + (f" at {image_size}×{image_size}" if image_size else "")
+        + ": pass --force to replace it, or choose another --data-dir"
+    )
+
+
+def checked_class_count(loaded: Loaded, splits: dict[str, Split | FileSplit]) -> int:
+    """The number of classes (the tree's folders, or MNIST's largest label + 1), each split
+    checked against it."""
+    labels = [splits["train"].labels.max(), splits["test"].labels.max()]
+    num_classes = len(loaded.class_names) if loaded.class_names else int(max(labels)) + 1
+    for name, split in splits.items():
+        check_split(name, split, num_classes)
+    return num_classes
+
+
+def carve_validation(
+    train: Split | FileSplit, fraction: float, seed: int
+) -> tuple[Split | FileSplit, Split | FileSplit]:
+    """A stratified, seeded validation split out of the training rows, refused when too small."""
+    train, val = carve(train, fraction, seed)
+    if len(val.labels) == 0:
+        raise DataError(
+            f"the training data has {len(train.labels)} images: too few to hold out a "
+            "validation split (each class keeps at least one image to train on); give more "
+            "images per class, or a val/ folder beside train/ and test/"
+        )
+    return train, val
 
 
 def _source_id(source: str) -> str:

@@ -75,14 +75,7 @@ def write_run_outputs(
     with result.checkpoint.as_directory() as folder:
         state = load_state(folder)
     history = state["history"]
-    progress = {
-        "steps_done": state["step"],
-        "epochs_done": round(state["step"] / steps, 4),
-        "stopped_mid_epoch": state.get("position") is not None,
-        "startup_s": state.get("startup_s"),
-        "first_batch_s": state.get("first_batch_s"),
-        **FaultLog(**state.get("faults", {})).summary(),
-    }
+    progress = run_progress(state, steps)
     if not history:  # stopped (--stop-at-step) before the first epoch ended
         summary = {
             **summary_header("mnist_resnet", __version__, config.run_name, run_dir),
@@ -91,18 +84,7 @@ def write_run_outputs(
         summary |= {"best": None, "latest_checkpoint": result.checkpoint.path}
         write_summary(run_dir.join(SUMMARY_FILE), summary)
         return summary
-    write_metrics_csv(run_dir.join(METRICS_FILE), history)
-    # Interval losses (x: fractional epoch) and per-epoch metrics share the plot's epoch axis.
-    plot_curves(
-        run_dir.join(CURVES_FILE),
-        sorted(state["step_log"] + history, key=lambda row: row["epoch"]),
-        [
-            ("loss", ["train_loss_interval", "val_loss"]),
-            ("accuracy", ["train_accuracy", "val_accuracy"]),
-        ],
-        title=f"{config.run_name}: ResNet18 on {info.source}",
-        log_y=["loss"],
-    )
+    write_metrics_and_curves(run_dir, state, f"{config.run_name}: ResNet18 on {info.source}")
     if best is None:
         raise RuntimeError(
             f"run {config.run_name} has no complete evaluated checkpoint in {run_dir}"
@@ -135,3 +117,32 @@ def write_run_outputs(
     }
     write_summary(run_dir.join(SUMMARY_FILE), summary)
     return summary
+
+
+def run_progress(state: dict[str, Any], steps: int) -> dict[str, Any]:
+    """How far the run got, what it went through and how long it took to start."""
+    return {
+        "steps_done": state["step"],
+        "epochs_done": round(state["step"] / steps, 4),
+        "stopped_mid_epoch": state.get("position") is not None,
+        "startup_s": state.get("startup_s"),
+        "first_batch_s": state.get("first_batch_s"),
+        **FaultLog(**state.get("faults", {})).summary(),
+    }
+
+
+def write_metrics_and_curves(run_dir: StoragePath, state: dict[str, Any], title: str) -> None:
+    """metrics.csv, and curves.png where interval losses (x: fractional epoch) and per-epoch
+    metrics share the epoch axis."""
+    history = state["history"]
+    write_metrics_csv(run_dir.join(METRICS_FILE), history)
+    plot_curves(
+        run_dir.join(CURVES_FILE),
+        sorted(state["step_log"] + history, key=lambda row: row["epoch"]),
+        [
+            ("loss", ["train_loss_interval", "val_loss"]),
+            ("accuracy", ["train_accuracy", "val_accuracy"]),
+        ],
+        title=title,
+        log_y=["loss"],
+    )

@@ -249,10 +249,8 @@ def check_epoch_ended(step: int, epoch: int, steps: int, rank: int) -> None:
 
 
 def run(config: TrainConfig, callbacks: Sequence[UserCallback] = ()) -> dict[str, Any]:
-    """Check everything that can be checked, train, then write curves and summary.json.
-
-    `callbacks` join the run's (a sweep passes Tune's, which forwards every report to Tune).
-    """
+    """Check everything that can be checked, train, then write curves and summary.json;
+    `callbacks` join the run's (a sweep passes Tune's, which forwards every report to Tune)."""
     started, launched_at = time.perf_counter(), time.time()
     storage, data_dir = locate_run(config)
     info = inspect_dataset(data_dir)
@@ -264,6 +262,7 @@ def run(config: TrainConfig, callbacks: Sequence[UserCallback] = ()) -> dict[str
             "use more rows or a smaller --global-batch-size"
         )
     config = dataclasses.replace(config, storage_path=storage.uri, data_dir=data_dir.uri)
+    run_dir = storage.join(config.run_name)
 
     warm_tracking_store(config, storage)  # overlaps Ray's start
     start_ray_for_run(config, storage, data_dir)
@@ -274,7 +273,7 @@ def run(config: TrainConfig, callbacks: Sequence[UserCallback] = ()) -> dict[str
     data = ImageData(
         data_dir=data_dir.uri,
         info=dataclasses.asdict(info),
-        run_dir=storage.join(config.run_name).uri,
+        run_dir=run_dir.uri,
         seed=config.seed,
         augment=config.resolved_augment(info.image_root is not None, info.channels),
         limit_train_rows=config.limit_train_rows,
@@ -301,14 +300,10 @@ def run(config: TrainConfig, callbacks: Sequence[UserCallback] = ()) -> dict[str
     )
     log.info(
         "training %s on %d worker(s) for %d epoch(s); run folder %s",
-        config.run_name,
-        config.num_workers,
-        config.epochs,
-        storage.join(config.run_name),
+        *(config.run_name, config.num_workers, config.epochs, run_dir),
     )
     with failed_on_error(tracked):
         result = fit(trainer, config.storage_path)
-        run_dir = storage.join(config.run_name)
         summary = write_run_outputs(run_dir, result, config, info, steps, started)
     finish_for_summary(tracked, run_dir, summary)
     return summary

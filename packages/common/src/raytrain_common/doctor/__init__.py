@@ -8,7 +8,8 @@ Each row is OK, WARN or FAIL with what was measured, and every row that is not O
 The exit status is 0 only when nothing FAILs; `--json FILE` writes the table for machines.
 
 The package: `report.py` (the table), `probes.py` (what runs on each node), `checks.py` (pure
-checks from facts to rows), `cluster.py` (the checks that act on the cluster), `cli.py` (the command).
+checks from facts to rows), `cluster.py` (the checks that act on the cluster), `forecast.py` (the memory forecast), `cli.py`
+(the command).
 """
 
 from raytrain_common.doctor.checks import check_auth, check_system

@@ -21,11 +21,11 @@ from raytrain_common.doctor.checks import (
 from raytrain_common.doctor.cluster import (
     alive_nodes,
     check_collective,
-    check_forecast,
     check_resources,
     check_storage,
     probe_nodes,
 )
+from raytrain_common.doctor.forecast import check_forecast
 from raytrain_common.doctor.probes import dashboard_address, probe_node
 from raytrain_common.doctor.report import (
     COMMON_DISTRIBUTION,
@@ -54,22 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
             "options here override them."
         ),
     )
-    parser.add_argument(
-        "--pipeline", help="Take the run's shape, imports and model from this pipeline."
-    )
-    parser.add_argument("--num-workers", type=int, help="Training workers (default 2).")
-    parser.add_argument("--cpus-per-worker", type=float, help="CPUs per worker (default 1).")
-    parser.add_argument("--gpus-per-worker", type=float, help="GPUs per worker (default 0: CPU).")
-    parser.add_argument(
-        "--placement-strategy", choices=["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
-    )
-    parser.add_argument("--storage-path", help="The run's storage path (default ./runs).")
-    parser.add_argument(
-        "--storage-is-shared",
-        action="store_true",
-        default=None,
-        help="A local-looking path is a shared mount of a kind not recognised (as train's flag).",
-    )
+    add_shape_options(parser)
     parser.add_argument(
         "--require-module",
         action="append",
@@ -103,6 +88,26 @@ def build_parser() -> argparse.ArgumentParser:
         "train_args", nargs=argparse.REMAINDER, help="-- then the pipeline's train flags."
     )
     return parser
+
+
+def add_shape_options(parser: argparse.ArgumentParser) -> None:
+    """The run's shape and storage: taken from --pipeline's train flags, or given here."""
+    parser.add_argument(
+        "--pipeline", help="Take the run's shape, imports and model from this pipeline."
+    )
+    parser.add_argument("--num-workers", type=int, help="Training workers (default 2).")
+    parser.add_argument("--cpus-per-worker", type=float, help="CPUs per worker (default 1).")
+    parser.add_argument("--gpus-per-worker", type=float, help="GPUs per worker (default 0: CPU).")
+    parser.add_argument(
+        "--placement-strategy", choices=["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
+    )
+    parser.add_argument("--storage-path", help="The run's storage path (default ./runs).")
+    parser.add_argument(
+        "--storage-is-shared",
+        action="store_true",
+        default=None,
+        help="A local-looking path is a shared mount of a kind not recognised (as train's flag).",
+    )
 
 
 def shape_from(args: argparse.Namespace, config: Any | None) -> Shape:

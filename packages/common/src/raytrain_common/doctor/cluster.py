@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import time
 import uuid
 from collections.abc import Sequence
@@ -18,7 +17,6 @@ from raytrain_common.doctor.report import (
     OK,
     PROBE_TIMEOUT_S,
     WARN,
-    GiB,
     Report,
     bundle_text,
     is_local_path,
@@ -76,8 +74,8 @@ def probe_nodes(
 
 
 def check_storage(report: Report, nodes: list[dict[str, Any]]) -> None:
-    import ray
-
+    """The storage path written from every node, read back from another, listed and deleted; then
+    whether the run would refuse it as node-local."""
     from raytrain_common.storage import StorageError, check_shared_for_cluster, resolve_storage
 
     shape = report.shape
@@ -86,32 +84,66 @@ def check_storage(report: Report, nodes: list[dict[str, Any]]) -> None:
     except StorageError as error:
         report.add("storage", "driver", FAIL, str(error), "give --storage-path a valid location")
         return
-    uri = storage.uri
     node_ids = [node["NodeID"] for node in nodes]
     folder = f".raytrain-doctor-{uuid.uuid4().hex[:8]}"
-    task = ray.remote(num_cpus=0, max_retries=0)(storage_round)
-
-    def round_(step: str) -> dict[str, dict[str, Any]]:
-        refs = {
-            node_id: task.options(scheduling_strategy=on_node(node_id)).remote(
-                uri, folder, node_id, step, node_ids
-            )
-            for node_id in node_ids
-        }
-        results = {}
-        for node_id, ref in refs.items():
-            try:
-                results[node_id] = ray.get(ref, timeout=PROBE_TIMEOUT_S)
-            except Exception as error:
-                results[node_id] = {"error": f"{type(error).__name__}: {error}"[:300]}
-        return results
-
-    written = round_("write")
-    read = round_("read")
-    round_("delete")
+    written, read = (
+        storage_round_on_every_node(storage.uri, folder, node_ids, step)
+        for step in ("write", "read")
+    )
+    storage_round_on_every_node(storage.uri, folder, node_ids, "delete")
     with contextlib.suppress(OSError):  # already gone, or a bucket where folders are prefixes
         storage.join(folder).filesystem.delete_dir(storage.join(folder).path)
+    all_shared = add_storage_rows(report, storage.uri, node_ids, written, read)
+    try:
+        check_shared_for_cluster(storage, len(nodes), assume_shared=shape.storage_is_shared)
+    except StorageError as error:
+        seen = (
+            "Every node did see the others' files here: if this is such a mount, "
+            "--storage-is-shared is safe."
+            if all_shared
+            else "The nodes did not see each other's files: the path is node-local."
+        )
+        problem, fix = str(error).split(": ", 1)
+        report.add("storage shared", "cluster", FAIL, problem, f"{fix} {seen}")
+        return
+    if len(nodes) > 1 and all_shared:
+        report.add(
+            "storage shared", "cluster", OK, f"every node sees every node's files at {storage.uri}"
+        )
+    elif len(nodes) == 1:
+        report.add("storage shared", "cluster", OK, "one node: nothing to share")
 
+
+def storage_round_on_every_node(
+    uri: str, folder: str, node_ids: list[str], step: str
+) -> dict[str, dict[str, Any]]:
+    """One step (write, read, delete) of `storage_round`, by a task pinned to each node."""
+    import ray
+
+    task = ray.remote(num_cpus=0, max_retries=0)(storage_round)
+    refs = {
+        node_id: task.options(scheduling_strategy=on_node(node_id)).remote(
+            uri, folder, node_id, step, node_ids
+        )
+        for node_id in node_ids
+    }
+    results = {}
+    for node_id, ref in refs.items():
+        try:
+            results[node_id] = ray.get(ref, timeout=PROBE_TIMEOUT_S)
+        except Exception as error:
+            results[node_id] = {"error": f"{type(error).__name__}: {error}"[:300]}
+    return results
+
+
+def add_storage_rows(
+    report: Report,
+    uri: str,
+    node_ids: list[str],
+    written: dict[str, dict[str, Any]],
+    read: dict[str, dict[str, Any]],
+) -> bool:
+    """A row per node: it wrote, and saw every other node's file; True when every node did."""
     all_shared = True
     for node_id in node_ids:
         node = short(node_id)
@@ -148,47 +180,20 @@ def check_storage(report: Report, nodes: list[dict[str, Any]]) -> None:
             report.add(
                 "storage", node, OK, f"{uri}: wrote{also}, listed {len(saw['listed'])}, deleted"
             )
-
-    try:
-        check_shared_for_cluster(storage, len(nodes), assume_shared=shape.storage_is_shared)
-    except StorageError as error:
-        seen = (
-            "Every node did see the others' files here: if this is such a mount, "
-            "--storage-is-shared is safe."
-            if all_shared
-            else "The nodes did not see each other's files: the path is node-local."
-        )
-        problem, fix = str(error).split(": ", 1)
-        report.add("storage shared", "cluster", FAIL, problem, f"{fix} {seen}")
-        return
-    if len(nodes) > 1 and all_shared:
-        report.add("storage shared", "cluster", OK, f"every node sees every node's files at {uri}")
-    elif len(nodes) == 1:
-        report.add("storage shared", "cluster", OK, "one node: nothing to share")
+    return all_shared
 
 
 def check_collective(report: Report, timeout_s: float, size_mb: int | None, backend: str) -> None:
     import ray
-    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.placement_group import remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     shape = report.shape
     world = shape.num_workers
     backend = backend if backend != "auto" else ("nccl" if shape.use_gpu else "gloo")
     size_mb = size_mb or (256 if backend == "nccl" else 16)
-    group = placement_group([shape.bundle()] * world, strategy=shape.placement_strategy)
-    try:
-        ray.get(group.ready(), timeout=min(60.0, max(10.0, timeout_s)))
-    except Exception:
-        remove_placement_group(group)
-        report.add(
-            "collective",
-            "cluster",
-            FAIL,
-            f"the {world} worker(s) of {bundle_text(shape.bundle())} "
-            f"({shape.placement_strategy}) could not be placed",
-            "see the resources rows: the run could not start its worker group either",
-        )
+    group = placed_group(report, timeout_s)
+    if group is None:
         return
     rank_class = ray.remote(CollectiveRank)
     ranks = [
@@ -235,12 +240,26 @@ def check_collective(report: Report, timeout_s: float, size_mb: int | None, back
         for rank in ranks:
             ray.kill(rank)
         remove_placement_group(group)
+    add_collective_row(report, results, backend, nodes, size_mb, elapsed)
+
+
+def add_collective_row(
+    report: Report,
+    results: list[dict[str, Any]],
+    backend: str,
+    nodes: int,
+    size_mb: int,
+    elapsed: float,
+) -> None:
+    """The collective's row: FAIL when the ranks disagree, WARN for NCCL on TCP sockets."""
+    world = len(results)
     correct = all(result["correct"] for result in results)
     latency = max(result["latency_us"] for result in results)
     bandwidth = min(result["bus_gbps"] for result in results)
     value = (
-        f"{backend}, {world} rank(s) on {nodes} node(s): all-reduce {'correct' if correct else 'WRONG'}, latency "
-        f"{latency:.0f} µs, bus bandwidth {bandwidth:.2f} GB/s ({size_mb} MiB), in {elapsed:.1f} s"
+        f"{backend}, {world} rank(s) on {nodes} node(s): all-reduce "
+        f"{'correct' if correct else 'WRONG'}, latency {latency:.0f} µs, bus bandwidth "
+        f"{bandwidth:.2f} GB/s ({size_mb} MiB), in {elapsed:.1f} s"
     )
     if not correct:
         report.add(
@@ -264,62 +283,29 @@ def check_collective(report: Report, timeout_s: float, size_mb: int | None, back
         report.add("collective", "cluster", OK, value)
 
 
-def check_forecast(
-    report: Report,
-    profile: Any,
-    config: Any,
-    facts: dict[str, dict[str, Any]],
-    limit_gb: float | None,
-) -> None:
-    from raytrain_common.memory_forecast import fitting_knobs, forecast
+def placed_group(report: Report, timeout_s: float) -> Any:
+    """The run's worker group as a placement group, once placed; None (and a FAIL row) when the
+    cluster cannot place it."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
 
     shape = report.shape
+    world = shape.num_workers
+    group = placement_group([shape.bundle()] * world, strategy=shape.placement_strategy)
     try:
-        step = profile.training_step(config)
-        result = forecast(step)
-    except Exception as error:
+        ray.get(group.ready(), timeout=min(60.0, max(10.0, timeout_s)))
+    except Exception:
+        remove_placement_group(group)
         report.add(
-            "memory forecast",
-            "worker",
-            WARN,
-            f"not forecast: {type(error).__name__}: {error}"[:300],
-            "the model could not be built for the forecast; the run itself may still work",
+            "collective",
+            "cluster",
+            FAIL,
+            f"the {world} worker(s) of {bundle_text(shape.bundle())} "
+            f"({shape.placement_strategy}) could not be placed",
+            "see the resources rows: the run could not start its worker group either",
         )
-        return
-    if limit_gb is not None:
-        limit, against = int(limit_gb * GiB), f"the stated limit of {limit_gb:g} GiB"
-    elif shape.use_gpu:
-        gpus = [gpu["memory"] for f in facts.values() for gpu in f.get("gpus", [])]
-        if not gpus:
-            report.add(
-                "memory forecast",
-                "worker",
-                WARN,
-                result.describe() + "; no GPU seen to compare with",
-                "pass --memory-limit-gb with the GPUs' memory",
-            )
-            return
-        limit, against = min(gpus), f"the smallest GPU's {min(gpus) / GiB:.1f} GiB"
-    else:
-        per_node = [
-            f["memory_available"] / max(1, min(shape.num_workers, os.cpu_count() or 1))
-            for f in facts.values()
-        ]
-        limit, against = int(min(per_node)), "a worker's share of the node's available memory"
-    value = f"{result.describe()}; {against}" + (
-        f" ({step.description})" if step.description else ""
-    )
-    if result.total_bytes <= limit:
-        report.add("memory forecast", "worker", OK, value)
-        return
-    knobs = fitting_knobs(step, result, limit, fsdp=profile.fsdp)
-    report.add(
-        "memory forecast",
-        "worker",
-        FAIL,
-        value,
-        "does not fit; any one of: " + "; ".join(knobs),
-    )
+        return None
+    return group
 
 
 def check_resources(report: Report, nodes: list[dict[str, Any]], autoscaling: bool) -> None:
