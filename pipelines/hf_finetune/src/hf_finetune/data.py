@@ -690,78 +690,28 @@ def prepare(
     in a staging folder, which Ray Data then tokenises across the cluster. Memory grows with the
     row count by ~25 bytes a row (codes, placements, class ids), not with the text.
     """
-    from raytrain_common.pretokenize import pretokenize
     from raytrain_common.ray_start import init_ray
 
-    for name, fraction in (
-        ("validation", options.validation_fraction),
-        ("test", options.test_fraction),
-    ):
-        if not 0 < fraction < 0.5:
-            raise DataError(f"--{name}-fraction={fraction}: it must lie between 0 and 0.5")
-    if options.max_length < 8:
-        raise DataError(f"--max-length={options.max_length}: give at least 8 tokens")
+    check_prepare_options(options)
     fingerprint = tokenizer_fingerprint(model)
-    marker = data_dir.join(DATASET_FILE)
-    if marker.exists():
-        existing = inspect_dataset(data_dir)
-        same = (existing.tokenizer_sha256, existing.max_length, existing.seed) == (
-            fingerprint,
-            options.max_length,
-            options.seed,
-        )
-        if not force and same and existing.source.startswith(_source_prefix(options)):
-            log.info("dataset at %s is prepared already; --force rewrites it", data_dir.uri)
-            return existing
-        if not force:
-            raise DataError(
-                f"{data_dir.uri} holds data prepared from {existing.source} with {existing.tokenizer} "
-                "and other settings: pass --force to rewrite it, or choose another --data-dir"
-            )
-        if not data_dir.is_local:  # rewritten in place: unmarked until complete
-            marker.filesystem.delete_file(marker.path)
-
+    existing = prepared_already(data_dir, options, fingerprint, force)
+    if existing is not None:
+        return existing
     parts, source = load_source(options, download_dir)
     is_vader = options.dataset == VADER_SOURCE
     stratify = options.stratify_column or ("source" if is_vader else options.label_column)
     seen = [read_labels_of(part, options, stratify) for part in parts]
     names = label_names(seen, options.label_column)
     placements = place_rows(parts, seen, options)
-    counts = {
-        split: int(sum((p.split == i).sum() for p in placements)) for i, split in enumerate(SPLITS)
-    }
-    for split, count in counts.items():
-        if count == 0:
-            raise DataError(
-                f"the {split} split of {source} has no rows ({sum(counts.values())} rows in all): "
-                "give more data, or a larger --validation-fraction / --test-fraction"
-            )
-
+    counts = split_counts(placements, source)
     init_ray(train_cpus=1)  # only now: every check above runs without a cluster
-    token_stats = {}
     with staged_folder(data_dir, DATASET_FILE) as staging:
         raw = staging.join(".raw")
         class_ids = [part.labels.ids(names) for part in seen]
         write_raw_splits(parts, class_ids, placements, options, counts, raw)
-        for split in SPLITS:
-            stats = pretokenize(
-                raw_rows(raw.join(split)),
-                staging.join(split),
-                tokenizer_path=model,
-                text_column="text",
-                max_length=options.max_length,
-                keep_columns=["row", "label", "text"],
-            )
-            token_stats[split] = asdict(stats)
-            log.info(
-                "%s: %d rows, token length p50 %d / p99 %d, %.2f%% truncated at %d",
-                split,
-                stats.rows,
-                stats.length_p50,
-                stats.length_p99,
-                100 * stats.truncated_share,
-                options.max_length,
-            )
+        token_stats = {
+            split: tokenise_split(raw, staging, split, model, options) for split in SPLITS
+        }
         raw.filesystem.delete_dir(raw.path)
         info = DatasetInfo(
             source=source,
@@ -776,6 +726,81 @@ def prepare(
         )
         write_info(staging, info)
     return info
+
+
+def check_prepare_options(options: PrepareConfig) -> None:
+    for name, fraction in (
+        ("validation", options.validation_fraction),
+        ("test", options.test_fraction),
+    ):
+        if not 0 < fraction < 0.5:
+            raise DataError(f"--{name}-fraction={fraction}: it must lie between 0 and 0.5")
+    if options.max_length < 8:
+        raise DataError(f"--max-length={options.max_length}: give at least 8 tokens")
+
+
+def prepared_already(
+    data_dir: StoragePath, options: PrepareConfig, fingerprint: str, force: bool
+) -> DatasetInfo | None:
+    """The dataset in `data_dir` when it was prepared with these settings (and no --force); a
+    refusal when it holds another preparation; None when there is none, or --force rewrites it
+    (an object store's marker removed first: unmarked until complete)."""
+    marker = data_dir.join(DATASET_FILE)
+    if not marker.exists():
+        return None
+    existing = inspect_dataset(data_dir)
+    same = (existing.tokenizer_sha256, existing.max_length, existing.seed) == (
+        fingerprint,
+        options.max_length,
+        options.seed,
+    )
+    if not force and same and existing.source.startswith(_source_prefix(options)):
+        log.info("dataset at %s is prepared already; --force rewrites it", data_dir.uri)
+        return existing
+    if not force:
+        raise DataError(
+            f"{data_dir.uri} holds data prepared from {existing.source} with {existing.tokenizer} "
+            "and other settings: pass --force to rewrite it, or choose another --data-dir"
+        )
+    if not data_dir.is_local:
+        marker.filesystem.delete_file(marker.path)
+    return None
+
+
+def split_counts(placements: list[Placement], source: str) -> dict[str, int]:
+    """Rows per split; a split without rows is refused."""
+    counts = {
+        split: int(sum((p.split == i).sum() for p in placements)) for i, split in enumerate(SPLITS)
+    }
+    for split, count in counts.items():
+        if count == 0:
+            raise DataError(
+                f"the {split} split of {source} has no rows ({sum(counts.values())} rows in all): "
+                "give more data, or a larger --validation-fraction / --test-fraction"
+            )
+    return counts
+
+
+def tokenise_split(
+    raw: StoragePath, staging: StoragePath, split: str, model: str, options: PrepareConfig
+) -> dict[str, Any]:
+    """One split's raw rows pre-tokenised with Ray Data into the staging folder; its stats."""
+    from raytrain_common.pretokenize import pretokenize
+
+    stats = pretokenize(
+        raw_rows(raw.join(split)),
+        staging.join(split),
+        tokenizer_path=model,
+        text_column="text",
+        max_length=options.max_length,
+        keep_columns=["row", "label", "text"],
+    )
+    log.info(
+        "%s: %d rows, token length p50 %d / p99 %d, %.2f%% truncated at %d",
+        *(split, stats.rows, stats.length_p50, stats.length_p99),
+        *(100 * stats.truncated_share, options.max_length),
+    )
+    return asdict(stats)
 
 
 def _source_prefix(options: PrepareConfig) -> str:

@@ -36,6 +36,12 @@ def write_corpus(works: list[str], copies: int, folder: Path) -> None:
             (part / f"work{index:02d}.txt").write_text(work, encoding="utf-8")
 
 
+def command(name: str, **flags: object) -> list[str]:
+    """`name` then `--flag value` for each flag (underscores become dashes)."""
+    pairs = [(f"--{flag.replace('_', '-')}", str(value)) for flag, value in flags.items()]
+    return [name, *(part for pair in pairs for part in pair)]
+
+
 def measure(scale: int, works: list[str], root: Path, steps: int) -> ScalePoint:
     corpus, data_dir = root / f"corpus-{scale}x", root / f"data-{scale}x"
     write_corpus(works, scale, corpus)
@@ -44,47 +50,28 @@ def measure(scale: int, works: list[str], root: Path, steps: int) -> ScalePoint:
     env["RAYTRAIN_ROW_CACHE"] = str(cache)
     prepare_mb, prepare_s = run_measured(
         "llm_fsdp",
-        [
-            "prepare",
-            "--dataset",
-            str(corpus),
-            "--tokenizer",
-            GPT2_TOKENIZER,
-            "--seq-len",
-            str(SEQ_LEN),
-            "--data-dir",
-            str(data_dir),
-        ],
+        command(
+            "prepare", dataset=corpus, tokenizer=GPT2_TOKENIZER, seq_len=SEQ_LEN, data_dir=data_dir
+        ),
         root / f"prepare-{scale}x.json",
         env,
     )
     run_measured(
         "llm_fsdp",
-        [
+        command(
             "train",
-            "--preset",
-            "cpu",
-            "--data-dir",
-            str(data_dir),
-            "--storage-path",
-            str(root),
-            "--run-name",
-            f"bench-{scale}x",
-            "--max-steps",
-            str(steps),
-            "--warmup-steps",
-            "2",
-            "--eval-every-steps",
-            str(steps),
-            "--eval-batches",
-            "2",
-            "--checkpoint-every-steps",
-            str(steps),
-            "--log-every-steps",
-            "5",
-            "--tracking",
-            "none",
-        ],
+            preset="cpu",
+            data_dir=data_dir,
+            storage_path=root,
+            run_name=f"bench-{scale}x",
+            max_steps=steps,
+            warmup_steps=2,
+            eval_every_steps=steps,
+            eval_batches=2,
+            checkpoint_every_steps=steps,
+            log_every_steps=5,
+            tracking="none",
+        ),
         root / f"train-{scale}x.json",
         env,
     )

@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -215,7 +216,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def measure(args: argparse.Namespace) -> int:
+def fresh_bench_config(args: argparse.Namespace) -> TrainConfig:
+    """The measured run's config; its run folders from an earlier bench removed (a benchmark
+    measures a fresh run, never a resumed one)."""
     preset = PRESETS[args.preset]
     config = dataclasses.replace(
         preset,
@@ -232,6 +235,11 @@ def measure(args: argparse.Namespace) -> int:
         run_dir = resolve_storage(args.storage_path).join(name)
         if run_dir.is_dir():  # a benchmark measures a fresh run, never a resumed one
             run_dir.filesystem.delete_dir(run_dir.path)
+    return config
+
+
+def measure(args: argparse.Namespace) -> int:
+    config = fresh_bench_config(args)
     info = inspect_dataset(resolve_storage(config.resolved_data_dir()))
     per_image = training_flops_per_image(info.num_classes, info.height, info.width)
     device = torch.device("cuda" if config.use_gpu else "cpu")
@@ -278,6 +286,15 @@ def measure(args: argparse.Namespace) -> int:
         row["mfu"] = mfu(row["images_per_s"] * per_image, device, config.num_workers)
     csv_file = resolve_storage(args.storage_path).join("bench", "bench_mnist.csv")
     write_metrics_csv(csv_file, [*rows, {"pipeline": "ratio", "images_per_s": ratio}])
+    print_table(rows, args, config, per_image)
+    print_ratios(ratio, ray_epoch, summary, baseline, plain_ddp, previous, args)
+    print(f"rows: {args.rows or 'all'}, epoch {args.epochs} measured; written to {csv_file.uri}")
+    return 0
+
+
+def print_table(
+    rows: list[dict[str, Any]], args: argparse.Namespace, config: TrainConfig, per_image: float
+) -> None:
     where = (
         torch.cuda.get_device_name(0) if config.use_gpu else f"{torch.get_num_threads()} threads"
     )
@@ -292,6 +309,17 @@ def measure(args: argparse.Namespace) -> int:
             f"{row['pipeline']:<24}{row['images_per_s']:>10.1f}{_cell(row.get('train_s'), '.1f'):>9}"
             f"{_cell(row.get('startup_s'), '.1f'):>12}{_cell(row['mfu'], '.1%'):>8}{_cell(row.get('peak_memory_gb'), '.2f'):>10}"
         )
+
+
+def print_ratios(
+    ratio: float,
+    ray_epoch: dict[str, Any],
+    summary: dict[str, Any],
+    baseline: dict[str, Any],
+    plain_ddp: float | None,
+    previous: float | None,
+    args: argparse.Namespace,
+) -> None:
     print(f"\nratio (ray train ÷ baseline, steady-state images/s): {ratio:.3f}   target ≥ 0.97")
     ray_rate = ray_epoch["train_images_per_s"]
     if plain_ddp is not None:
@@ -306,8 +334,6 @@ def measure(args: argparse.Namespace) -> int:
         f"time to the first batch: {_cell(summary.get('first_batch_s'), '.1f')} s; share of the "
         f"last epoch's steps spent waiting for data: {_cell(ray_epoch.get('data_wait_share'), '.1%')}"
     )
-    print(f"rows: {args.rows or 'all'}, epoch {args.epochs} measured; written to {csv_file.uri}")
-    return 0
 
 
 def _cell(value: float | None, spec: str) -> str:

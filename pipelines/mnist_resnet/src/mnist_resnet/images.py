@@ -131,28 +131,9 @@ def scan_tree(root: StoragePath) -> ImageTree:
     if "train" in roots and val_name:
         roots["val"] = subfolders[val_name] + "/"
     skipped: Counter[str] = Counter()
-    per_split: dict[str, dict[str, list[str]]] = {}
-    for split, prefix in roots.items():
-        classes: dict[str, list[str]] = {}
-        loose = 0
-        for relative in files:
-            if not relative.startswith(prefix):
-                continue
-            parts = relative[len(prefix) :].split("/")
-            suffix = posixpath.splitext(parts[-1])[1].lower()
-            if len(parts) == 1:
-                loose += suffix in IMAGE_SUFFIXES
-            elif suffix in IMAGE_SUFFIXES:
-                classes.setdefault(parts[0], []).append(relative)
-            else:
-                skipped[suffix or "(none)"] += 1
-        where = root.join(prefix.rstrip("/")) if prefix else root
-        if loose and not classes:
-            raise ImageFolderError(
-                f"{where} holds {loose} images but no class folders: put each class's images "
-                f"in a folder named after the class ({where}/<class>/image.png)"
-            )
-        per_split[split] = dict(sorted(classes.items()))
+    per_split = {
+        split: split_classes(root, files, prefix, skipped) for split, prefix in roots.items()
+    }
     train_classes = sorted(per_split.get("train", per_split.get("all", {})))
     where = root.join(roots["train"].rstrip("/")) if "train" in roots else root
     if len(train_classes) < 2:
@@ -177,6 +158,33 @@ def scan_tree(root: StoragePath) -> ImageTree:
     }
     names = {split: prefix.rstrip("/") for split, prefix in roots.items()}
     return ImageTree(train_classes, found_files, dict(sorted(skipped.items())), names)
+
+
+def split_classes(
+    root: StoragePath, files: list[str], prefix: str, skipped: Counter[str]
+) -> dict[str, list[str]]:
+    """The image files under `prefix`, by class folder (the files that are not images counted in
+    `skipped` by suffix); an error when images lie there without class folders."""
+    classes: dict[str, list[str]] = {}
+    loose = 0
+    for relative in files:
+        if not relative.startswith(prefix):
+            continue
+        parts = relative[len(prefix) :].split("/")
+        suffix = posixpath.splitext(parts[-1])[1].lower()
+        if len(parts) == 1:
+            loose += suffix in IMAGE_SUFFIXES
+        elif suffix in IMAGE_SUFFIXES:
+            classes.setdefault(parts[0], []).append(relative)
+        else:
+            skipped[suffix or "(none)"] += 1
+    where = root.join(prefix.rstrip("/")) if prefix else root
+    if loose and not classes:
+        raise ImageFolderError(
+            f"{where} holds {loose} images but no class folders: put each class's images "
+            f"in a folder named after the class ({where}/<class>/image.png)"
+        )
+    return dict(sorted(classes.items()))
 
 
 def utf8_name(path: Path | str) -> str:
