@@ -54,6 +54,23 @@ def test_flags_override_the_chosen_preset() -> None:
     )
 
 
+@dataclass
+class Renamed:
+    validation_fraction: float = option(0.1, "share held out", deprecated=["--val-fraction"])
+
+
+def test_a_flags_former_name_still_works_for_a_version_and_says_its_new_name(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    parser = argparse.ArgumentParser(prog="tool")
+    add_config_options(parser, Renamed)
+    read = config_from_args(parser.parse_args(["--val-fraction", "0.2"]), Renamed)
+    assert read.validation_fraction == 0.2
+    assert "--val-fraction is deprecated" in capsys.readouterr().err
+    read = config_from_args(parser.parse_args(["--validation-fraction", "0.3"]), Renamed)
+    assert read.validation_fraction == 0.3 and capsys.readouterr().err == ""
+
+
 def test_optional_flag_takes_none() -> None:
     assert parse("--clip", "1.0").clip == 1.0
     assert parse("--clip", "none").clip is None

@@ -361,11 +361,15 @@ class Validator:
     """Scores the validation split every --eval-every-steps and at the last step."""
 
     def __init__(
-        self, model: NextTokenLoss, blocks: TokenBlocks, micro: int, config: TrainConfig
+        self,
+        model: NextTokenLoss,
+        blocks: TokenBlocks,
+        micro: int,
+        config: TrainConfig,
+        last_step: int,
     ) -> None:
         self.model, self.blocks, self.micro, self.config = model, blocks, micro, config
         self.device = ray.train.torch.get_device()
-        last_step = min(config.max_steps, config.stop_at_step or config.max_steps)
         self.policy = ValidationPolicy(every_steps=config.eval_every_steps, last_step=last_step)
 
     def maybe_validate(self, step: int) -> dict[str, float] | None:
@@ -505,7 +509,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     checkpointer = Checkpointer(model, optimizer, loop_config, run_dir, last_step)
     run = checkpointer.restore()
     logger = MetricsLogger(loop_config, model, micro, last_step)
-    validator = Validator(model, split_blocks(data_dir, "validation", info), micro, config)
+    val_blocks = split_blocks(data_dir, "validation", info)
+    validator = Validator(model, val_blocks, micro, config, last_step)
     if run.step == 0:  # the untrained model's loss: the curves' first point
         run.history.append({"step": 0, **validator.validate(0)})
     checkpointer.report_again_if_lost(run)

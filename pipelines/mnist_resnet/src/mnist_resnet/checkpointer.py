@@ -64,7 +64,7 @@ class Checkpointer:
         self.rank, self.world = context.get_world_rank(), context.get_world_size()
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.loop_config, self.run_dir, self.steps = loop_config, run_dir, steps
-        self.epoch_rows = steps * config.global_batch_size
+        self.rows_per_epoch = steps * config.global_batch_size
         self.stop_at_step = config.stop_at_step
         self.policy = CheckpointPolicy(
             every_steps=config.checkpoint_every_steps,
@@ -134,7 +134,7 @@ class Checkpointer:
         epoch = (run.step - 1) // self.steps + 1
         if due.at_epoch_end:
             assert validation is not None, "the validator runs at every epoch's end"
-            check_trained_once(rows, self.epoch_rows, logger.device)
+            check_trained_once(rows, self.rows_per_epoch, logger.device)
             run.position = None
             self.save(run, logger.epoch_row(run, validation), epoch, rows, finished=True)
             logger.next_epoch(run)
