@@ -16,7 +16,7 @@ import ray.train
 import torch
 from ray.train.torch import TorchTrainer
 
-from raytrain_common.checkpoint import latest_state, save_state, write_manifest
+from raytrain_common.checkpoint import load_state, resume_checkpoint, save_state, write_manifest
 from raytrain_common.configs import RayTrainSettings, build_run_config, build_scaling_config
 from raytrain_common.ray_start import ResourceError, alive_nodes, init_ray, require_resources
 from raytrain_common.storage import resolve_storage
@@ -48,8 +48,12 @@ def fit(storage: Path, steps: int) -> ray.train.Result:
 
         Defined inside the test so Ray ships it by value: workers cannot import test modules.
         """
-        state = latest_state(resolve_storage(config["run_dir"]))
-        start = state["step"] if state else 0
+        run_dir = resolve_storage(config["run_dir"])
+        checkpoint = resume_checkpoint(ray.train.get_checkpoint(), run_dir)
+        start = 0
+        if checkpoint is not None:
+            with checkpoint.as_directory() as folder:
+                start = load_state(folder)["step"]
         rank = ray.train.get_context().get_world_rank()
         for step in range(start + 1, config["steps"] + 1):
             metrics = {"step": step, "rank_seen": rank, "resumed_from": start}

@@ -8,17 +8,18 @@ from collections.abc import Sequence
 
 import numpy as np
 import pyarrow as pa
+import torch
 from accelerate.data_loader import BatchSamplerShard
 from torch.utils.data import BatchSampler
 from transformers.trainer_pt_utils import get_length_grouped_indices
 
-from hf_finetune.train import (
-    EpochSeededLengthGroupedSampler,
+from hf_finetune.token_split import (
     TokenizedSplit,
-    eval_batch_per_worker,
     label_length_rows,
+    length_grouped_order,
     token_rows,
 )
+from hf_finetune.validator import eval_batch_per_worker
 
 BATCH, WORKERS = 16, 2
 # A worker's ~1,200 rows give a standard error of ~0.014 on a label's share; 0.07 is 5 of them,
@@ -65,14 +66,17 @@ def split_from_table(table: pa.Table, max_length: int) -> TokenizedSplit:
 
 
 def labels_of_worker(split: TokenizedSplit, epoch: int, rank: int) -> np.ndarray:
-    """The rows rank `rank` trains on in `epoch`: the pipeline's sampler, batched and sharded over
-    the workers as the Trainer's accelerate DataLoader does it."""
-    sampler = EpochSeededLengthGroupedSampler(BATCH, dataset=split, lengths=split.lengths, seed=0)
-    sampler.set_epoch(epoch)
+    """The rows rank `rank` trains on in `epoch`: the split's own order, read in sequence, batched
+    and sharded over the workers as the Trainer's accelerate DataLoader does it."""
+    split = split.shuffled(seed=0, group_batch=BATCH)
+    split.set_epoch(epoch)
+    assert split.order is not None
     shard = BatchSamplerShard(
-        BatchSampler(sampler, BATCH, drop_last=False), num_processes=WORKERS, process_index=rank
+        BatchSampler(range(len(split)), BATCH, drop_last=False),
+        num_processes=WORKERS,
+        process_index=rank,
     )
-    return np.concatenate([split.labels[batch] for batch in shard])
+    return np.concatenate([split.labels[split.order[batch]] for batch in shard])
 
 
 def test_each_worker_trains_on_the_whole_label_sorted_split_in_a_fresh_order_every_epoch() -> None:
@@ -88,20 +92,19 @@ def test_each_worker_trains_on_the_whole_label_sorted_split_in_a_fresh_order_eve
     assert np.array_equal(labels_of_worker(split, 0, 0), first[0])
 
 
-def test_the_sampler_draws_transformers_length_grouped_order_in_numpy() -> None:
-    """The numpy sampler (8 bytes a row) draws exactly the order of transformers' own
-    `get_length_grouped_indices` (Python lists, ~40 bytes a row) from the same generator: ties,
-    a last short mega-batch and tiny splits included."""
+def test_the_length_grouped_order_is_transformers_own_in_numpy() -> None:
+    """The numpy order (8 bytes a row) is exactly transformers' own `get_length_grouped_indices`
+    (Python lists, ~40 bytes a row) from the same generator: ties, a last short mega-batch and
+    tiny splits included."""
     rng = np.random.default_rng(3)
     for rows, batch in ((2400, 16), (1000, 7), (5, 4), (1, 8)):
         lengths = rng.integers(4, 12, size=rows)  # few distinct lengths: many ties
-        sampler = EpochSeededLengthGroupedSampler(batch, lengths=lengths, seed=7)
-        for epoch in (0, 3):
-            sampler.set_epoch(epoch)
-            ours = list(sampler)
-            sampler.set_epoch(epoch)
-            theirs = get_length_grouped_indices(lengths, batch, generator=sampler.generator)
-            assert ours == theirs, (rows, batch, epoch)
+        for seed in (0, 3):
+            ours = length_grouped_order(lengths, batch, torch.Generator().manual_seed(seed))
+            theirs = get_length_grouped_indices(
+                lengths, batch, generator=torch.Generator().manual_seed(seed)
+            )
+            assert ours.tolist() == theirs, (rows, batch, seed)
 
 
 def evaluated_rows(rows: int, batch: int) -> list[list[int]]:

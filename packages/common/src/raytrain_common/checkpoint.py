@@ -3,7 +3,7 @@
 Each pipeline calls `ray.train.report` itself, in its own checkpointer (every rank, since the
 report is a barrier; rank 0, or every rank under FSDP, with a checkpoint): this module gives it
 the folder's contents (`save_state`, `write_manifest`, `scratch_folder`), the upload that rides
-out a storage outage, and the way back (`latest_state`, `resume_checkpoint`).
+out a storage outage, and the way back (`resume_checkpoint`).
 
 Every checkpoint carries manifests (`manifest-rank<N>.json`: each file's size and SHA-256), written
 after the files they describe, one per rank that wrote files. A checkpoint cut off mid-upload, or a
@@ -141,16 +141,18 @@ def verify_checkpoint(folder: str | os.PathLike[str], *, hashes: bool = True) ->
                 )
 
 
-def resume_checkpoint(run_dir: StoragePath, inside: str = "") -> ray.train.Checkpoint | None:
-    """The newest complete checkpoint in the run folder, or None: where a restart or rerun resumes
-    (called in a training worker; `newest_complete_checkpoint` anywhere).
+def resume_checkpoint(
+    registered: ray.train.Checkpoint | None, run_dir: StoragePath, inside: str = ""
+) -> ray.train.Checkpoint | None:
+    """Where a restart or rerun resumes: the newest complete checkpoint in the run folder, or None.
+    `registered` is Ray's latest (`ray.train.get_checkpoint()`, which the caller makes in plain
+    view); `newest_complete_checkpoint` is the same search anywhere outside a training worker.
 
-    Not only Ray's registered latest (`ray.train.get_checkpoint()`): a driver killed between a
-    checkpoint's upload and its registration by the controller leaves a complete, newer checkpoint
-    that Ray does not list, and resuming from it saves that work.
+    Not only Ray's registered latest: a driver killed between a checkpoint's upload and its
+    registration by the controller leaves a complete, newer checkpoint that Ray does not list, and
+    resuming from it saves that work; a torn one is passed over.
     """
     checkpoint = newest_complete_checkpoint(run_dir, inside)
-    registered = ray.train.get_checkpoint()
     if checkpoint is not None and (
         registered is None or registered.path.rstrip("/") != checkpoint.path.rstrip("/")
     ):
@@ -421,14 +423,3 @@ def scratch_folder(prefix: str) -> Iterator[str]:
         yield folder
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-
-
-def latest_state(run_dir: StoragePath) -> dict[str, Any] | None:
-    """The state of the run's newest complete checkpoint (after a failure or a rerun), if any."""
-    checkpoint = resume_checkpoint(run_dir)
-    if checkpoint is None:
-        return None
-    with checkpoint.as_directory() as folder:
-        state = load_state(folder)
-    state["resumed_from"] = checkpoint.path
-    return state

@@ -22,7 +22,7 @@ from hf_finetune.task import (
     load_trained,
     predicted_labels,
 )
-from hf_finetune.train import TokenizedSplit
+from hf_finetune.token_split import TokenizedSplit
 from raytrain_common.checkpoint import verify_checkpoint
 from raytrain_common.metrics import SUMMARY_FILE, write_summary
 from raytrain_common.storage import StoragePath, resolve_storage, write_atomic

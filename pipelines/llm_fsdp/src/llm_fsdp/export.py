@@ -14,7 +14,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from llm_fsdp import __version__
-from llm_fsdp.checkpoint import STATE_FILE
+from llm_fsdp.checkpointer import STATE_FILE
 from llm_fsdp.data import DataError
 from llm_fsdp.model import ModelSpec, build_lm
 from raytrain_common.checkpoint import verify_checkpoint

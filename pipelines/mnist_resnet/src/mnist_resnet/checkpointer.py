@@ -25,6 +25,7 @@ from mnist_resnet.ingest import POSITION_FILE, DataShardError, EpochRows, positi
 from mnist_resnet.metrics_logger import MetricsLogger
 from mnist_resnet.run_state import EpochPosition, RunState
 from raytrain_common.checkpoint import (
+    load_state,
     save_state,
     scratch_folder,
     unwrap,
@@ -195,6 +196,17 @@ class Checkpointer:
             "config": self.loop_config["config"],
             "dataset": self.loop_config["dataset"],
         }
+
+
+def read_state(checkpoint: ray.train.Checkpoint | None) -> dict[str, Any] | None:
+    """The state a checkpoint holds (weights, optimiser, schedule, the run's record), noting which
+    checkpoint it came from; None for no checkpoint (a fresh start)."""
+    if checkpoint is None:
+        return None
+    with checkpoint.as_directory() as folder:
+        state = load_state(folder)
+    state["resumed_from"] = checkpoint.path
+    return state
 
 
 def carried_rows(run: RunState, rank: int) -> np.ndarray | None:

@@ -32,7 +32,7 @@ from ray.train.torch import TorchTrainer
 from torch import nn
 
 from mnist_resnet import __version__
-from mnist_resnet.checkpointer import SCORE, Checkpointer, carried_rows
+from mnist_resnet.checkpointer import SCORE, Checkpointer, carried_rows, read_state
 from mnist_resnet.config import TrainConfig
 from mnist_resnet.data import DatasetInfo, inspect_dataset, on_device
 from mnist_resnet.ingest import (
@@ -49,7 +49,7 @@ from mnist_resnet.metrics_logger import THROUGHPUT_SKIP_STEPS, EpochTotals, Metr
 from mnist_resnet.summary import write_run_outputs
 from mnist_resnet.task import autocast, build_model, loss_fn
 from mnist_resnet.validator import Validator
-from raytrain_common.checkpoint import latest_state, load_model_weights
+from raytrain_common.checkpoint import load_model_weights, resume_checkpoint
 from raytrain_common.configs import (
     ConfigError,
     build_run_config,
@@ -205,7 +205,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     run_dir = resolve_storage(config.storage_path).join(config.run_name)
 
     # Resume from this run's newest complete checkpoint, if any (a restarted worker group, a rerun).
-    state = latest_state(run_dir)
+    checkpoint = resume_checkpoint(ray.train.get_checkpoint(), run_dir)
+    state = read_state(checkpoint)
     model, optimizer, scheduler = build_training(info, config, steps, state)
     checkpointer = Checkpointer(model, optimizer, scheduler, loop_config, run_dir, steps)
     run = checkpointer.restore(state)

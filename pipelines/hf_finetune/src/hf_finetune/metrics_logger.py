@@ -1,0 +1,115 @@
+"""What the run reports, and when: a progress line every --log-every-steps on rank 0 (step, epoch,
+loss, learning rate, sentences/s with evaluation and checkpoint time left out), every logged value
+to MLflow under the names the other pipelines use (docs/vocabulary.md), and a stop at the first
+non-finite loss. `MetricsLogger` owns the meter, the sink and the lines; `LoggerCallback` is the
+Trainer's hook onto it."""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, ClassVar
+
+import ray.train
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+
+from hf_finetune.validator import SCORE
+from raytrain_common.loop import ThroughputMeter
+from raytrain_common.metrics import eta
+from raytrain_common.tracking import rank_zero_sink
+
+log = logging.getLogger("hf_finetune")
+
+RATE_KEY = "train_sentences_per_s"  # a progress line's rate, in the Trainer's log history
+
+
+class MetricsLogger:
+    """The throughput meter, rank 0's lines and the MLflow sink of a fine-tuning run."""
+
+    # The Trainer's log keys → the names every pipeline uses.
+    NAMES: ClassVar[dict[str, str]] = {
+        "loss": "train_loss_interval",
+        "learning_rate": "lr",
+        "grad_norm": "grad_norm",
+        "val_loss": "val_loss",
+        "val_accuracy": "val_accuracy",
+        "val_f1": "val_f1",
+        "val_runtime": "val_s",
+    }
+
+    def __init__(self, loop_config: dict[str, Any], global_batch_size: int) -> None:
+        self.rank = ray.train.get_context().get_world_rank()
+        self.meter = ThroughputMeter(global_batch_size)
+        self.sink = rank_zero_sink(loop_config, self.rank)
+
+    def step_end(self) -> None:
+        self.meter.step()
+
+    def evaluated(self) -> None:
+        self.meter.window()  # the evaluation's time is not training time
+
+    def log(self, logs: dict[str, float], state: TrainerState) -> None:
+        """A Trainer log entry: checked, printed (rank 0) and sent to MLflow (rank 0)."""
+        check_finite(logs.get("loss"), state.global_step, self.rank)
+        if not state.is_world_process_zero:
+            return
+        if "loss" in logs:
+            rate = self.meter.window()
+            # Kept in the Trainer's state (saved with each checkpoint) for summary.json.
+            state.log_history[-1][RATE_KEY] = rate.items_per_s
+            log.info(
+                "step %d/%d  epoch %.2f  loss %.4f  lr %.2e  %.1f sentences/s  %s",
+                *(state.global_step, state.max_steps, state.epoch or 0.0, logs["loss"]),
+                *(logs.get("learning_rate", float("nan")), rate.items_per_s),
+                eta(state.max_steps - state.global_step, rate.seconds_per_step),
+            )
+        elif "val_loss" in logs:
+            log.info(
+                "epoch %.2f  val loss %.4f  val accuracy %.4f  val F1 %.4f",
+                *(state.epoch or 0.0, logs["val_loss"]),
+                *(logs.get("val_accuracy", float("nan")), logs.get("val_f1", float("nan"))),
+            )
+        named = {new: logs[old] for old, new in self.NAMES.items() if old in logs}
+        if named:
+            self.sink.log({**named, "epoch": state.epoch or 0.0}, state.global_step)
+        if SCORE in logs:  # an evaluation: in the store before its checkpoint is reported
+            self.sink.flush()
+
+    def close(self) -> None:
+        self.sink.close()
+
+
+def check_finite(loss: float | None, step: int, rank: int) -> None:
+    """Stop at the first NaN/inf logged loss, naming the step, instead of training on garbage."""
+    if loss is not None and not math.isfinite(loss):
+        raise FloatingPointError(
+            f"rank {rank}: training loss is {loss} at step {step}: lower --lr, or drop --bf16"
+        )
+
+
+class LoggerCallback(TrainerCallback):
+    """The Trainer's events, handed to the MetricsLogger."""
+
+    def __init__(self, logger: MetricsLogger) -> None:
+        self.logger = logger
+
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        self.logger.step_end()
+
+    def on_evaluate(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        self.logger.evaluated()
+
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: dict[str, float] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if logs:
+            self.logger.log(logs, state)
