@@ -7,8 +7,9 @@ In this repository the copy lands in pipelines/<name>/ with its RayJob manifest 
 deploy/rayjob/<name>.yaml (the kustomize base's list of manifests is rewritten from that folder);
 the noxfile, the Dockerfile and the tests find it from there. With --out, the copy becomes a
 standalone project instead: the pipeline, packages/common vendored beside it (installed from that
-folder, never from an index), packages/testkit (the harness its fault and memory tests import), the
-noxfile and its helpers, the deploy files and the manifest tests.
+folder, never from an index), packages/testkit when a copied test imports it (the harness of the
+fault and memory tests; not needed to train), the noxfile and its helpers, the deploy files and
+the manifest tests.
 
 What is renamed: the import package, the distribution and its console script, the nox sessions, the
 run-name and data-folder defaults, and the manifest's name, labels and entrypoint. The version starts
@@ -302,6 +303,15 @@ STANDALONE_FILES = [
 ]
 
 
+def packages_needed(pipeline: Path) -> list[str]:
+    """The shared packages a standalone copy takes: common always; testkit (multi-node clusters,
+    memory caps) only when one of the copied tests imports it, for it is not needed to train."""
+    tests = (pipeline / "tests").rglob("*.py")
+    return ["common"] + (
+        ["testkit"] if any("raytrain_testkit" in t.read_text() for t in tests) else []
+    )
+
+
 def write_standalone(origin: str, name: str, out: Path, today: str) -> None:
     """A project of its own in `out`: the pipeline, packages/common, the noxfile, deploy, tests."""
     if out.exists() and any(out.iterdir()):
@@ -309,11 +319,11 @@ def write_standalone(origin: str, name: str, out: Path, today: str) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
-        for package in ("common", "testkit"):  # testkit: the copied fault and memory tests use it
+        copy_pipeline(ROOT / "pipelines" / origin, staging / "pipelines" / name, name, today)
+        for package in packages_needed(staging / "pipelines" / name):
             shutil.copytree(
                 ROOT / "packages" / package, staging / "packages" / package, ignore=SKIPPED
             )
-        copy_pipeline(ROOT / "pipelines" / origin, staging / "pipelines" / name, name, today)
         for relative in STANDALONE_FILES:
             source = ROOT / relative
             if source.is_dir():

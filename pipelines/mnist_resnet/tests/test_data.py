@@ -167,7 +167,7 @@ def test_idx_folder_missing_a_file_names_it(tmp_path: Path) -> None:
 
 def copy_dataset(source: StoragePath, target: Path) -> StoragePath:
     """A one-file copy of the prepared test split (train too), to be spoiled by a test."""
-    for split in ("train", "val", "test"):
+    for split in ("train", "validation", "test"):
         (target / split).mkdir(parents=True)
         table = pq.read_table(source.join(split, "part-000.parquet").path).slice(0, 64)
         pq.write_table(table, target / split / "part-000.parquet")

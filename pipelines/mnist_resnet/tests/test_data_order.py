@@ -47,6 +47,7 @@ def class_sorted_dataset(folder: Path) -> ImageData:
         Image.fromarray(train.images[index]).save(folder / "tree" / path)
         paths.append(path)
     rows = pa.table({"id": np.arange(ROWS), "path": paths, "label": train.labels[:ROWS][order]})
+    # `val/`, as mnist-resnet 0.12 and earlier wrote it: still read (`validation/` since 0.13).
     for name in ("train", "val", "test"):
         (folder / name).mkdir(parents=True)
         for part, start in enumerate(range(0, ROWS, 2000)):
@@ -249,7 +250,7 @@ def test_a_class_sorted_image_tree_on_s3_trains_to_high_test_accuracy_without_a_
         "dataset.json",
         "test/part-000.parquet",
         "train/part-000.parquet",
-        "val/part-000.parquet",
+        "validation/part-000.parquet",
     ]
     assert sum(p.stat().st_size for p in data_dir.rglob("*.parquet")) < 200_000  # lists, no pixels
 

@@ -27,6 +27,41 @@ class PackStats:
     tokens_dropped: int  # the tail after the last full block
 
 
+class BlockFiles:
+    """Writes blocks to `part-NNNNN.parquet` files of `rows_per_file` blocks each (the last one
+    shorter), holding at most one file's worth in memory."""
+
+    def __init__(self, output: StoragePath, block_size: int, rows_per_file: int) -> None:
+        self.output, self.block_size, self.rows_per_file = output, block_size, rows_per_file
+        self.pending: list[np.ndarray] = []
+        self.files = 0
+
+    def add(self, blocks: np.ndarray) -> None:
+        self.pending.append(blocks)
+        self.flush()
+
+    def flush(self, final: bool = False) -> None:
+        while self.pending and (final or sum(map(len, self.pending)) >= self.rows_per_file):
+            blocks = np.concatenate(self.pending)
+            self.pending.clear()
+            head, rest = blocks[: self.rows_per_file], blocks[self.rows_per_file :]
+            if len(rest):
+                self.pending.append(rest)
+            values = pa.array(head.reshape(-1), type=pa.int32())
+            column = pa.FixedSizeListArray.from_arrays(values, self.block_size)
+            target = self.output.join(f"part-{self.files:05d}.parquet")
+            self.files += 1
+            with target.filesystem.open_output_stream(target.path) as stream:
+                pq.write_table(pa.table({"input_ids": column}), stream)
+
+
+def first_order_value(file: StoragePath, order_column: str) -> int:
+    """The smallest `order_column` value of a Parquet file (-1 when it has no rows)."""
+    with file.filesystem.open_input_file(file.path) as stream:
+        order = pq.read_table(stream, columns=[order_column])[order_column]
+    return int(pa.compute.min(order).as_py()) if len(order) else -1
+
+
 def pack_blocks(
     documents: StoragePath,
     output: StoragePath,
@@ -47,57 +82,29 @@ def pack_blocks(
     if not files:
         raise TokenizeError(f"no tokenised documents in {documents.uri}: tokenise them first")
     marker = restart_marked_folder(output, STATS_FILE)
-
-    def first_row(file: StoragePath) -> int:
-        with file.filesystem.open_input_file(file.path) as stream:
-            order = pq.read_table(stream, columns=[order_column])[order_column]
-        return int(pa.compute.min(order).as_py()) if len(order) else -1
-
+    writer = BlockFiles(output, block_size, rows_per_file)
     carry = np.zeros(0, dtype=np.int32)
-    pending: list[np.ndarray] = []
-    counts = {"documents": 0, "tokens": 0, "blocks": 0, "files": 0}
-
-    def flush(final: bool = False) -> None:
-        while pending and (final or sum(len(p) for p in pending) >= rows_per_file):
-            blocks = np.concatenate(pending)
-            pending.clear()
-            head, rest = blocks[:rows_per_file], blocks[rows_per_file:]
-            if len(rest):
-                pending.append(rest)
-            values = pa.array(head.reshape(-1), type=pa.int32())
-            table = pa.table({"input_ids": pa.FixedSizeListArray.from_arrays(values, block_size)})
-            target = output.join(f"part-{counts['files']:05d}.parquet")
-            counts["files"] += 1
-            with target.filesystem.open_output_stream(target.path) as stream:
-                pq.write_table(table, stream)
-
-    for file in sorted(files, key=first_row):
+    documents_read = tokens = blocks = 0
+    for file in sorted(files, key=lambda file: first_order_value(file, order_column)):
         with file.filesystem.open_input_file(file.path) as stream:
             table = pq.read_table(stream, columns=[order_column, "input_ids"]).sort_by(order_column)
         ids = table.column("input_ids").combine_chunks()
-        counts["documents"] += len(ids)
+        documents_read += len(ids)
         flat = ids.flatten().to_numpy().astype(np.int32, copy=False)
-        counts["tokens"] += len(flat)
+        tokens += len(flat)
         stream_ids = np.concatenate([carry, flat])
         full = len(stream_ids) // block_size
         if full:
-            pending.append(stream_ids[: full * block_size].reshape(full, block_size))
-            counts["blocks"] += full
+            writer.add(stream_ids[: full * block_size].reshape(full, block_size))
+            blocks += full
         carry = stream_ids[full * block_size :]
-        flush()
-    flush(final=True)
-    if counts["blocks"] == 0:
+    writer.flush(final=True)
+    if blocks == 0:
         raise TokenizeError(
-            f"{counts['tokens']} tokens in {counts['documents']} documents make no block of "
+            f"{tokens} tokens in {documents_read} documents make no block of "
             f"{block_size}: give a larger corpus or a shorter sequence length"
         )
-    stats = PackStats(
-        documents=counts["documents"],
-        tokens=counts["tokens"],
-        block_size=block_size,
-        blocks=counts["blocks"],
-        tokens_dropped=len(carry),
-    )
+    stats = PackStats(documents_read, tokens, block_size, blocks, tokens_dropped=len(carry))
     marker.write_text(json.dumps(asdict(stats), indent=2) + "\n")
     return stats
 

@@ -289,6 +289,7 @@ class MetricSink:
             queue.Queue()
         )
         self._last_step: dict[str, int] | None = None
+        self._client: Any = None  # the sender thread's MLflow client, made on first send
         self._thread: threading.Thread | None = None
         if tracked is not None:
             self._thread = threading.Thread(target=self._send_loop, name="mlflow-sink", daemon=True)
@@ -325,69 +326,70 @@ class MetricSink:
         self._thread = None
 
     def _send_loop(self) -> None:
-        from mlflow.entities import Metric
-
-        assert self.tracked is not None
+        """The sender thread: take what was queued, send it, retry every RETRY_EVERY_S while the
+        store is away, and release the flushes waiting on it."""
         pending: list[Any] = []
-        flushes: list[threading.Event] = []  # set once what came before them was tried
-        mlflow_client = None
         failing_since: float | None = None
         closing = False
-        while True:
-            timeout = RETRY_EVERY_S if pending else None
+        while not closing:
             try:
-                item: object = self._queue.get(timeout=timeout)
+                first: object = self._queue.get(timeout=RETRY_EVERY_S if pending else None)
             except queue.Empty:
-                item = _RETRY
-            while True:  # this item, then what else is waiting
-                if item is None:
-                    closing = True
-                elif isinstance(item, threading.Event):
-                    flushes.append(item)
-                elif isinstance(item, tuple):
-                    values, step, stamp = item
-                    pending.extend(Metric(k, v, stamp, step) for k, v in values.items())
-                if closing or self._queue.empty():
-                    break
-                item = self._queue.get()
-            if len(pending) > PENDING_LIMIT:
-                pending = pending[-PENDING_LIMIT:]
-            try:
-                if mlflow_client is None:
-                    mlflow_client = client(self.tracked.tracking_uri)
-                if self._last_step is None:
-                    self._last_step = self._logged_steps(mlflow_client)
-                fresh = [m for m in pending if m.step > self._last_step.get(m.key, -1)]
-                for start in range(0, len(fresh), 1000):  # MLflow's batch limit
-                    mlflow_client.log_batch(
-                        self.tracked.run_id, metrics=fresh[start : start + 1000]
-                    )
-                for metric in fresh:
-                    self._last_step[metric.key] = max(
-                        metric.step, self._last_step.get(metric.key, -1)
-                    )
-                pending = []
-                if failing_since is not None:
-                    log.warning(
-                        "MLflow at %s is back after %.0f s; the metrics logged meanwhile are sent",
-                        self.tracked.tracking_uri,
-                        time.monotonic() - failing_since,
-                    )
-                    failing_since = None
-            except Exception as error:
-                if failing_since is None:
-                    failing_since = time.monotonic()
-                    log.warning(
-                        "MLflow at %s cannot be reached (%s); training goes on, metrics wait in "
-                        "memory and are in metrics.csv",
-                        self.tracked.tracking_uri,
-                        type(error).__name__,
-                    )
+                first = _RETRY
+            closing, flushes = self._take_queued(first, pending)
+            del pending[:-PENDING_LIMIT]
+            failing_since = self._send(pending, failing_since)
             for flushed in flushes:
                 flushed.set()
-            flushes = []
-            if closing:
-                return
+
+    def _take_queued(self, item: object, pending: list[Any]) -> tuple[bool, list[threading.Event]]:
+        """`item`, then whatever else waits in the queue: metrics join `pending`; returns whether
+        the sink is closing and the flushes to release once they are sent."""
+        from mlflow.entities import Metric
+
+        closing, flushes = False, []
+        while True:
+            if item is None:
+                closing = True
+            elif isinstance(item, threading.Event):
+                flushes.append(item)
+            elif isinstance(item, tuple):
+                values, step, stamp = item
+                pending.extend(Metric(k, v, stamp, step) for k, v in values.items())
+            if closing or self._queue.empty():
+                return closing, flushes
+            item = self._queue.get()
+
+    def _send(self, pending: list[Any], failing_since: float | None) -> float | None:
+        """Send the metrics the store does not hold yet and empty `pending`; on failure keep them
+        and warn once. Returns since when the store has been failing (None: it answers)."""
+        assert self.tracked is not None
+        try:
+            if self._client is None:
+                self._client = client(self.tracked.tracking_uri)
+            if self._last_step is None:
+                self._last_step = self._logged_steps(self._client)
+            fresh = [m for m in pending if m.step > self._last_step.get(m.key, -1)]
+            for start in range(0, len(fresh), 1000):  # MLflow's batch limit
+                self._client.log_batch(self.tracked.run_id, metrics=fresh[start : start + 1000])
+            for metric in fresh:
+                self._last_step[metric.key] = max(metric.step, self._last_step.get(metric.key, -1))
+            pending.clear()
+        except Exception as error:
+            if failing_since is None:
+                log.warning(
+                    "MLflow at %s cannot be reached (%s); training goes on, metrics wait in "
+                    "memory and are in metrics.csv",
+                    *(self.tracked.tracking_uri, type(error).__name__),
+                )
+                return time.monotonic()
+            return failing_since
+        if failing_since is not None:
+            log.warning(
+                "MLflow at %s is back after %.0f s; the metrics logged meanwhile are sent",
+                *(self.tracked.tracking_uri, time.monotonic() - failing_since),
+            )
+        return None
 
     def _logged_steps(self, mlflow_client: Any) -> dict[str, int]:
         """The last step the store holds for each metric of the run (from an earlier attempt)."""

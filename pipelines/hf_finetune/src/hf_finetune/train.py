@@ -103,7 +103,6 @@ def training_arguments(
         # The training split draws each epoch's order itself (token_split.py): read it in order.
         train_sampling_strategy="sequential",
         seed=config.seed,
-        data_seed=config.seed,
         report_to="none",
         disable_tqdm=True,
     )

@@ -2,13 +2,14 @@
 folder of small Parquet rows, and its checks. Ray Data reads it in training (ingest.py).
 
 Layout of a prepared dataset folder:
-    train/part-000.parquet …   columns id (0..N-1), label (int64), and either image (binary: raw
-                               H×W or H×W×3 uint8 pixels, for MNIST and IDX sources) or path (an
-                               image tree's file, relative to the tree, which is not copied)
-    val/part-000.parquet …     carved from the training data (stratified, seeded): picks checkpoints
-    test/part-000.parquet …    reported once, for the chosen checkpoint
-    dataset.json               classes, shape, mean/std, row counts, the tree's location; written
-                               last, so it marks a complete dataset
+    train/part-000.parquet …       columns id (0..N-1), label (int64), and either image (binary:
+                                   raw H×W or H×W×3 uint8 pixels, for MNIST and IDX sources) or
+                                   path (an image tree's file, relative to the tree, not copied)
+    validation/part-000.parquet …  carved from the training data (stratified, seeded): picks
+                                   checkpoints
+    test/part-000.parquet …        reported once, for the chosen checkpoint
+    dataset.json                   classes, shape, mean/std, row counts, the tree's location;
+                                   written last, so it marks a complete dataset
 
 Every split is written in a seeded random order with ids in that order, so its first N ids
 (`--limit-*-rows`) are a fair sample even when the source was sorted by class; training reshuffles
@@ -52,6 +53,10 @@ log = logging.getLogger(__name__)
 IMAGE_SIZE = (28, 28)
 DATASET_FILE = "dataset.json"
 SPLITS = ("train", "val", "test")
+# The folder each split is written to: `validation/` for the validation split, as in the text
+# pipelines and Hugging Face datasets (mnist-resnet 0.12 and earlier wrote `val/`, still read).
+SPLIT_FOLDERS = {"train": "train", "val": "validation", "test": "test"}
+FORMER_VAL_FOLDER = "val"
 FORMAT = 2
 ROWS_PER_FILE = 10_000
 STATS_SAMPLE = 2048  # images of a tree decoded for its mean and std (±0.5 % of the full split's)
@@ -503,7 +508,7 @@ def prepare(
         marker.filesystem.delete_file(marker.path)
     with staged_folder(data_dir, DATASET_FILE) as staging:
         for name, split in (("train", train), ("val", val), ("test", test)):
-            folder = staging.join(name)
+            folder = staging.join(SPLIT_FOLDERS[name])
             if folder.exists():
                 folder.filesystem.delete_dir_contents(folder.path)
             write_split(folder, split_tables(split, seed))
@@ -611,13 +616,24 @@ def inspect_dataset(data_dir: StoragePath) -> DatasetInfo:
             f"`mnist-resnet prepare --force --data-dir {data_dir}`"
         )
     for split in SPLITS:
-        folder = data_dir.join(split)
+        folder = split_folder(data_dir, split)
         files = folder.list_files(".parquet")
         if not files:
             raise DataError(f"no Parquet files in {folder}: rerun `mnist-resnet prepare --force`")
         for file in files:
             check_parquet_file(file, info)
     return info
+
+
+def split_folder(data_dir: StoragePath, split: str) -> StoragePath:
+    """Where a prepared split's files are: `validation/` for "val", or the `val/` of a folder an
+    earlier version prepared (read as it is; `prepare --force` writes `validation/`)."""
+    folder = data_dir.join(SPLIT_FOLDERS[split])
+    if split == "val" and not folder.exists():
+        former = data_dir.join(FORMER_VAL_FOLDER)
+        if former.exists():
+            return former
+    return folder
 
 
 def check_parquet_file(file: StoragePath, info: DatasetInfo) -> None:
