@@ -200,11 +200,3 @@ def new_pipeline(session: nox.Session) -> None:
     (in this repo, sessions and manifest included), or add `--out DIR` for a standalone project."""
     session.install(RUFF)  # the copy's imports re-sorted under its new name
     session.run("python", str(ROOT / "tools" / "new_pipeline.py"), *session.posargs)
-
-
-@nox.session(venv_backend="none")
-def bench_order(session: nox.Session) -> None:
-    """The cost of choosing one step's rows at 10^5, 10^7 and 10^9 rows: the keyed bijection of
-    `raytrain_common.order` against drawing the whole permutation (`tools/bench_order.py`)."""
-    python = stack_python(session)
-    run_in_stack(session, python, str(ROOT / "tools" / "bench_order.py"), *session.posargs)

@@ -70,3 +70,11 @@ def bench_prepare(session: nox.Session) -> None:
     `datasets.map` on every core, same tokenizer and documents (`python -m llm_fsdp.bench_prepare`)."""
     python = stack_python(session)
     run_in_stack(session, python, "-m", f"{PACKAGE}.bench_prepare", *session.posargs)
+
+
+@nox.session(name="bench_order", venv_backend="none")
+def bench_order(session: nox.Session) -> None:
+    """The cost of choosing one step's rows at 10^5, 10^7 and 10^9 rows: the keyed bijection of
+    `order.py` against drawing the whole permutation (`python -m llm_fsdp.bench_order`)."""
+    python = stack_python(session)
+    run_in_stack(session, python, "-m", f"{PACKAGE}.bench_order", *session.posargs)

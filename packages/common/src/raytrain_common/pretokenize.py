@@ -5,8 +5,8 @@ holds `part-*.parquet` (columns `input_ids` list<int32>, `length` = untruncated 
 kept columns) and `stats.json` (rows, token-length percentiles, truncated share), written last, so it
 marks a complete folder.
 
-For causal LMs, `pretokenize(..., max_length=None, eos_id=...)` keeps whole EOS-ended documents and
-`raytrain_common.packing.pack_blocks` then cuts their concatenation into fixed blocks.
+For causal LMs, `pretokenize(..., max_length=None, eos_id=...)` keeps whole EOS-ended documents,
+whose concatenation a pipeline then cuts into fixed blocks.
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ def pretokenize(
 ) -> TokenStats:
     """Tokenise `text_column` of `dataset` into Parquet under `output`; return and write the stats.
 
-    `max_length=None` keeps whole documents; `eos_id` ends each with that token (for `pack_blocks`).
+    `max_length=None` keeps whole documents; `eos_id` ends each with that token (for packing).
     """
     missing = [c for c in [text_column, *keep_columns] if c not in dataset.schema().names]
     if missing:

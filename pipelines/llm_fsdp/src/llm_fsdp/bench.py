@@ -27,6 +27,7 @@ from llm_fsdp.cli import USER_ERRORS
 from llm_fsdp.config import PRESETS, TrainConfig
 from llm_fsdp.data import split_blocks
 from llm_fsdp.model import resolve_model
+from llm_fsdp.order import global_batch_indices
 from llm_fsdp.parallelize import compile_model
 from llm_fsdp.task import build_model, model_flops_per_token
 from llm_fsdp.train import (
@@ -40,7 +41,6 @@ from llm_fsdp.train import (
 from raytrain_common.configs import per_worker_batch_size
 from raytrain_common.hardware import mfu, peak_memory_gb
 from raytrain_common.metrics import read_metrics_csv, write_metrics_csv
-from raytrain_common.order import global_batch_indices
 from raytrain_common.storage import resolve_storage
 
 log = logging.getLogger("llm_fsdp.bench")

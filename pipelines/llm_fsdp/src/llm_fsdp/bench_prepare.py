@@ -59,7 +59,7 @@ def ray_data_actors(shards: DocumentShards, out: Path, tokenizer: str, block_len
     import ray.data
     from transformers import AutoTokenizer
 
-    from raytrain_common.packing import pack_blocks
+    from llm_fsdp.packing import pack_blocks
     from raytrain_common.pretokenize import pretokenize
 
     items = [

@@ -32,6 +32,7 @@ import pyarrow.compute
 import pyarrow.json
 import pyarrow.parquet as pq
 
+from llm_fsdp.packing import PackStats, read_pack_stats
 from llm_fsdp.tokens import (
     TOKEN_FILE,
     TokenBlocks,
@@ -39,7 +40,6 @@ from llm_fsdp.tokens import (
     open_token_file,
     token_dtype,
 )
-from raytrain_common.packing import PackStats, read_pack_stats
 from raytrain_common.pretokenize import STATS_FILE
 from raytrain_common.storage import StoragePath, resolve_storage, staged_folder
 from raytrain_common.text import UTF8, check_encoding, iter_decoded

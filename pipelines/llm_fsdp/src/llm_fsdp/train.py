@@ -41,6 +41,7 @@ from llm_fsdp.model import (
     meta_model,
     resolve_model,
 )
+from llm_fsdp.order import global_batch_indices, micro_batches
 from llm_fsdp.parallelize import UnsupportedModelError, check_parallelizable, parallelize
 from llm_fsdp.summary import SCORE, write_run_outputs
 from llm_fsdp.task import build_model
@@ -54,7 +55,6 @@ from raytrain_common.configs import (
     build_torch_config,
     per_worker_batch_size,
 )
-from raytrain_common.order import global_batch_indices, micro_batches
 from raytrain_common.ray_start import quiet_ray_output, start_ray_for_run
 from raytrain_common.runs import fit, locate_run
 from raytrain_common.storage import resolve_storage

@@ -40,6 +40,7 @@ import torch
 
 from mnist_resnet import images as image_tree
 from mnist_resnet.config import HUB_SOURCE
+from mnist_resnet.ingest import SPLIT_FOLDERS, split_folder
 from raytrain_common.storage import (
     StoragePath,
     check_output_folder,
@@ -53,10 +54,6 @@ log = logging.getLogger(__name__)
 IMAGE_SIZE = (28, 28)
 DATASET_FILE = "dataset.json"
 SPLITS = ("train", "val", "test")
-# The folder each split is written to: `validation/` for the validation split, as in the text
-# pipelines and Hugging Face datasets (mnist-resnet 0.12 and earlier wrote `val/`, still read).
-SPLIT_FOLDERS = {"train": "train", "val": "validation", "test": "test"}
-FORMER_VAL_FOLDER = "val"
 FORMAT = 2
 ROWS_PER_FILE = 10_000
 STATS_SAMPLE = 2048  # images of a tree decoded for its mean and std (±0.5 % of the full split's)
@@ -623,17 +620,6 @@ def inspect_dataset(data_dir: StoragePath) -> DatasetInfo:
         for file in files:
             check_parquet_file(file, info)
     return info
-
-
-def split_folder(data_dir: StoragePath, split: str) -> StoragePath:
-    """Where a prepared split's files are: `validation/` for "val", or the `val/` of a folder an
-    earlier version prepared (read as it is; `prepare --force` writes `validation/`)."""
-    folder = data_dir.join(SPLIT_FOLDERS[split])
-    if split == "val" and not folder.exists():
-        former = data_dir.join(FORMER_VAL_FOLDER)
-        if former.exists():
-            return former
-    return folder
 
 
 def check_parquet_file(file: StoragePath, info: DatasetInfo) -> None:

@@ -51,7 +51,6 @@ import torch.distributed as dist
 from ray.data import FileShuffleConfig, RandomSeedConfig
 from ray.train import DataConfig
 
-from mnist_resnet.data import split_folder
 from mnist_resnet.transforms import (
     augment,
     bits_set,
@@ -60,11 +59,16 @@ from mnist_resnet.transforms import (
     pixels_from_files,
 )
 from raytrain_common.checkpoint import newest_complete_checkpoint
-from raytrain_common.storage import resolve_storage
+from raytrain_common.storage import StoragePath, resolve_storage
 
 TRAIN = "train"
 REST_OF_EPOCH = "train_rest_of_epoch"  # the rows of a resumed epoch not trained before the stop
 VAL = "val"
+
+# The folder each split is written to: `validation/` for the validation split, as in the text
+# pipelines and Hugging Face datasets (mnist-resnet 0.12 and earlier wrote `val/`, still read).
+SPLIT_FOLDERS = {"train": "train", "val": "validation", "test": "test"}
+FORMER_VAL_FOLDER = "val"
 POSITION_FILE = "epoch_rows.npz"  # beside state.pt in every checkpoint: the epoch and its bitmap
 LOCAL_SHUFFLE_ROWS = 4096  # pixel rows mixed in each worker's buffer (3 MiB of MNIST)
 DECODE_BATCH = 256  # rows per Ray Data decode task batch: a few MB of pixels at the largest side
@@ -77,6 +81,17 @@ class DataShardError(RuntimeError):
 # ---------------------------------------------------------------------------------------------
 # The datasets
 # ---------------------------------------------------------------------------------------------
+
+
+def split_folder(data_dir: StoragePath, split: str) -> StoragePath:
+    """Where a prepared split's files are: `validation/` for "val", or the `val/` of a folder an
+    earlier version prepared (read as it is; `prepare --force` writes `validation/`)."""
+    folder = data_dir.join(SPLIT_FOLDERS[split])
+    if split == "val" and not folder.exists():
+        former = data_dir.join(FORMER_VAL_FOLDER)
+        if former.exists():
+            return former
+    return folder
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """Per-step cost of choosing a global batch's rows (`nox -s bench_order`): the keyed bijection
-`raytrain_common.order` evaluates per position, against drawing the pass's whole permutation (the
+`llm_fsdp.order` evaluates per position, against drawing the pass's whole permutation (the
 order before raytrain-common 0.13), at 10^5, 10^7 and 10^9 rows, in this one process.
 
 Printed per size: milliseconds per step and the peak memory the step allocates (tracemalloc sees
@@ -9,7 +9,7 @@ in llm_fsdp: reading one rank's micro-batch of rows (16 × 2,049 uint16 tokens) 
 those rows' offsets in a 1 GiB file, as `llm_fsdp.tokens.TokenBlocks.take` does (page cache warm:
 the file was just written).
 
-    python tools/bench_order.py [--global-batch 512] [--steps 200] [--baseline-at-billion]
+    python -m llm_fsdp.bench_order [--global-batch 512] [--steps 200] [--baseline-at-billion]
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from raytrain_common.order import global_batch_indices
+from llm_fsdp.order import global_batch_indices
 
 SIZES = (10**5, 10**7, 10**9)
 
