@@ -56,7 +56,8 @@ for _name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
 
 @pytest.fixture(scope="session")
 def ray_cluster() -> Iterator[None]:
-    """A local Ray cluster started the way the pipelines start one (2 workers' CPUs + Ray Data's)."""
+    """A local Ray cluster started the way the pipelines start one (2 workers' CPUs + Ray
+    Data's)."""
     import ray
 
     from raytrain_common.ray_start import init_ray

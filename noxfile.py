@@ -151,7 +151,8 @@ def manifests(session: nox.Session) -> None:
 def doctor(session: nox.Session) -> None:
     """`raytrain-doctor`: check the cluster at RAY_ADDRESS (or a new local one) for a run, in under
     a minute. Arguments go to it, e.g. `nox -s doctor -- --pipeline NAME --storage-path
-    /mnt/runs -- --preset gpu --num-workers 8` (after the second `--`: the pipeline's train flags)."""
+    /mnt/runs -- --preset gpu --num-workers 8` (after the second `--`: the pipeline's train
+    flags)."""
     python = stack_python(session)
     run_in_stack(session, python, "-m", "raytrain_common.doctor", *session.posargs)
 

@@ -196,7 +196,8 @@ def test_a_memory_forecast_over_the_stated_limit_fails_with_the_knobs_that_fit(
 def divergent_cluster(tmp_path: Path) -> Iterator[tuple[MultiNodeCluster, Path, Path]]:
     """A head node with an extra module on its path, and a second node started in its own mount
     namespace: a tmpfs hides the storage folder the head sees, it lacks that module, and an older
-    raytrain-common shadows the installed one. What a hand-patched node in a real cluster looks like."""
+    raytrain-common shadows the installed one. What a hand-patched node in a real cluster looks
+    like."""
     if (
         shutil.which("unshare") is None
         or subprocess.run(
@@ -278,7 +279,8 @@ def test_storage_a_module_and_a_version_that_differ_on_one_node_each_fail_with_t
     assert "raytrain-common 0.0.1 (elsewhere: " in versions[0]["value"]
     assert "run one image on every node" in versions[0]["fix"]
 
-    # Each node wrote its file, but neither sees the other's: it is not shared, whatever was claimed.
+    # Each node wrote its file, but neither sees the other's: it is not shared, whatever was
+    # claimed.
     storage_rows = rows(report, "storage")
     assert len(storage_rows) == 2 and all(row["status"] == "FAIL" for row in storage_rows)
     for row in storage_rows:

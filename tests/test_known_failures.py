@@ -1,5 +1,6 @@
 """Every pipeline's commands end a known failure with one line naming its cause and fix, under the
-real traceback, through the one table in raytrain_common.known_errors; other errors stay as they are.
+real traceback, through the one table in raytrain_common.known_errors; other errors stay as they
+are.
 
 Each command here fails for real (a port bound twice, a key that is missing) inside the pipeline's
 own `main`; the failures that need a training run are tested in the pipelines (a NaN loss in

@@ -1,8 +1,10 @@
-"""The RayJob manifests: valid for KubeRay's CRD and Kubernetes, safe, and their entrypoints really run.
+"""The RayJob manifests: valid for KubeRay's CRD and Kubernetes, safe, and their entrypoints really
+run.
 
 Schema checks use KubeRay's published RayJob CRD (`../shared/kuberay/ray.io_rayjobs.yaml`, the file
-named by `KUBERAY_CRD`, or the same file in tests/data) and the Kubernetes OpenAPI schemas (kubernetes-validate). Each entrypoint,
-changed only to the CPU smoke size, is submitted through Ray's Job Submission API to a real local head.
+named by `KUBERAY_CRD`, or the same file in tests/data) and the Kubernetes OpenAPI schemas
+(kubernetes-validate). Each entrypoint, changed only to the CPU smoke size, is submitted through
+Ray's Job Submission API to a real local head.
 """
 
 from __future__ import annotations
@@ -60,7 +62,8 @@ DOCTOR_COMMAND = "raytrain-doctor"
 
 @functools.cache  # several MB of YAML: parsed once per session
 def crd_schema() -> dict[str, Any]:
-    """KubeRay's RayJob CRD: KUBERAY_CRD, the shared copy beside the repo, or the one in tests/data."""
+    """KubeRay's RayJob CRD: KUBERAY_CRD, the shared copy beside the repo, or the one in
+    tests/data."""
     candidates = [
         ROOT.parent / "shared" / "kuberay" / "ray.io_rayjobs.yaml",
         ROOT / "tests" / "data" / "kuberay" / "ray.io_rayjobs.yaml.gz",
@@ -77,7 +80,8 @@ def crd_schema() -> dict[str, Any]:
 
 
 def as_json_schema(node: Any) -> Any:
-    """Kubernetes' OpenAPI dialect → JSON Schema: int-or-string becomes an anyOf; x- keys dropped."""
+    """Kubernetes' OpenAPI dialect → JSON Schema: int-or-string becomes an anyOf; x- keys
+    dropped."""
     if isinstance(node, list):
         return [as_json_schema(item) for item in node]
     if not isinstance(node, dict):
@@ -242,8 +246,8 @@ def test_manifest_validates_against_the_crd_and_kubernetes(name: str) -> None:
 
 @pytest.mark.parametrize("name", RAYJOB_FILES)
 def test_the_cluster_runs_with_token_auth(name: str) -> None:
-    """authOptions.mode token (an empty authOptions leaves auth off) with the rayVersion the operator
-    needs, and the NetworkPolicy selects every head and worker pod of the RayJob."""
+    """authOptions.mode token (an empty authOptions leaves auth off) with the rayVersion the
+    operator needs, and the NetworkPolicy selects every head and worker pod of the RayJob."""
     document = rayjobs()[name]
     cluster = document["spec"]["rayClusterSpec"]
     assert cluster["authOptions"]["mode"] == "token"
@@ -310,7 +314,8 @@ def peer_admits(peer: dict[str, Any], source: Source, policy_namespace: str) -> 
 
 def admits(policy: dict[str, Any], source: Source, port: int, namespace: str = "team") -> bool:
     """Whether the Ingress policy (applied in `namespace`) lets `source` reach a selected pod on TCP
-    `port`: some rule admits both the peer (no `from`: every peer) and the port (no `ports`: all)."""
+    `port`: some rule admits both the peer (no `from`: every peer) and the port (no `ports`:
+    all)."""
     spec = policy["spec"]
     assert "Ingress" in spec["policyTypes"]
     for rule in spec.get("ingress", []):
@@ -784,7 +789,8 @@ def submit_and_wait(
 @pytest.fixture(scope="module")
 def pipeline_jobs(ray_head: Head, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Every pipeline's entrypoint at its smoke size, submitted together (the head holds all three
-    2-worker jobs, as a cluster shared by teams would): each job's run folder, once all SUCCEEDED."""
+    2-worker jobs, as a cluster shared by teams would): each job's run folder, once all
+    SUCCEEDED."""
     client = job_client(ray_head)
     jobs, run_dirs = {}, {}
     for name in PIPELINES:

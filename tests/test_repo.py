@@ -1,4 +1,5 @@
-"""The repo keeps its promises: CI runs the README's test command, sessions exist, pipelines stay copyable."""
+"""The repo keeps its promises: CI runs the README's test command, sessions exist, pipelines stay
+copyable."""
 
 from __future__ import annotations
 
@@ -171,7 +172,8 @@ def test_no_package_has_an_import_cycle() -> None:
 
 def test_the_common_wheel_ships_no_test_harness() -> None:
     """Users install raytrain-common; the harness (clusters on one box, memory caps, scaling
-    measures, the vocabulary tests check) is raytrain-testkit's, and training code never imports it."""
+    measures, the vocabulary tests check) is raytrain-testkit's, and training code never imports
+    it."""
     common = ROOT / "packages" / "common" / "src" / "raytrain_common"
     harness = {p.stem for p in (ROOT / "packages/testkit/src/raytrain_testkit").glob("*.py")}
     assert {"multinode", "memory_cap", "scaling", "vocabulary"} <= harness
@@ -276,7 +278,8 @@ def test_a_copied_pipeline_differs_from_its_origin_only_in_the_renamed_names(
     origin: str, scratch_repo: Path
 ) -> None:
     """In the spirit of accelerate's ExampleDifferenceTests: map the copy's names back to the
-    origin's and every file is the origin's, line for line, but for the version and session names."""
+    origin's and every file is the origin's, line for line, but for the version and session
+    names."""
     name = copy_pipeline(scratch_repo, origin)
     tool = load_copy_tool(scratch_repo)
     source, copy = scratch_repo / "pipelines" / origin, scratch_repo / "pipelines" / name
@@ -326,8 +329,8 @@ def test_a_copied_pipeline_differs_from_its_origin_only_in_the_renamed_names(
 
 def test_copied_pipelines_cli_and_fast_tests_work(scratch_repo: Path) -> None:
     """Every copy runs under its new names: its CLI answers, and its tests that need no Ray cluster
-    pass, each copy's in a pytest process of its own, side by side (the Ray ones run in `nox -s tests` once a copy is installed,
-    as the README says)."""
+    pass, each copy's in a pytest process of its own, side by side (the Ray ones run in `nox -s
+    tests` once a copy is installed, as the README says)."""
     copies = [scratch_repo / "pipelines" / copy_pipeline(scratch_repo, p.name) for p in PIPELINES]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(str(copy / "src") for copy in copies)}
     helps = {

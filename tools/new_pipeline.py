@@ -12,9 +12,9 @@ fault and memory tests; not needed to train), the noxfile and its helpers, the d
 the manifest tests.
 
 What is renamed: the import package, the distribution and its console script, the nox sessions, the
-run-name and data-folder defaults, and the manifest's name, labels and entrypoint. The version starts
-again at 0.1.0 with a fresh CHANGELOG. Nothing else changes: the copy trains exactly as its origin.
-Only the standard library is used, so it runs under nox's own interpreter.
+run-name and data-folder defaults, and the manifest's name, labels and entrypoint. The version
+starts again at 0.1.0 with a fresh CHANGELOG. Nothing else changes: the copy trains exactly as its
+origin. Only the standard library is used, so it runs under nox's own interpreter.
 """
 
 from __future__ import annotations
@@ -202,8 +202,8 @@ def copy_pipeline(origin: Path, target: Path, name: str, today: str) -> None:
             path.write_text(renamed, encoding="utf-8")
     (target / "CHANGELOG.md").write_text(
         f"# Changelog — {new.distribution}\n\n## {NEW_VERSION} — {today}\n"
-        f"- Copied from `{old.package}` {old.version} with `nox -s new_pipeline`: the same training, "
-        f"renamed to `{new.package}` (command `{new.distribution}`).\n"
+        f"- Copied from `{old.package}` {old.version} with `nox -s new_pipeline`: the same "
+        f"training, renamed to `{new.package}` (command `{new.distribution}`).\n"
     )
 
 
@@ -250,8 +250,14 @@ def write_atomically(path: Path, text: str) -> None:
     temporary.replace(path)
 
 
-def standalone_readme(name: str, origin: PipelineNames, today: str) -> str:
+def standalone_readme(name: str, origin: PipelineNames, today: str, packages: list[str]) -> str:
     new = PipelineNames.new(name)
+    testkit = (
+        "| `packages/testkit/` | `raytrain-testkit`: the tests' multi-node clusters and memory "
+        "caps (not needed to train) |\n"
+        if "testkit" in packages
+        else ""
+    )
     return f"""# {name}
 
 A Ray Train pipeline, copied on {today} from `{origin.package}` {origin.version} of the raytrain
@@ -260,10 +266,9 @@ This project stands alone: it needs no access to the repository it came from.
 
 | Folder | What it holds |
 |---|---|
-| `pipelines/{name}/` | the pipeline: its code, tests, README, CHANGELOG and nox sessions (`sessions.py`) |
-| `packages/common/` | `raytrain-common`, vendored: installed from this folder, never from an index |
-| `packages/testkit/` | `raytrain-testkit`: the tests' multi-node clusters and memory caps (not needed to train) |
-| `deploy/` | the image (`Dockerfile`) and the RayJob manifest for a KubeRay cluster |
+| `pipelines/{name}/` | the pipeline: code, tests, README, CHANGELOG, nox sessions (`sessions.py`) |
+| `packages/common/` | `raytrain-common`, vendored: installed from this folder, not an index |
+{testkit}| `deploy/` | the image (`Dockerfile`) and the RayJob manifest for a KubeRay cluster |
 | `tools/` | the shared nox environment (`nox_stack.py`) and `new_pipeline.py` for further copies |
 
 ## Run it
@@ -274,8 +279,8 @@ nox -l                     # the sessions: `{name}` (CPU), `{name}_gpu`, `bench_
 nox -s {name}              # prepare, train and evaluate on this machine's CPUs
 ```
 
-The pipeline's own README, `pipelines/{name}/README.md`, says what each command does; its commands are
-`{new.distribution} prepare | train | …` (`--help` on each).
+The pipeline's own README, `pipelines/{name}/README.md`, says what each command does; its commands
+are `{new.distribution} prepare | train | …` (`--help` on each).
 
 ### Run the tests
 
@@ -320,7 +325,8 @@ def write_standalone(origin: str, name: str, out: Path, today: str) -> None:
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
         copy_pipeline(ROOT / "pipelines" / origin, staging / "pipelines" / name, name, today)
-        for package in packages_needed(staging / "pipelines" / name):
+        packages = packages_needed(staging / "pipelines" / name)
+        for package in packages:
             shutil.copytree(
                 ROOT / "packages" / package, staging / "packages" / package, ignore=SKIPPED
             )
@@ -336,7 +342,7 @@ def write_standalone(origin: str, name: str, out: Path, today: str) -> None:
         write_kustomization(staging / "deploy" / "rayjob")
         write_overlay(staging / "deploy", PipelineNames.new(name).distribution)
         old = PipelineNames.of(ROOT / "pipelines" / origin)
-        (staging / "README.md").write_text(standalone_readme(name, old, today))
+        (staging / "README.md").write_text(standalone_readme(name, old, today, packages))
         deploy_readme = staging / "deploy" / "README.md"
         deploy_readme.write_text(rename(deploy_readme.read_text(), old, PipelineNames.new(name)))
         if out.exists():

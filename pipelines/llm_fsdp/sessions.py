@@ -29,8 +29,8 @@ def cpu(session: nox.Session) -> None:
 
 @nox.session(name=f"{SESSION}_gpu", venv_backend="none")
 def gpu(session: nox.Session) -> None:
-    """SmolLM2-135M continued pretraining on Shakespeare on every visible GPU: bf16, compiled blocks,
-    FSDP2, two passes over the corpus; then export and samples from the best checkpoint."""
+    """SmolLM2-135M continued pretraining on Shakespeare on every visible GPU: bf16, compiled
+    blocks, FSDP2, two passes over the corpus; then export and samples from the best checkpoint."""
     gpus = require_gpus(session, cpu_session=SESSION, manifest=f"{PACKAGE}.yaml")
     python = stack_python(session)
     run_name = ["--run-name", f"{PACKAGE}_gpu"]
@@ -67,7 +67,8 @@ def bench(session: nox.Session) -> None:
 @nox.session(name="bench_llm_prepare", venv_backend="none")
 def bench_prepare(session: nox.Session) -> None:
     """prepare's tokenise-and-pack tokens/s: Ray tasks ÷ the previous Ray Data actors and ÷
-    `datasets.map` on every core, same tokenizer and documents (`python -m llm_fsdp.bench_prepare`)."""
+    `datasets.map` on every core, same tokenizer and documents (`python -m
+    llm_fsdp.bench_prepare`)."""
     python = stack_python(session)
     run_in_stack(session, python, "-m", f"{PACKAGE}.bench_prepare", *session.posargs)
 

@@ -132,13 +132,15 @@ def test_a_killed_workers_scratch_folder_is_removed_by_the_next_one_and_a_live_o
     None
 ):
     """A worker SIGKILLed while it held a checkpoint's scratch folder (a lost node, an OOM kill)
-    cannot remove it; the next worker on the machine does, and leaves live workers' folders alone."""
+    cannot remove it; the next worker on the machine does, and leaves live workers' folders
+    alone."""
     holder = subprocess.Popen(
         [
             sys.executable,
             "-c",
             "import sys, time; from raytrain_common.checkpoint import "
-            "new_scratch_folder; print(new_scratch_folder('test-scratch'), flush=True); time.sleep(600)",
+            "new_scratch_folder; print(new_scratch_folder('test-scratch'), flush=True); "
+            "time.sleep(600)",
         ],
         stdout=subprocess.PIPE,
         text=True,

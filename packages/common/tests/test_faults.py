@@ -1,5 +1,5 @@
-"""The restart bookkeeping in summary.json: what caused each restart, read from the files a run leaves
-(progress.json and the fault log saved in a checkpoint)."""
+"""The restart bookkeeping in summary.json: what caused each restart, read from the files a run
+leaves (progress.json and the fault log saved in a checkpoint)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ def test_a_preemption_is_the_cause_only_of_the_restart_that_replaced_the_attempt
     tmp_path: Path,
 ) -> None:
     run_dir = resolve_storage(tmp_path)
-    # The attempt that got the notice checkpointed at step 30 and reached step 31 before its node went.
+    # The attempt that got the notice checkpointed at step 30 and reached step 31 before its node
+    # went.
     (tmp_path / PROGRESS_FILE).write_text(
         json.dumps({"step": 31, "driver_id": "d1", "attempt": 0, "world_size": 2})
     )

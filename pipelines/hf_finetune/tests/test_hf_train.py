@@ -1,4 +1,5 @@
-"""Real 2-worker Ray Train runs of the HF Trainer on VADER slices: learning, resume, reload, predict."""
+"""Real 2-worker Ray Train runs of the HF Trainer on VADER slices: learning, resume, reload,
+predict."""
 
 from __future__ import annotations
 

@@ -194,7 +194,8 @@ def test_running_out_of_gpu_memory_names_the_knobs_that_fit() -> None:
 
 
 def test_gpu_presets_fit_their_memory_by_arithmetic() -> None:
-    """What a CPU can check of the GPU presets: one GPU's micro-batch and the loss's logits chunk."""
+    """What a CPU can check of the GPU presets: one GPU's micro-batch and the loss's logits
+    chunk."""
     from llm_fsdp.config import PRESETS
 
     for name, micro in (("gpu", 64), ("gpu-24gb", 16)):
@@ -270,7 +271,8 @@ def test_smollm2_converts_trains_a_few_steps_and_exports(
             lr=3e-5,
         )
     )
-    # Pretrained, not random: the loss starts near what a 135M LM gets on English (ln 49,152 ≈ 10.8).
+    # Pretrained, not random: the loss starts near what a 135M LM gets on English (ln 49,152 ≈
+    # 10.8).
     assert summary["first"]["val_loss"] < 5.0
     exported = export(summary["latest_checkpoint"], str(tmp_path / "smol-export"))
     model = AutoModelForCausalLM.from_pretrained(exported)

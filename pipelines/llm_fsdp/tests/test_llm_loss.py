@@ -1,4 +1,5 @@
-"""The chunked loss equals the plain one (value and gradients) and never holds every logit at once."""
+"""The chunked loss equals the plain one (value and gradients) and never holds every logit at
+once."""
 
 from __future__ import annotations
 

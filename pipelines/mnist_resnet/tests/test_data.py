@@ -238,9 +238,9 @@ def test_rows_decode_to_the_models_layout_and_normalise(mnist_dir: StoragePath) 
 def test_prepare_and_train_agree_on_the_data_folder_under_an_s3_uri_with_options(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`prepare --storage-path s3://bucket/runs?endpoint_override=…` writes <storage>/data/mnist, and
-    `train` with the same storage path and no --data-dir reads that folder (the options once ended
-    up inside train's path: `…?endpoint_override=…/data/mnist`)."""
+    """`prepare --storage-path s3://bucket/runs?endpoint_override=…` writes <storage>/data/mnist,
+    and `train` with the same storage path and no --data-dir reads that folder (the options once
+    ended up inside train's path: `…?endpoint_override=…/data/mnist`)."""
     moto_server = pytest.importorskip("moto.server")
     import boto3
 

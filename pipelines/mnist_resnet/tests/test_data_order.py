@@ -76,7 +76,8 @@ def read_epoch(dataset: ray.data.Dataset) -> tuple[np.ndarray, np.ndarray]:
 
 
 def checkpoint_with_trained_rows(run_dir: Path, epoch: int, trained_ids: np.ndarray) -> None:
-    """A checkpoint folder as the loop writes one mid-epoch: state.pt, the position file, manifest."""
+    """A checkpoint folder as the loop writes one mid-epoch: state.pt, the position file,
+    manifest."""
     folder = run_dir / "checkpoint_2026-01-01_00-00-00.000000"
     bits = np.zeros((ROWS + 7) // 8, np.uint8)
     np.bitwise_or.at(bits, trained_ids >> 3, np.left_shift(1, trained_ids & 7).astype(np.uint8))
@@ -227,9 +228,10 @@ def test_a_class_sorted_image_tree_on_s3_trains_to_high_test_accuracy_without_a_
 ) -> None:
     """Real MNIST digits written as PNG objects under s3://images/digits/{train,test}/<digit>/,
     uploaded class by class (the listing is class-sorted), prepared from the s3:// URI and trained
-    3 epochs on 2 workers, with the default augmentation of a grey tree (random crops): Ray Data reads and decodes the objects every epoch; no node holds a copy, and the
-    prepared folder holds only file lists and dataset.json. Without a global order every epoch,
-    this trained to 0.57 (each worker saw a fixed few classes every epoch)."""
+    3 epochs on 2 workers, with the default augmentation of a grey tree (random crops): Ray Data
+    reads and decodes the objects every epoch; no node holds a copy, and the prepared folder holds
+    only file lists and dataset.json. Without a global order every epoch, this trained to 0.57 (each
+    worker saw a fixed few classes every epoch)."""
     from mnist_resnet.cli import main
 
     client, options = s3_bucket

@@ -1,5 +1,6 @@
-"""A user's own images: a class-per-folder tree of PNG / JPEG / WebP files of two sizes and two modes,
-prepared with Ray Data, trained on 2 workers, and new files classified with `predict --input`."""
+"""A user's own images: a class-per-folder tree of PNG / JPEG / WebP files of two sizes and two
+modes, prepared with Ray Data, trained on 2 workers, and new files classified with `predict
+--input`."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""`mnist-resnet sweep` for real: Ray Tune trials of real TorchTrainer runs, ASHA stopping the lagging
-ones, MLflow runs nested under the sweep's, and a sweep killed midway that resumes when rerun."""
+"""`mnist-resnet sweep` for real: Ray Tune trials of real TorchTrainer runs, ASHA stopping the
+lagging ones, MLflow runs nested under the sweep's, and a sweep killed midway that resumes when
+rerun."""
 
 from __future__ import annotations
 

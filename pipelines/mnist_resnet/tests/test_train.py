@@ -237,7 +237,9 @@ def test_local_storage_is_refused_on_a_two_node_cluster(
         cluster.add_node(num_cpus=2)
         cluster.wait_for_nodes()
         os.environ["RAY_ADDRESS"] = cluster.address
-        config = dataclasses.replace(cpu_preset(), storage_path={str(tmp_path / "runs")!r}, data_dir={mnist_dir.uri!r})
+        config = dataclasses.replace(
+            cpu_preset(), storage_path={str(tmp_path / "runs")!r}, data_dir={mnist_dir.uri!r}
+        )
         try:
             run(config)
         except StorageError as error:
@@ -273,7 +275,8 @@ def test_cpu_only_nodes_decode_while_the_training_node_trains(
         from mnist_resnet.config import cpu_preset
         from mnist_resnet.train import run
 
-        cluster = Cluster(initialize_head=True, head_node_args={{"num_cpus": 2, "resources": {{"trainer": 2}}}})
+        head = {{"num_cpus": 2, "resources": {{"trainer": 2}}}}
+        cluster = Cluster(initialize_head=True, head_node_args=head)
         cpu_node = cluster.add_node(num_cpus=2)
         cluster.wait_for_nodes()
         os.environ["RAY_ADDRESS"] = cluster.address
@@ -285,8 +288,9 @@ def test_cpu_only_nodes_decode_while_the_training_node_trains(
         )
         try:
             summary = run(config)
-            print("RESULT", json.dumps({{"decoded_on": summary["decoded_on"],
-                  "cpu_node": cpu_node.node_id[:15], "accuracy": summary["test"]["test_accuracy"]}}))
+            result = {{"decoded_on": summary["decoded_on"], "cpu_node": cpu_node.node_id[:15],
+                      "accuracy": summary["test"]["test_accuracy"]}}
+            print("RESULT", json.dumps(result))
         finally:
             ray.shutdown()
             cluster.shutdown()
@@ -408,8 +412,8 @@ def test_a_torn_checkpoint_is_never_loaded(
     """The newest checkpoint's state.pt cut to half, or its manifest emptied (a disk that filled
     up while Ray copied it): `predict` refuses it in one line, and a rerun resumes from the
     previous complete checkpoint (epoch 1), trains epoch 2 again (in another order) and ends
-    about where the uninterrupted run did. The run is a copy of the uninterrupted one: a run folder holds no absolute path that a
-    resume reads."""
+    about where the uninterrupted run did. The run is a copy of the uninterrupted one: a run folder
+    holds no absolute path that a resume reads."""
     whole_storage, summary = uninterrupted_run
     shutil.copytree(whole_storage / "whole", tmp_path / "whole")
     latest = tmp_path / "whole" / Path(summary["latest_checkpoint"]).name

@@ -7,8 +7,9 @@ out a storage outage, and the way back (`resume_checkpoint`).
 
 Every checkpoint carries manifests (`manifest-rank<N>.json`: each file's size and SHA-256), written
 after the files they describe, one per rank that wrote files. A checkpoint cut off mid-upload, or a
-file truncated later, fails `verify_checkpoint` and is never loaded: a resume falls back to the newest
-complete checkpoint in the run folder, and `load_state` refuses it with one line naming the file.
+file truncated later, fails `verify_checkpoint` and is never loaded: a resume falls back to the
+newest complete checkpoint in the run folder, and `load_state` refuses it with one line naming the
+file.
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ def _sha256(path: Path) -> str:
 
 
 def write_manifest(folder: str | os.PathLike[str], *, rank: int = 0, world_size: int = 1) -> Path:
-    """Describe the files `rank` wrote into `folder` (all but manifests); call it after writing them.
+    """Describe the files `rank` wrote into `folder` (all but manifests); call it after writing
+    them.
 
     Rank 0 also records how many ranks write manifests, so a checkpoint missing one rank's files
     (and manifest) is seen as torn too.
@@ -107,8 +109,8 @@ def parse_manifest(checkpoint: str, name: str, data: bytes) -> dict[str, Any]:
 
 
 def verify_checkpoint(folder: str | os.PathLike[str], *, hashes: bool = True) -> None:
-    """Raise TornCheckpointError, naming the checkpoint and the file, unless every rank's manifest is
-    there and every file it lists has its size (and, with `hashes`, its SHA-256)."""
+    """Raise TornCheckpointError, naming the checkpoint and the file, unless every rank's manifest
+    is there and every file it lists has its size (and, with `hashes`, its SHA-256)."""
     root = Path(folder)
     world_file = root / WORLD_FILE
     if not world_file.is_file():
@@ -121,7 +123,8 @@ def verify_checkpoint(folder: str | os.PathLike[str], *, hashes: bool = True) ->
         manifest = root / f"{MANIFEST_PREFIX}{rank}.json"
         if not manifest.is_file():
             raise TornCheckpointError(
-                f"checkpoint {str(root)!r} lacks {manifest.name}: rank {rank}'s files are incomplete"
+                f"checkpoint {str(root)!r} lacks {manifest.name}: rank {rank}'s files are "
+                "incomplete"
             )
         for name, expected in parse_manifest(str(root), manifest.name, manifest.read_bytes())[
             "files"
@@ -227,7 +230,8 @@ def is_complete(checkpoint: ray.train.Checkpoint, inside: str = "") -> bool:
 def strip_prefixes(
     state_dict: Mapping[str, Any], prefixes: tuple[str, ...] = WRAPPER_PREFIXES
 ) -> dict[str, Any]:
-    """Remove the key prefixes DDP (`module.`) and torch.compile (`_orig_mod.`) add, however nested."""
+    """Remove the key prefixes DDP (`module.`) and torch.compile (`_orig_mod.`) add, however
+    nested."""
     stripped = {}
     for key, value in state_dict.items():
         changed = True

@@ -1,7 +1,8 @@
 """Command-line options generated from a typed config dataclass, with named presets.
 
 A pipeline writes its options once, as dataclass fields with `option(default, help)`; every field
-becomes a `--flag`, and `--preset NAME` picks the defaults (e.g. cpu or gpu) that flags then override.
+becomes a `--flag`, and `--preset NAME` picks the defaults (e.g. cpu or gpu) that flags then
+override.
 """
 
 from __future__ import annotations
@@ -58,8 +59,8 @@ def add_config_options(
     config_class: type[Config],
     presets: Mapping[str, Config] | None = None,
 ) -> None:
-    """Add one flag per field of `config_class`, and `--preset` when there are presets; defaults come
-    from the first preset, or from the class itself.
+    """Add one flag per field of `config_class`, and `--preset` when there are presets; defaults
+    come from the first preset, or from the class itself.
 
     Flags default to "not given" so that `config_from_args` can tell a flag the user typed from a
     preset's value.

@@ -1,7 +1,8 @@
 """Ray Train's config objects, built from the typed config a pipeline extends.
 
-A pipeline's config dataclass inherits `RayTrainSettings`, so one object (and one `--help`) holds the
-model, data, loop and cluster options; the builders below turn it into what `TorchTrainer` takes.
+A pipeline's config dataclass inherits `RayTrainSettings`, so one object (and one `--help`) holds
+the model, data, loop and cluster options; the builders below turn it into what `TorchTrainer`
+takes.
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ class RunLocation(StorageLocation):
 
     run_name: str = option(
         "run",
-        "Folder of this run under the storage path; rerunning with the same name continues the run.",
+        "Folder of this run under the storage path; rerunning with the same name continues the "
+        "run.",
     )
 
     def check_options(self) -> None:
@@ -139,11 +141,13 @@ class RayTrainSettings(RunLocation):
     )
     max_failures: int = option(
         1,
-        "Times the worker group is restarted from the latest checkpoint after a failure (-1: always).",
+        "Times the worker group is restarted from the latest checkpoint after a failure (-1: "
+        "always).",
     )
     max_preemption_failures: int = option(
         -1,
-        "Restarts after a node of the run is preempted (a spot reclaim announced by a drain), counted "
+        "Restarts after a node of the run is preempted (a spot reclaim announced by a drain), "
+        "counted "
         "apart from max_failures (-1: always).",
     )
     preemption_grace_s: float = option(
@@ -161,7 +165,8 @@ class RayTrainSettings(RunLocation):
     timeout_s: int = option(1800, "torch.distributed collective timeout.")
     tracking: Literal["mlflow", "none"] = option(
         "mlflow",
-        "Experiment tracking: mlflow logs params, metrics and artifacts from rank 0; none turns it off.",
+        "Experiment tracking: mlflow logs params, metrics and artifacts from rank 0; none turns it "
+        "off.",
     )
     tracking_uri: str | None = option(
         None,
@@ -220,13 +225,15 @@ class RayTrainSettings(RunLocation):
 
 
 def per_worker_batch_size(global_batch_size: int, workers: int, grad_accum_steps: int = 1) -> int:
-    """Micro-batch size of one worker; the global batch must split evenly so every rank steps alike."""
+    """Micro-batch size of one worker; the global batch must split evenly so every rank steps
+    alike."""
     if grad_accum_steps < 1:
         raise ConfigError(f"grad_accum_steps={grad_accum_steps}: it must be at least 1")
     parts = workers * grad_accum_steps
     if global_batch_size < 1 or global_batch_size % parts:
         raise ConfigError(
-            f"global_batch_size={global_batch_size} does not divide evenly over {workers} worker(s) "
+            f"global_batch_size={global_batch_size} does not divide evenly over {workers} "
+            "worker(s) "
             f"× {grad_accum_steps} accumulation step(s): choose a multiple of {parts}, "
             f"e.g. {max(parts, global_batch_size // parts * parts)}"
         )

@@ -53,7 +53,8 @@ KNOWN_ERRORS: tuple[KnownError, ...] = (
         "a GPU ran out of memory",
         "halve the micro-batch and keep the global batch with --grad-accum-steps ×2, turn on "
         "--activation-checkpointing where the pipeline has it, or spread the model over more GPUs "
-        f"(FSDP, --num-workers); `{DOCTOR} --pipeline <name> -- <train flags>` forecasts the memory",
+        f"(FSDP, --num-workers); `{DOCTOR} --pipeline <name> -- <train flags>` forecasts the "
+        "memory",
     ),
     _known(
         "node out of memory",
@@ -67,7 +68,8 @@ KNOWN_ERRORS: tuple[KnownError, ...] = (
     ),
     _known(
         "shared memory too small",
-        r"/dev/shm|shm_open|Error while creating shared memory segment|unable to (allocate|write to) "
+        r"/dev/shm|shm_open|Error while creating shared memory segment|unable to (allocate|write "
+        r"to) "
         r"shared memory|NCCL WARN .*shm",
         "/dev/shm is too small (containers get 64 MiB by default); NCCL and DataLoader workers "
         "need it",
@@ -83,7 +85,8 @@ KNOWN_ERRORS: tuple[KnownError, ...] = (
         "a collective between workers did not complete: ranks cannot reach each other (closed "
         "ports, the wrong network interface, InfiniBand not set up) or one rank is stuck",
         "allow all TCP ports between the nodes, set NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME to the "
-        "interface the nodes share (e.g. eth0), check InfiniBand with NCCL_DEBUG=INFO (NCCL_IB_HCA, "
+        "interface the nodes share (e.g. eth0), check InfiniBand with NCCL_DEBUG=INFO "
+        "(NCCL_IB_HCA, "
         f"or NCCL_IB_DISABLE=1 without it); `{DOCTOR}` runs a timed collective of the run's shape",
     ),
     _known(
@@ -98,7 +101,8 @@ KNOWN_ERRORS: tuple[KnownError, ...] = (
         r"Address already in use|EADDRINUSE|errno:? 98\b",
         "a port the run binds is already taken (a leftover `ray start`, another training job on "
         "the node, or a fixed MASTER_PORT used twice)",
-        "stop the other process (a leftover local cluster: `python -m raytrain_common.local_cluster "
+        "stop the other process (a leftover local cluster: `python -m "
+        "raytrain_common.local_cluster "
         "stop <its --temp-dir>`, which ends that cluster only) or unset MASTER_PORT and let Ray "
         "Train pick a free one",
     ),
@@ -132,7 +136,8 @@ KNOWN_ERRORS: tuple[KnownError, ...] = (
     _known(
         "disk full",
         r"No space left on device|ENOSPC|Disk quota exceeded",
-        "a disk filled up (the storage path, /tmp where Ray spills objects, or a checkpoint folder)",
+        "a disk filled up (the storage path, /tmp where Ray spills objects, or a checkpoint "
+        "folder)",
         "free space or point --storage-path at a larger volume; keep fewer checkpoints "
         "(--num-to-keep); Ray's spill folder is under RAY_TMPDIR (/tmp/ray)",
     ),

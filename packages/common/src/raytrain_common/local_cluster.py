@@ -1,4 +1,5 @@
-"""Stop the Ray cluster you started, and no other: `python -m raytrain_common.local_cluster stop DIR`.
+"""Stop the Ray cluster you started, and no other: `python -m raytrain_common.local_cluster stop
+DIR`.
 
 `ray stop` (with or without --force) ends every Ray process of the user on the machine: another
 person's training run, a test's cluster, a notebook's. A cluster started with
@@ -18,7 +19,8 @@ from pathlib import Path
 
 
 def cluster_processes(temp_dir: str | Path) -> list:
-    """The processes of the cluster whose --temp-dir is `temp_dir`: its daemons and their descendants."""
+    """The processes of the cluster whose --temp-dir is `temp_dir`: its daemons and their
+    descendants."""
     import psutil
 
     marker = str(Path(temp_dir).resolve())
@@ -40,8 +42,8 @@ def cluster_processes(temp_dir: str | Path) -> list:
 
 
 def _is_ray_daemon_of(cmdline: list[str] | None, marker: str) -> bool:
-    """A program of Ray's own (under its package) given a folder of `marker` as a flag's value: not a
-    shell or an editor whose command line merely mentions the folder, nor this process."""
+    """A program of Ray's own (under its package) given a folder of `marker` as a flag's value: not
+    a shell or an editor whose command line merely mentions the folder, nor this process."""
     if not cmdline:
         return False
     program = " ".join(cmdline[:3])

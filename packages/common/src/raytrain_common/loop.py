@@ -130,8 +130,8 @@ class ProgressNotes:
 
 @dataclass(frozen=True)
 class Throughput:
-    """A window's rate: items (images, sentences, tokens) per second, seconds per step, and the model
-    FLOPs utilisation when the accelerator's peak is known."""
+    """A window's rate: items (images, sentences, tokens) per second, seconds per step, and the
+    model FLOPs utilisation when the accelerator's peak is known."""
 
     items_per_s: float
     seconds_per_step: float

@@ -1,15 +1,15 @@
 """How much memory one training worker will need, forecast without a GPU and without the weights.
 
-A GPU that runs out of memory at step 1 costs a queue wait and a cluster start-up. The forecast builds
-the pipeline's real model and loss under `FakeTensorMode` (shapes and dtypes, no storage), runs one
-forward pass on a micro-batch of the run's size, and adds up every tensor autograd saves for the
-backward pass: that is the activation memory, measured on the real code rather than taken from a
-formula. Parameters, gradients and optimizer state follow from the parameter count, the precision and
-the sharding (FSDP divides them by the ranks).
+A GPU that runs out of memory at step 1 costs a queue wait and a cluster start-up. The forecast
+builds the pipeline's real model and loss under `FakeTensorMode` (shapes and dtypes, no storage),
+runs one forward pass on a micro-batch of the run's size, and adds up every tensor autograd saves
+for the backward pass: that is the activation memory, measured on the real code rather than taken
+from a formula. Parameters, gradients and optimizer state follow from the parameter count, the
+precision and the sharding (FSDP divides them by the ranks).
 
 What it does not see: torch.compile's fusions (they keep fewer tensors, so a compiled run needs
-less than forecast), kernels' temporary workspaces and the allocator's fragmentation, which the fixed
-and proportional overheads below stand for.
+less than forecast), kernels' temporary workspaces and the allocator's fragmentation, which the
+fixed and proportional overheads below stand for.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ PROPORTIONAL_OVERHEAD = 0.10
 class TrainingStep:
     """One worker's training step, as the pipeline runs it, for the forecast.
 
-    `build_model` and `make_batch` are called under FakeTensorMode: they must create tensors the usual
-    way (no data read, no weights loaded). `loss` runs the forward pass the pipeline runs.
+    `build_model` and `make_batch` are called under FakeTensorMode: they must create tensors the
+    usual way (no data read, no weights loaded). `loss` runs the forward pass the pipeline runs.
     """
 
     build_model: Callable[[], nn.Module]
@@ -128,7 +128,8 @@ def forecast(step: TrainingStep, *, micro_batch: int | None = None) -> Forecast:
     optimizer = count * step.optimizer_bytes_per_param / shards
     activations = saved_activation_bytes(step, micro, checkpointed=False)
     if step.activation_checkpointing and step.blocks is not None:
-        # Checkpointed: each block's input is kept, and one block's activations are rebuilt at a time.
+        # Checkpointed: each block's input is kept, and one block's activations are rebuilt at a
+        # time.
         kept = saved_activation_bytes(step, micro, checkpointed=True)
         with FakeTensorMode(allow_non_fake_inputs=True):
             blocks = len(step.blocks(step.build_model()))

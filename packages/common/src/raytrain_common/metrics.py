@@ -101,7 +101,8 @@ def _format(value: Any) -> Any:
 
 
 def eta(remaining_steps: int, seconds_per_step: float) -> str:
-    """ "ETA 4m05s" for a progress line: the steps left at the recent pace (evaluations excluded)."""
+    """ "ETA 4m05s" for a progress line: the steps left at the recent pace (evaluations
+    excluded)."""
     seconds = max(0, round(remaining_steps * seconds_per_step))
     hours, rest = divmod(seconds, 3600)
     minutes, seconds = divmod(rest, 60)

@@ -1,9 +1,10 @@
-"""Parquet pre-tokenisation: tokenise a text column once, with Ray Data, and keep the ids as Parquet.
+"""Parquet pre-tokenisation: tokenise a text column once, with Ray Data, and keep the ids as
+Parquet.
 
-Training then reads token ids instead of re-tokenising every epoch on every worker. The output folder
-holds `part-*.parquet` (columns `input_ids` list<int32>, `length` = untruncated token count, and any
-kept columns) and `stats.json` (rows, token-length percentiles, truncated share), written last, so it
-marks a complete folder.
+Training then reads token ids instead of re-tokenising every epoch on every worker. The output
+folder holds `part-*.parquet` (columns `input_ids` list<int32>, `length` = untruncated token count,
+and any kept columns) and `stats.json` (rows, token-length percentiles, truncated share), written
+last, so it marks a complete folder.
 
 For causal LMs, `pretokenize(..., max_length=None, eos_id=...)` keeps whole EOS-ended documents,
 whose concatenation a pipeline then cuts into fixed blocks.
@@ -45,7 +46,8 @@ class TokenStats:
 
 
 def load_fast_tokenizer_json(tokenizer_path: str) -> str:
-    """The Rust tokenizer behind a Hugging Face fast tokenizer, serialised (special tokens included).
+    """The Rust tokenizer behind a Hugging Face fast tokenizer, serialised (special tokens
+    included).
 
     Actors rebuild it with the small `tokenizers` library instead of importing transformers: that
     import costs each actor seconds, which is most of the work for a few hundred thousand rows.
@@ -59,7 +61,8 @@ def load_fast_tokenizer_json(tokenizer_path: str) -> str:
 
 
 class TokenizeBatch:
-    """A Ray Data callable class: builds the fast tokenizer once per actor, tokenises Arrow batches."""
+    """A Ray Data callable class: builds the fast tokenizer once per actor, tokenises Arrow
+    batches."""
 
     def __init__(
         self,
@@ -71,8 +74,9 @@ class TokenizeBatch:
     ) -> None:
         from tokenizers import Tokenizer
 
-        # One Rust thread per actor: the actors are the parallelism; more threads would oversubscribe
-        # the cores. (Read by the library at each call, so it holds in a reused worker process too.)
+        # One Rust thread per actor: the actors are the parallelism; more threads would
+        # oversubscribe the cores. (Read by the library at each call, so it holds in a reused worker
+        # process too.)
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
         self.tokenizer = Tokenizer.from_str(tokenizer_json)
         self.tokenizer.no_truncation()
@@ -100,7 +104,8 @@ class TokenizeBatch:
         if bad is not None:  # (a dictionary-encoded text column is text, and passes)
             index, text = bad
             raise TokenizeError(
-                f"column {self.text_column!r} holds {type(text).__name__} ({text!r:.40}) at batch row "
+                f"column {self.text_column!r} holds {type(text).__name__} ({text!r:.40}) at batch "
+                "row "
                 f"{index}, not text: choose the text column with --text-column, or clean the data"
             )
         ids = [encoding.ids for encoding in self.tokenizer.encode_batch_fast(texts)]

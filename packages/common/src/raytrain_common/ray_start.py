@@ -1,9 +1,9 @@
 """Ray start-up: join the cluster a RayJob gives us, or start a local one that cannot deadlock.
 
-On a 2-core box, `ray.init()` offers 2 logical CPUs; two train workers take both, and Ray Data's read
-tasks then wait for a CPU for ever, silently. A local cluster here offers the train workers' CPUs plus
-some for Ray Data. Both kinds of cluster are checked for the resources a run asks for, so a run that
-could never be scheduled fails with a message instead of hanging.
+On a 2-core box, `ray.init()` offers 2 logical CPUs; two train workers take both, and Ray Data's
+read tasks then wait for a CPU for ever, silently. A local cluster here offers the train workers'
+CPUs plus some for Ray Data. Both kinds of cluster are checked for the resources a run asks for, so
+a run that could never be scheduled fails with a message instead of hanging.
 """
 
 from __future__ import annotations
@@ -142,7 +142,8 @@ def require_resources(needed: dict[str, float], *, wait_s: float = 0.0, hint: st
         if time.monotonic() >= deadline:
             wanted = ", ".join(f"{name}={amount:g}" for name, amount in missing.items())
             raise ResourceError(
-                f"the run needs {wanted} but the Ray cluster has {_describe(available)}. {hint}".strip()
+                f"the run needs {wanted} but the Ray cluster has {_describe(available)}. "
+                f"{hint}".strip()
             )
         time.sleep(2.0)
 
@@ -195,8 +196,8 @@ def quiet_ray_output(verbose: bool) -> None:
 def _filter_streamed_lines() -> None:
     """In the driver, drop KNOWN_HARMLESS_LINES from what Ray streams from its other processes.
 
-    Ray prints those through one handler of its stream dispatcher; it is wrapped, once, with a filter.
-    Private API: if Ray changes it, the lines simply show again.
+    Ray prints those through one handler of its stream dispatcher; it is wrapped, once, with a
+    filter. Private API: if Ray changes it, the lines simply show again.
     """
     try:
         from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher

@@ -1,8 +1,9 @@
-"""Where runs and data live: local folders, NFS mounts, s3:// and gs://, behind one pyarrow filesystem.
+"""Where runs and data live: local folders, NFS mounts, s3:// and gs://, behind one pyarrow
+filesystem.
 
-Ray Train writes checkpoints from every node to `RunConfig.storage_path`, so a path that only exists on
-one node silently breaks multi-node runs. The checks here catch that, and an unwritable path, on the
-driver before any worker starts.
+Ray Train writes checkpoints from every node to `RunConfig.storage_path`, so a path that only exists
+on one node silently breaks multi-node runs. The checks here catch that, and an unwritable path, on
+the driver before any worker starts.
 """
 
 from __future__ import annotations
@@ -83,8 +84,8 @@ def lasting_storage_problem(error: BaseException) -> str | None:
 
 
 def join_uri(uri: str, *parts: str) -> str:
-    """`uri`/parts, its options (?endpoint_override=…&region=… of an object store) kept last: the one
-    way every command computes a folder under the storage path (`posixpath.join` would put the
+    """`uri`/parts, its options (?endpoint_override=…&region=… of an object store) kept last: the
+    one way every command computes a folder under the storage path (`posixpath.join` would put the
     parts after the options)."""
     base, query = uri.split("?", 1) if "?" in uri else (uri, "")
     return posixpath.join(base, *parts) + (f"?{query}" if query else "")
@@ -171,7 +172,8 @@ class StoragePath:
 
 
 def resolve_storage(location: str | os.PathLike[str]) -> StoragePath:
-    """Turn a user's storage location into a filesystem and path; relative local paths become absolute."""
+    """Turn a user's storage location into a filesystem and path; relative local paths become
+    absolute."""
     text = os.fspath(location).strip()
     if not text:
         raise StorageError("storage path is empty: give a folder, an NFS mount, s3://… or gs://…")
@@ -275,16 +277,20 @@ def check_shared_for_cluster(
         return
     fs_type = mount_fs_type(storage.path) or "unknown"
     raise StorageError(
-        f"storage path {storage.uri!r} is on this node's own disk (filesystem {fs_type}), but the Ray "
-        f"cluster has {num_nodes} nodes: workers on the other nodes cannot write checkpoints there. "
+        f"storage path {storage.uri!r} is on this node's own disk (filesystem {fs_type}), but the "
+        "Ray "
+        f"cluster has {num_nodes} nodes: workers on the other nodes cannot write checkpoints "
+        "there. "
         "Set --storage-path to storage every node shares: an NFS / ReadWriteMany volume mounted at "
-        "the same path on every node, s3://bucket/prefix or gs://bucket/prefix. If this path is such "
+        "the same path on every node, s3://bucket/prefix or gs://bucket/prefix. If this path is "
+        "such "
         "a shared mount of a kind not recognised here, pass --storage-is-shared."
     )
 
 
 def check_writable(storage: StoragePath) -> None:
-    """Create the folder and write, then delete, a probe file; raise a clear error if either fails."""
+    """Create the folder and write, then delete, a probe file; raise a clear error if either
+    fails."""
     probe = storage.join(f".write-probe-{uuid.uuid4().hex[:8]}")
     try:
         storage.mkdir()
@@ -312,7 +318,8 @@ def restart_marked_folder(folder: StoragePath, marker: str) -> StoragePath:
 
 
 def check_output_folder(target: StoragePath, marker: str) -> None:
-    """Refuse a folder of the user's own files (no `marker`) as an output, before any work is done."""
+    """Refuse a folder of the user's own files (no `marker`) as an output, before any work is
+    done."""
     if target.is_dir() and target.walk_files() and not target.join(marker).exists():
         raise StorageError(
             f"{target.uri} holds files but no {marker}, so it is not an output of this command: "

@@ -6,8 +6,8 @@ stops the trials whose validation metric lags at each rung. A trial is a complet
 its own (checkpoints, metrics.csv, summary.json, an MLflow run nested under the sweep's), in
 `<storage>/sweeps/<sweep-name>/trials/<trial id>`.
 
-Resources: a trial's driver function takes a tenth of a CPU; its Train workers take theirs, and a local
-cluster is started with room for every concurrent trial's workers plus Ray Data's tasks, so
+Resources: a trial's driver function takes a tenth of a CPU; its Train workers take theirs, and a
+local cluster is started with room for every concurrent trial's workers plus Ray Data's tasks, so
 trials never starve Ray Data (see `init_ray`). A sweep interrupted (Ctrl-C, a killed driver) and
 rerun with the same name continues: finished trials are kept, unfinished ones resume from their
 own latest checkpoint, and the trials not started yet start; ASHA starts from the rungs it had
@@ -412,7 +412,8 @@ def claim_sweep_folder(sweep_dir: StoragePath, pipeline: str, objective: Objecti
         found = json.loads(marker.read_text())
         if found != mine:
             raise ConfigError(
-                f"{sweep_dir.uri} holds a sweep of {found.get('pipeline')} ({found.get('metric')}): "
+                f"{sweep_dir.uri} holds a sweep of {found.get('pipeline')} "
+                f"({found.get('metric')}): "
                 "choose another --sweep-name"
             )
         return
@@ -442,7 +443,9 @@ def close_stopped_trial_runs(parent: TrackedRun | None) -> None:
         mlflow_client = client(parent.tracking_uri)
         children = mlflow_client.search_runs(
             [parent.experiment_id],
-            filter_string=f"tags.`{PARENT_TAG}` = '{parent.run_id}' and attributes.status = 'RUNNING'",
+            filter_string=(
+                f"tags.`{PARENT_TAG}` = '{parent.run_id}' and attributes.status = 'RUNNING'"
+            ),
         )
         for run in children:
             mlflow_client.set_terminated(run.info.run_id, status="KILLED")
@@ -490,7 +493,8 @@ def write_sweep_outputs(
     command: str,
     full_run: Mapping[str, Any],
 ) -> dict[str, Any]:
-    """results.csv (one row per trial), trials.png (every trial's metric by evaluation), best.json."""
+    """results.csv (one row per trial), trials.png (every trial's metric by evaluation),
+    best.json."""
     space_keys = list(search_space(settings))
     rows: list[dict[str, Any]] = []
     curves: list[dict[str, float]] = []

@@ -53,7 +53,8 @@ RETRY_EVERY_S = 10.0
 
 @dataclass(frozen=True)
 class TrackedRun:
-    """What a worker needs to log into the driver's MLflow run (picklable, sent in the loop config)."""
+    """What a worker needs to log into the driver's MLflow run (picklable, sent in the loop
+    config)."""
 
     tracking_uri: str
     run_id: str

@@ -1,8 +1,8 @@
 """A real multi-node Ray cluster on one machine, for the fault tests every pipeline shares.
 
-Each node is its own raylet with its own resources (`ray.cluster_utils.Cluster`); killing a node kills
-its raylet and every worker on it, as losing a machine does. The run's storage folder is a local
-folder that every node of this cluster really shares (they are one machine), so runs pass
+Each node is its own raylet with its own resources (`ray.cluster_utils.Cluster`); killing a node
+kills its raylet and every worker on it, as losing a machine does. The run's storage folder is a
+local folder that every node of this cluster really shares (they are one machine), so runs pass
 `--storage-is-shared`. A pipeline's driver runs as a subprocess with `RAY_ADDRESS` set, as in a
 RayJob, so tests can kill it too; this process keeps a connection to the cluster to watch the run
 and to inject faults (drain a node through the GCS, remove it, add one back).
@@ -95,7 +95,8 @@ class MultiNodeCluster:
         return self.cluster.head_node is not None and self.cluster.head_node.node_id == node_id
 
     def drain(self, node_id: str, *, reason: str = "PREEMPTION", deadline_s: int | None) -> None:
-        """Ask the GCS to drain the node, as a cloud's spot-reclaim notice does (`ray drain-node`)."""
+        """Ask the GCS to drain the node, as a cloud's spot-reclaim notice does (`ray
+        drain-node`)."""
         command = [
             str(Path(sys.executable).with_name("ray")),
             "drain-node",
@@ -245,7 +246,8 @@ def multinode_cluster(*, head_cpus: float, connect: bool = True) -> Iterator[Mul
 
 
 class Driver:
-    """A pipeline's `train` command as its own process against the cluster (a RayJob's entrypoint)."""
+    """A pipeline's `train` command as its own process against the cluster (a RayJob's
+    entrypoint)."""
 
     def __init__(
         self,

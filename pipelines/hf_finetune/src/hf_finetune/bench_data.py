@@ -3,10 +3,11 @@
 VADER's human-rated sentences written as a CSV of 1×, 4× and 16× (by default) a base of 4,096 rows
 (the sentences in a seeded order, repeated, each row marked with its copy so no two are equal),
 prepared with `prepare --dataset` (a streamed CSV) and trained for a fixed number of steps on 2
-CPU workers, each command a process of its own on a fresh local Ray cluster, as a user runs them. Printed: the peak resident
-memory of the prepare process and of the largest training worker, training rows/s (summary.json's
-`sentences_per_s`: over the progress windows after the first, so neither start-up nor the
-validation pass at the stop, which grows with the split, counts), and the ratios largest ÷ smallest.
+CPU workers, each command a process of its own on a fresh local Ray cluster, as a user runs them.
+Printed: the peak resident memory of the prepare process and of the largest training worker,
+training rows/s (summary.json's `sentences_per_s`: over the progress windows after the first, so
+neither start-up nor the validation pass at the stop, which grows with the split, counts), and the
+ratios largest ÷ smallest.
 
     python -m hf_finetune.bench_data [--scales 1,4,16] [--base 4096] [--steps 100] [--folder DIR]
 """

@@ -1,7 +1,8 @@
-"""Pre-tokenisation throughput: Ray Data (`raytrain_common.pretokenize`) ÷ `datasets.map(batched=True)`.
+"""Pre-tokenisation throughput: Ray Data (`raytrain_common.pretokenize`) ÷
+`datasets.map(batched=True)`.
 
-Both tokenise the same VADER sentences (repeated to a size where fixed costs stop mattering) with the
-same fast tokenizer and truncation, on the same cores, and both end with Parquet on disk. Ray's
+Both tokenise the same VADER sentences (repeated to a size where fixed costs stop mattering) with
+the same fast tokenizer and truncation, on the same cores, and both end with Parquet on disk. Ray's
 start-up and its first-dataset warm-up are timed apart: a cluster pays them once, not per dataset.
 
     python -m hf_finetune.bench_tokenize [--copies 8] [--rounds 3]
@@ -27,7 +28,8 @@ log = logging.getLogger("hf_finetune.bench_tokenize")
 
 
 def corpus(sdist: Path | None, copies: int, download_dir: Path) -> pa.Table:
-    """VADER's text column `copies` times over, each copy with a marker so no row repeats exactly."""
+    """VADER's text column `copies` times over, each copy with a marker so no row repeats
+    exactly."""
     texts = read_vader(sdist or download_vader(download_dir)).column("text").to_pylist()
     rows = [f"{text} ({copy})" if copy else text for copy in range(copies) for text in texts]
     return pa.table({"text": rows})
@@ -105,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         init_ray(train_cpus=1)
         ray_start_s = time.perf_counter() - started
         # One unmeasured round on a slice: Ray's first dataset starts worker processes and Ray
-        # Data's stats actor (a once-per-cluster cost, like start-up); both sides import and warm up.
+        # Data's stats actor (a once-per-cluster cost, like start-up); both sides import and warm
+        # up.
         warm_up = table.slice(0, 20_000)
         run_datasets_map(warm_up, tokenizer_path, args.max_length, root / "warm-hf")
         ray_warm_up_s = run_ray_data(
@@ -135,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     print("| --- | --- | --- | --- |")
     for round_index, baseline_s, ray_s in results:
         print(
-            f"| {round_index} | {rows / baseline_s:,.0f} | {rows / ray_s:,.0f} | {baseline_s / ray_s:.3f} |"
+            f"| {round_index} | {rows / baseline_s:,.0f} | {rows / ray_s:,.0f} | "
+            f"{baseline_s / ray_s:.3f} |"
         )
     ratio = sum(b for _, b, _ in results) / sum(r for _, _, r in results)
     print(f"\nratio over all rounds: {ratio:.3f}  (target ≥ 1.0)")

@@ -1,4 +1,5 @@
-"""`hf-finetune prepare | train | evaluate | predict`: the commands a user runs, each with --help."""
+"""`hf-finetune prepare | train | evaluate | predict`: the commands a user runs, each with
+--help."""
 
 from __future__ import annotations
 
@@ -59,7 +60,9 @@ USER_ERRORS = (
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hf-finetune",
-        description="Fine-tune a Hugging Face text classifier with Ray Train (checkpointed, resumable).",
+        description=(
+            "Fine-tune a Hugging Face text classifier with Ray Train (checkpointed, resumable)."
+        ),
     )
     commands = parser.add_subparsers(dest="command", required=True)
 

@@ -38,7 +38,8 @@ class PrepareConfig(DataLocation, ConsoleSettings):
     dataset_config: str | None = option(None, "Hub dataset configuration name.")
     encoding: str = option(
         UTF8,
-        "Of CSV / TSV / JSONL files: utf-8 (a byte-order mark is fine), cp1252, latin-1, utf-16, ….",
+        "Of CSV / TSV / JSONL files: utf-8 (a byte-order mark is fine), cp1252, latin-1, utf-16, "
+        "….",
     )
     text_column: str = option("text", "Column holding the sentences.")
     label_column: str = option("label", "Column holding the class labels.")
@@ -126,7 +127,8 @@ class TrainConfig(RayTrainSettings, DataLocation):
     seed: int = option(0, "Seed of the head's init and the data order.")
 
     def validate(self) -> None:
-        """Raise on values that cannot work, naming the value and the fix, before anything starts."""
+        """Raise on values that cannot work, naming the value and the fix, before anything
+        starts."""
         self.validate_cluster_settings()
         check_batch_splits_for_every_worker_count(
             self.global_batch_size, self, self.grad_accum_steps

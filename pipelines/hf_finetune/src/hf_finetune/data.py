@@ -95,7 +95,8 @@ def download_vader(into: Path) -> Path:
 
 
 def read_vader(sdist: Path) -> pa.Table:
-    """VADER's 23,703 human-rated sentences: text, label (positive if the mean rating is > 0), source."""
+    """VADER's 23,703 human-rated sentences: text, label (positive if the mean rating is > 0),
+    source."""
     texts: list[str] = []
     labels: list[str] = []
     sources: list[str] = []
@@ -288,12 +289,14 @@ def select_columns(
         example = next((v for v in text.to_pylist() if v is not None), None)
         if pa.types.is_binary(text.type) or pa.types.is_large_binary(text.type):
             raise DataError(
-                f"column {text_column!r} of {where} holds raw bytes, not strings (e.g. {example!r}): "
+                f"column {text_column!r} of {where} holds raw bytes, not strings (e.g. "
+                f"{example!r}): "
                 "if they are text, store them as a string column (UTF-8); otherwise set "
                 "--text-column to the column with the sentences"
             )
         raise DataError(
-            f"column {text_column!r} of {where} holds {text.type} values (e.g. {example!r}), not text: "
+            f"column {text_column!r} of {where} holds {text.type} values (e.g. {example!r}), not "
+            "text: "
             "set --text-column to the column with the sentences"
         )
     labels = table.column(label_column).combine_chunks()
@@ -445,7 +448,8 @@ def split_indices(
 
 
 def tokenizer_fingerprint(tokenizer_path: str) -> str:
-    """A hash of the tokenizer's full definition: data tokenised by one is only fit for the same one."""
+    """A hash of the tokenizer's full definition: data tokenised by one is only fit for the same
+    one."""
     from transformers import AutoTokenizer
 
     try:
@@ -453,13 +457,16 @@ def tokenizer_fingerprint(tokenizer_path: str) -> str:
     except (OSError, ValueError, TypeError) as error:
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise DataError(
-            f"cannot load a tokenizer from {tokenizer_path}: {first[:200]}. A model folder needs its "
+            f"cannot load a tokenizer from {tokenizer_path}: {first[:200]}. A model folder needs "
+            "its "
             "tokenizer files (tokenizer.json, or vocab.txt / vocab.json + merges.txt)"
         ) from error
     if len(tokenizer) < MIN_VOCABULARY:
-        # transformers builds a tokenizer of special tokens alone from a folder that lacks the files.
+        # transformers builds a tokenizer of special tokens alone from a folder that lacks the
+        # files.
         raise DataError(
-            f"the tokenizer in {tokenizer_path} has {len(tokenizer)} tokens: its files (tokenizer.json, "
+            f"the tokenizer in {tokenizer_path} has {len(tokenizer)} tokens: its files "
+            "(tokenizer.json, "
             "or vocab.txt / vocab.json + merges.txt) are missing; copy the whole model folder"
         )
     return hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode()).hexdigest()
@@ -470,7 +477,8 @@ def write_info(data_dir: StoragePath, info: DatasetInfo) -> None:
 
 
 def inspect_dataset(data_dir: StoragePath) -> DatasetInfo:
-    """The prepared dataset's description; an error naming the command to run if it is incomplete."""
+    """The prepared dataset's description; an error naming the command to run if it is
+    incomplete."""
     marker = data_dir.join(DATASET_FILE)
     if not marker.exists():
         raise DataError(
@@ -482,7 +490,8 @@ def inspect_dataset(data_dir: StoragePath) -> DatasetInfo:
         stats: TokenStats = read_stats(data_dir.join(split))
         if stats.rows != info.rows[split]:
             raise DataError(
-                f"{data_dir.uri}/{split} has {stats.rows} rows, {DATASET_FILE} says {info.rows[split]}:"
+                f"{data_dir.uri}/{split} has {stats.rows} rows, {DATASET_FILE} says "
+                f"{info.rows[split]}:"
                 " rerun `hf-finetune prepare --force`"
             )
     return info

@@ -1,4 +1,5 @@
-"""Test-split accuracy and macro F1 of a run's best checkpoint, in one process, with a confusion matrix.
+"""Test-split accuracy and macro F1 of a run's best checkpoint, in one process, with a confusion
+matrix.
 
 Evaluation runs apart from training on purpose: the test split is read once, at the end, by a model
 the validation split chose.
@@ -42,7 +43,8 @@ def read_run_summary(storage_path: str, run_name: str) -> tuple[StoragePath, dic
 
 
 def load_classifier(checkpoint: str) -> tuple[Any, Any]:
-    """Model and tokenizer from a Hugging Face folder (a checkpoint's `checkpoint/` or an export)."""
+    """Model and tokenizer from a Hugging Face folder (a checkpoint's `checkpoint/` or an
+    export)."""
     folder = Path(checkpoint)
     if not (folder / "config.json").exists():
         raise DataError(f"{checkpoint!r} is not a Hugging Face model folder (no config.json)")

@@ -36,14 +36,16 @@ def resolve_model(model: str | None) -> str:
         AutoConfig.from_pretrained(str(local) if local.exists() else model)
     except (OSError, ValueError) as error:
         raise ModelError(
-            f"unknown model {model!r}: give a local Hugging Face folder (with config.json) or a hub "
+            f"unknown model {model!r}: give a local Hugging Face folder (with config.json) or a "
+            "hub "
             "id; the hub is unreachable when HF_HUB_OFFLINE=1"
         ) from error
     return str(local.resolve()) if local.exists() else model
 
 
 def display_name(model: str) -> str:
-    """A short name for titles: the hub id, or a local folder's name (with its parent if generic)."""
+    """A short name for titles: the hub id, or a local folder's name (with its parent if
+    generic)."""
     local = Path(model)
     if not local.is_absolute() and not model.startswith("."):
         return model

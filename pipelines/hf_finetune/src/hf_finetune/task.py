@@ -17,13 +17,15 @@ from transformers import AutoModelForSequenceClassification, EvalPrediction, Pre
 
 
 def build_model(model: str, labels: Sequence[str]) -> PreTrainedModel:
-    """The pretrained encoder with a freshly initialised head for `labels`, names kept in its config."""
+    """The pretrained encoder with a freshly initialised head for `labels`, names kept in its
+    config."""
     return AutoModelForSequenceClassification.from_pretrained(
         model,
         num_labels=len(labels),
         id2label=dict(enumerate(labels)),
         label2id={label: index for index, label in enumerate(labels)},
-        # A checkpoint with another head (e.g. a run on other labels) gets a new one of the right size.
+        # A checkpoint with another head (e.g. a run on other labels) gets a new one of the right
+        # size.
         ignore_mismatched_sizes=True,
     )
 
@@ -47,7 +49,8 @@ def confusion_matrix(labels: np.ndarray, predictions: np.ndarray, num_labels: in
 def classification_scores(
     labels: np.ndarray, predictions: np.ndarray, num_labels: int
 ) -> dict[str, float]:
-    """Accuracy and macro F1 (the mean of per-class F1, so a small class counts as much as a big one)."""
+    """Accuracy and macro F1 (the mean of per-class F1, so a small class counts as much as a big
+    one)."""
     matrix = confusion_matrix(labels, predictions, num_labels)
     true_positive = np.diag(matrix).astype(float)
     precision = np.divide(

@@ -148,7 +148,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             args=training_arguments(config, output_dir, world, len(val_set)),
             train_dataset=train_set,
             eval_dataset=val_set,
-            processing_class=tokenizer,  # saved in every checkpoint, so each one predicts on its own
+            processing_class=tokenizer,  # in every checkpoint, so each one predicts on its own
             data_collator=DataCollatorWithPadding(
                 tokenizer, pad_to_multiple_of=8 if config.use_gpu else None
             ),
@@ -180,7 +180,8 @@ def check_model_fits_data(model: str, info: DatasetInfo) -> None:
     """The data's token ids mean something only to the tokenizer that made them."""
     if model != info.tokenizer and tokenizer_fingerprint(model) != info.tokenizer_sha256:
         raise ConfigError(
-            f"the data was tokenised for {info.tokenizer!r}, whose tokenizer differs from {model!r}'s: "
+            f"the data was tokenised for {info.tokenizer!r}, whose tokenizer differs from "
+            f"{model!r}'s: "
             f"rerun `hf-finetune prepare --model {model} --force`, or drop --model"
         )
 

@@ -135,13 +135,17 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         read, skipped = info.files["read"], info.files["skipped"]
         print(
             f"files: {sum(read.values())} read ({', '.join(f'{n} {s}' for s, n in read.items())}), "
-            f"{sum(skipped.values())} skipped ({', '.join(f'{n} {s}' for s, n in skipped.items()) or 'none'})"
+            f"{sum(skipped.values())} skipped "
+            f"({', '.join(f'{n} {s}' for s, n in skipped.items()) or 'none'})"
         )
     held_out = "documents" if info.split_by == "documents" else "document ends"
     print(
-        f"corpus: {info.source}, {info.documents['train']} + {info.documents['validation']} {held_out} (train + validation)\n"
-        f"tokens: {train['tokens']:,} + {val['tokens']:,} → {train['blocks']:,} + {val['blocks']:,} blocks of {info.seq_len + 1} "
-        f"({train['tokens_dropped'] + val['tokens_dropped']} tokens dropped); vocabulary {info.vocab_size:,}\n"
+        f"corpus: {info.source}, {info.documents['train']} + {info.documents['validation']} "
+        f"{held_out} (train + validation)\n"
+        f"tokens: {train['tokens']:,} + {val['tokens']:,} → {train['blocks']:,} + "
+        f"{val['blocks']:,} blocks of {info.seq_len + 1} "
+        f"({train['tokens_dropped'] + val['tokens_dropped']} tokens dropped); vocabulary "
+        f"{info.vocab_size:,}\n"
         f"written to {data_dir.uri}"
     )
     return 0

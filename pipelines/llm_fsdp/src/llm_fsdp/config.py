@@ -56,7 +56,8 @@ class PrepareConfig(DataLocation, ConsoleSettings):
     tokenizer: str = option(
         f"{BPE_PREFIX}4096",
         f"{BPE_PREFIX}N (byte-level BPE trained on the training documents), {GPT2_TOKENIZER} "
-        f"(offline), {SMOLLM2} (converts the offline SmolLM2-135M too), a local folder or a hub id.",
+        f"(offline), {SMOLLM2} (converts the offline SmolLM2-135M too), a local folder or a hub "
+        "id.",
     )
     seq_len: int = option(256, "Tokens per training sequence (blocks hold seq_len + 1).")
     validation_fraction: float = option(
@@ -168,7 +169,8 @@ class TrainConfig(RayTrainSettings, DataLocation):
         )
 
     def validate(self) -> None:
-        """Raise on values that cannot work, naming the value and the fix, before anything starts."""
+        """Raise on values that cannot work, naming the value and the fix, before anything
+        starts."""
         self.validate_cluster_settings()
         check_batch_splits_for_every_worker_count(
             self.global_batch_size, self, self.grad_accum_steps
@@ -190,7 +192,8 @@ class TrainConfig(RayTrainSettings, DataLocation):
             raise ConfigError(f"epochs={self.epochs}: it must be above 0 (or none: use max_steps)")
         if not 0 <= self.warmup_steps < self.max_steps:
             raise ConfigError(
-                f"warmup_steps={self.warmup_steps}: it must be at least 0 and below max_steps={self.max_steps}"
+                f"warmup_steps={self.warmup_steps}: it must be at least 0 and below "
+                f"max_steps={self.max_steps}"
             )
         if self.stop_at_step is not None and self.stop_at_step < 1:
             raise ConfigError(
@@ -199,7 +202,8 @@ class TrainConfig(RayTrainSettings, DataLocation):
             )
         if self.preemption_check_steps < 0:
             raise ConfigError(
-                f"preemption_check_steps={self.preemption_check_steps}: give 0 (off) or a step count"
+                f"preemption_check_steps={self.preemption_check_steps}: give 0 (off) or a step "
+                "count"
             )
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError(f"min_lr_ratio={self.min_lr_ratio}: it must be in [0, 1]")
@@ -237,7 +241,8 @@ def gpu_preset() -> TrainConfig:
 
 
 def gpu_24gb_preset() -> TrainConfig:
-    """The gpu preset on 24 GB GPUs (L4, A10, RTX 4090): the same global batch in 4 micro-batches of 16."""
+    """The gpu preset on 24 GB GPUs (L4, A10, RTX 4090): the same global batch in 4 micro-batches of
+    16."""
     return dataclasses.replace(gpu_preset(), grad_accum_steps=4, eval_batches=8)
 
 

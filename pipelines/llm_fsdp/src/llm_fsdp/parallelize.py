@@ -1,8 +1,9 @@
-"""All the parallelism and compilation in one place: activation checkpointing, torch.compile per block,
-then FSDP2 per block and at the root (the order torchtitan uses).
+"""All the parallelism and compilation in one place: activation checkpointing, torch.compile per
+block, then FSDP2 per block and at the root (the order torchtitan uses).
 
 The model file knows nothing of this; swapping FSDP for another strategy changes only this file.
-`ray.train.torch.prepare_model(parallel_strategy="fsdp")` refuses CPUs, so FSDP2 is applied directly.
+`ray.train.torch.prepare_model(parallel_strategy="fsdp")` refuses CPUs, so FSDP2 is applied
+directly.
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ def parallelize(
     if compile:
         compile_model(model)
     mesh = init_device_mesh(device_type, (world_size,))
-    # bf16 compute with fp32 gradient reduction on GPUs; plain fp32 on CPUs (gloo has no bf16 speed).
+    # bf16 compute with fp32 gradient reduction on GPUs; plain fp32 on CPUs (gloo has no bf16
+    # speed).
     policy = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if bf16

@@ -157,14 +157,17 @@ def out_of_memory_advice(config: TrainConfig, micro: int, seq_len: int, step: in
     doubled = config.grad_accum_steps * 2
     return (
         f"rank {rank}: out of GPU memory at step {step} with micro-batches of {micro} × "
-        f"{seq_len} tokens: pass --grad-accum-steps {doubled} (the same global batch in micro-batches "
+        f"{seq_len} tokens: pass --grad-accum-steps {doubled} (the same global batch in "
+        "micro-batches "
         f"of {micro // 2}), or --preset gpu-24gb on 24 GB GPUs, or --activation-checkpointing; a "
-        f"smaller --loss-chunk-tokens (now {config.loss_chunk_tokens}) helps when the vocabulary is large"
+        f"smaller --loss-chunk-tokens (now {config.loss_chunk_tokens}) helps when the vocabulary "
+        "is large"
     )
 
 
 def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW, fused into one kernel on GPUs; no weight decay on norms and biases (1-D parameters)."""
+    """AdamW, fused into one kernel on GPUs; no weight decay on norms and biases (1-D
+    parameters)."""
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     groups = [
@@ -293,7 +296,8 @@ def run(config: TrainConfig, callbacks: Sequence[UserCallback] = ()) -> dict[str
     check_model_fits_data(spec, info)
     if info.blocks("train") < config.global_batch_size:
         raise DataError(
-            f"{info.blocks('train')} training blocks make no global batch of {config.global_batch_size}: "
+            f"{info.blocks('train')} training blocks make no global batch of "
+            f"{config.global_batch_size}: "
             "give a larger corpus, a shorter --seq-len or a smaller --global-batch-size"
         )
     config = config.with_steps_for(info.blocks("train"))

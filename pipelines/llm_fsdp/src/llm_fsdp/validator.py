@@ -57,7 +57,8 @@ def evaluate(
     config: TrainConfig,
     device: torch.device,
 ) -> dict[str, float]:
-    """Mean validation loss over the same first blocks every time (each rank its share), all-reduced.
+    """Mean validation loss over the same first blocks every time (each rank its share),
+    all-reduced.
 
     Eager even when the blocks are compiled: its batches' shapes vary, and compiling for them
     would recompile the training graphs with dynamic shapes.

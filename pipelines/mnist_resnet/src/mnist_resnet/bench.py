@@ -49,7 +49,8 @@ from raytrain_common.metrics import write_metrics_csv
 from raytrain_common.storage import resolve_storage
 
 RUN_NAME = "bench_mnist"
-# The last version that read rows from node-local row files instead of Ray Data (mnist-resnet 0.10.0).
+# The last version that read rows from node-local row files instead of Ray Data (mnist-resnet
+# 0.10.0).
 PREVIOUS = "caf810e"
 REPOSITORY = Path(__file__).resolve().parents[4]
 
@@ -165,7 +166,8 @@ def run_previous_version(commit: str, config: TrainConfig, storage: Path) -> flo
 
 
 def training_flops_per_image(num_classes: int, height: int, width: int) -> float:
-    """Forward + backward FLOPs of one image through the model, as torch's FLOP counter sees them."""
+    """Forward + backward FLOPs of one image through the model, as torch's FLOP counter sees
+    them."""
     from torch.utils.flop_counter import FlopCounterMode
 
     model = build_model(num_classes)
@@ -299,15 +301,19 @@ def print_table(
         torch.cuda.get_device_name(0) if config.use_gpu else f"{torch.get_num_threads()} threads"
     )
     print(
-        f"\n{args.preset} preset, batch {config.global_batch_size}, {where}, {per_image / 1e9:.2f} GFLOP per image"
+        f"\n{args.preset} preset, batch {config.global_batch_size}, {where}, {per_image / 1e9:.2f} "
+        "GFLOP per image"
     )
     print(
-        f"{'pipeline':<24}{'images/s':>10}{'epoch s':>9}{'start-up s':>12}{'MFU':>8}{'peak GiB':>10}"
+        f"{'pipeline':<24}{'images/s':>10}{'epoch s':>9}{'start-up s':>12}{'MFU':>8}"
+        f"{'peak GiB':>10}"
     )
     for row in rows:
+        train_s, startup_s = _cell(row.get("train_s"), ".1f"), _cell(row.get("startup_s"), ".1f")
+        mfu, peak = _cell(row["mfu"], ".1%"), _cell(row.get("peak_memory_gb"), ".2f")
         print(
-            f"{row['pipeline']:<24}{row['images_per_s']:>10.1f}{_cell(row.get('train_s'), '.1f'):>9}"
-            f"{_cell(row.get('startup_s'), '.1f'):>12}{_cell(row['mfu'], '.1%'):>8}{_cell(row.get('peak_memory_gb'), '.2f'):>10}"
+            f"{row['pipeline']:<24}{row['images_per_s']:>10.1f}{train_s:>9}{startup_s:>12}"
+            f"{mfu:>8}{peak:>10}"
         )
 
 
@@ -332,7 +338,8 @@ def print_ratios(
         print(f"Ray Data ingest ÷ the row-file reader ({args.previous}): {ray_rate / previous:.3f}")
     print(
         f"time to the first batch: {_cell(summary.get('first_batch_s'), '.1f')} s; share of the "
-        f"last epoch's steps spent waiting for data: {_cell(ray_epoch.get('data_wait_share'), '.1%')}"
+        "last epoch's steps spent waiting for data: "
+        f"{_cell(ray_epoch.get('data_wait_share'), '.1%')}"
     )
 
 

@@ -1,4 +1,5 @@
-"""`mnist-resnet prepare | train | baseline | predict`: the commands a user runs, each with --help."""
+"""`mnist-resnet prepare | train | baseline | predict`: the commands a user runs, each with
+--help."""
 
 from __future__ import annotations
 

@@ -60,7 +60,8 @@ class PredictConfig(RunLocation):
     run_name: str = option(RUN_NAME, "Run whose best checkpoint predicts.")
     input: str | None = option(
         None,
-        "Images to classify: one file, answered at once as a 'class<TAB>probability<TAB>file' line; "
+        "Images to classify: one file, answered at once as a 'class<TAB>probability<TAB>file' "
+        "line; "
         "or a folder or bucket prefix (any depth, any number of files), classified by Ray Data "
         "actors into --predictions (none: test accuracy and a picture).",
     )
@@ -136,7 +137,8 @@ class TrainConfig(RayTrainSettings, DataLocation):
         return "crop-flip" if channels == 3 else "crop"
 
     def validate(self) -> None:
-        """Raise on values that cannot work, naming the value and the fix, before anything starts."""
+        """Raise on values that cannot work, naming the value and the fix, before anything
+        starts."""
         self.validate_cluster_settings()
         check_batch_splits_for_every_worker_count(
             self.global_batch_size, self, self.grad_accum_steps

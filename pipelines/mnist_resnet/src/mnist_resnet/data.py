@@ -308,7 +308,8 @@ def load_image_tree(source: str, image_size: int | None, test_fraction: float, s
 def carve(
     whole: Split | FileSplit, fraction: float, seed: int
 ) -> tuple[Split | FileSplit, Split | FileSplit]:
-    """(kept, held out): a stratified, seeded share of `whole` held out (see images.held_out_rows)."""
+    """(kept, held out): a stratified, seeded share of `whole` held out (see
+    images.held_out_rows)."""
     kept, held_out = image_tree.carve_held_out(whole.labels, fraction, seed)
     return whole.take(kept), whole.take(held_out)
 

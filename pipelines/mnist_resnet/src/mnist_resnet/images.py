@@ -236,8 +236,9 @@ def header_of(root: StoragePath, relative: str) -> str | IO[bytes]:
 
 
 def load_image(path: str | IO[bytes], side: int, channels: int) -> np.ndarray:
-    """One image (a path, or a file's bytes as a stream) as uint8 (side, side) or (side, side, 3): the shorter side resized to `side` and the
-    centre cropped square, palette / alpha / 16-bit modes converted."""
+    """One image (a path, or a file's bytes as a stream) as uint8 (side, side) or (side, side, 3):
+    the shorter side resized to `side` and the centre cropped square, palette / alpha / 16-bit modes
+    converted."""
     from PIL import Image, ImageOps
 
     with open_image(path) as image:  # refused here, before decoding, if it is too large

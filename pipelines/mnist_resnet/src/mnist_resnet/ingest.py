@@ -1,5 +1,6 @@
 """How images reach the training workers: Ray Data datasets over the prepared folder, handed to
-`TorchTrainer(datasets=...)` and read in `train.py` with `get_dataset_shard(...).iter_torch_batches`.
+`TorchTrainer(datasets=...)` and read in `train.py` with
+`get_dataset_shard(...).iter_torch_batches`.
 
 A prepared split is Parquet of small rows, `id` (0..N-1), `label`, and either `image` (raw pixels:
 MNIST and the IDX sources) or `path` (an image tree's file, relative to the tree, which stays where

@@ -97,7 +97,8 @@ class MetricsLogger:
     def timed(
         self, batches: Iterable[dict[str, torch.Tensor]]
     ) -> Iterator[dict[str, torch.Tensor]]:
-        """An epoch's batches, timing this rank's wait for each (about none when ingest keeps up)."""
+        """An epoch's batches, timing this rank's wait for each (about none when ingest keeps
+        up)."""
         self.data_wait_s = 0.0
         iterator = iter(batches)
         while True:

@@ -89,7 +89,8 @@ def write_run_outputs(
         raise RuntimeError(
             f"run {config.run_name} has no complete evaluated checkpoint in {run_dir}"
         )
-    # The history row of the chosen checkpoint's epoch (a torn best one is passed over for the next).
+    # The history row of the chosen checkpoint's epoch (a torn best one is passed over for the
+    # next).
     chosen = next(m["epoch"] for c, m in result.best_checkpoints if c.path == best.path)
     best_row = next(row for row in history if row["epoch"] == chosen)
     best_uri = run_dir.uri_for(best.path)

@@ -44,7 +44,8 @@ def check_auth(report: Report, facts: dict[str, dict[str, Any]], dashboard: str 
     if not off:
         report.add("authentication", "cluster", OK, f"token on all {len(modes)} node(s); {where}")
         return
-    value = f"{'off' if len(off) == len(modes) else 'off on ' + ', '.join(off)} ({len(modes)} node(s)); {where}"
+    state = "off" if len(off) == len(modes) else "off on " + ", ".join(off)
+    value = f"{state} ({len(modes)} node(s)); {where}"
     exposed = dashboard is not None and not is_loopback(dashboard)
     if len(modes) > 1 or exposed:
         reason = (
@@ -120,7 +121,8 @@ def check_object_store_fits_shm(
 ) -> None:
     """Ray keeps its object store in /dev/shm only when it fits there; otherwise it maps it from
     a file under /tmp (its log says "This will harm performance"): every object a worker or a
-    Ray Data task passes then goes through the disk, and counts against the pod's ephemeral storage."""
+    Ray Data task passes then goes through the disk, and counts against the pod's ephemeral
+    storage."""
     if not shm or not store:
         return
     value = f"object store {store / GiB:.1f} GiB, /dev/shm {shm / GiB:.1f} GiB"

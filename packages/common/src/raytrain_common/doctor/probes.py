@@ -126,7 +126,8 @@ def _memory() -> tuple[int, int]:
 def storage_round(
     uri: str, folder: str, node_id: str, step: str, nodes: Sequence[str]
 ) -> dict[str, Any]:
-    """One node's part of the storage check: write its file, or read and list the others', or delete."""
+    """One node's part of the storage check: write its file, or read and list the others', or
+    delete."""
     from raytrain_common.storage import resolve_storage
 
     result: dict[str, Any] = {"error": None}
@@ -217,7 +218,8 @@ class CollectiveRank:
                 dist.all_reduce(payload)
             _sync(device)
             seconds = (time.perf_counter() - start) / repeats
-            # Bus bandwidth as nccl-tests defines it: each rank sends and receives 2(n-1)/n of the data.
+            # Bus bandwidth as nccl-tests defines it: each rank sends and receives 2(n-1)/n of the
+            # data.
             bus_gbps = payload.numel() * 4 * 2 * (world - 1) / world / seconds / 1e9
             return {
                 "correct": correct,
