@@ -29,7 +29,13 @@ import transformers
 from ray.train import UserCallback
 from ray.train.huggingface.transformers import RayTrainReportCallback, prepare_trainer
 from ray.train.torch import TorchTrainer
-from transformers import AutoTokenizer, DataCollatorWithPadding, TrainingArguments
+from transformers import (
+    AutoTokenizer,
+    DataCollatorWithPadding,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    TrainingArguments,
+)
 from transformers.trainer_callback import PrinterCallback
 
 from hf_finetune import __version__
@@ -108,6 +114,29 @@ def training_arguments(
     )
 
 
+def open_splits(
+    config: TrainConfig, info: DatasetInfo, world: int
+) -> tuple[TokenizedSplit, TokenizedSplit]:
+    """The training split, in a fresh permutation every epoch drawn from (seed, epoch) (the same
+    when a resumed epoch is read again), length-grouped per worker's batch; the validation split."""
+    data_dir = resolve_storage(config.resolved_data_dir())
+    group = config.global_batch_size // world if config.group_by_length else 0
+    train_set = TokenizedSplit.open(data_dir, "train", info.max_length, config.limit_train_rows)
+    val_set = TokenizedSplit.open(data_dir, "validation", info.max_length, config.limit_val_rows)
+    return train_set.shuffled(config.seed, group_batch=group), val_set
+
+
+def load_model(
+    config: TrainConfig, info: DatasetInfo, model: str
+) -> tuple[PreTrainedTokenizerBase, PreTrainedModel]:
+    """The data's tokenizer (saved in every checkpoint) and the classifier, its new head seeded."""
+    transformers.utils.logging.disable_progress_bar()  # bars from every worker garble the log
+    transformers.utils.logging.set_verbosity_error()  # e.g. the load report naming the new head
+    tokenizer = AutoTokenizer.from_pretrained(info.tokenizer)
+    transformers.set_seed(config.seed)  # the new head's init: the same run gives the same weights
+    return tokenizer, build_model(model, info.labels)
+
+
 # ---------------------------------------------------------------------------------------------
 # The per-worker loop
 # ---------------------------------------------------------------------------------------------
@@ -120,19 +149,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     config = TrainConfig(**loop_config["config"])
     quiet_ray_output(config.verbose)
     info = DatasetInfo(**loop_config["dataset"])
-    data_dir = resolve_storage(config.resolved_data_dir())
     world = ray.train.get_context().get_world_size()
-    # Each epoch a fresh permutation of the split, drawn from (seed, epoch): the same when a resumed
-    # epoch is read again; length-grouped per worker's batch (accumulation steps included).
-    group = config.global_batch_size // world if config.group_by_length else 0
-    train_set = TokenizedSplit.open(data_dir, "train", info.max_length, config.limit_train_rows)
-    train_set = train_set.shuffled(config.seed, group_batch=group)
-    val_set = TokenizedSplit.open(data_dir, "validation", info.max_length, config.limit_val_rows)
-    transformers.utils.logging.disable_progress_bar()  # bars from every worker garble the log
-    transformers.utils.logging.set_verbosity_error()  # e.g. the load report naming the new head
-    tokenizer = AutoTokenizer.from_pretrained(info.tokenizer)
-    transformers.set_seed(config.seed)  # the new head's init: the same run gives the same weights
-    model = build_model(loop_config["model"], info.labels)
+    train_set, val_set = open_splits(config, info, world)
+    tokenizer, model = load_model(config, info, loop_config["model"])
 
     # Resume from this run's newest complete checkpoint, if any (a restarted worker group, a rerun).
     run_dir = resolve_storage(config.storage_path).join(config.run_name)
