@@ -156,8 +156,8 @@ CASES = [
         "truncated image",
         "mnist-resnet",
         lambda r: ["prepare", "--source", str(truncated_tree(r)), *storage(r)],
-        r"1 of 6 images checked cannot be decoded: .*broken\.png \(OSError: .*truncated.*Replace "
-        r"or remove",
+        r"1 of 6 images checked cannot be decoded: .*broken\.png "
+        r"\(OSError: .*truncated.*Replace or remove",
         needs_ray=True,
     ),
     Case(
@@ -321,8 +321,8 @@ CASES = [
                 )
             ),
         ),
-        r"column 'label' of .*n\.csv has no value \(blank, NA or NaN\) at row 3 \(1 such rows in "
-        r"rows 0–29\)",
+        r"column 'label' of .*n\.csv has no value \(blank, "
+        r"NA or NaN\) at row 3 \(1 such rows in rows 0–29\)",
     ),
     Case(
         "score labels",

@@ -138,9 +138,8 @@ def test_a_killed_workers_scratch_folder_is_removed_by_the_next_one_and_a_live_o
         [
             sys.executable,
             "-c",
-            "import sys, time; from raytrain_common.checkpoint import "
-            "new_scratch_folder; print(new_scratch_folder('test-scratch'), flush=True); "
-            "time.sleep(600)",
+            "import sys, time; from raytrain_common.checkpoint import new_scratch_folder; "
+            "print(new_scratch_folder('test-scratch'), flush=True); time.sleep(600)",
         ],
         stdout=subprocess.PIPE,
         text=True,

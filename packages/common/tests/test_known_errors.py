@@ -68,18 +68,18 @@ def test_a_cause_is_found_under_layers_of_wrapping() -> None:
             "GPU out of memory",
         ),
         (
-            "ray.exceptions.OutOfMemoryError: Task was killed due to the node running low on "
-            "memory.",
+            "ray.exceptions.OutOfMemoryError: Task was "
+            "killed due to the node running low on memory.",
             "node out of memory",
         ),
         (
-            "Worker exit detail: ... The process is killed by SIGKILL by OOM killer due to high "
-            "memory usage",
+            "Worker exit detail: ... The process is killed by "
+            "SIGKILL by OOM killer due to high memory usage",
             "node out of memory",
         ),
         (
-            "[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=5, "
-            "OpType=ALLREDUCE)",
+            "[Rank 1] Watchdog caught collective operation "
+            "timeout: WorkNCCL(SeqNum=5, OpType=ALLREDUCE)",
             "collective timeout",
         ),
         (
@@ -102,8 +102,8 @@ def test_a_cause_is_found_under_layers_of_wrapping() -> None:
         ),
         ("OSError: [Errno 28] No space left on device", "disk full"),
         (
-            "RuntimeError: Version mismatch: The cluster was started with Ray 2.60.0 but this "
-            "process uses 2.59.0",
+            "RuntimeError: Version mismatch: The cluster was "
+            "started with Ray 2.60.0 but this process uses 2.59.0",
             "version mismatch",
         ),
         # What ray.init prints joining a token cluster without the token (Ray 2.60, measured).

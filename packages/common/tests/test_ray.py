@@ -108,11 +108,9 @@ def test_a_stale_cluster_address_file_does_not_stop_a_local_start() -> None:
     (temp / "ray").mkdir()
     (temp / "ray" / "ray_current_cluster").write_text("127.0.0.1:9")  # nothing listens there
     script = (
-        "import ray\n"
-        "from raytrain_common.ray_start import init_ray\n"
-        "assert init_ray(train_cpus=1) is True\n"
-        "print('CPUS', ray.cluster_resources()['CPU'])\n"
-        "ray.shutdown()\n"
+        "import ray\nfrom raytrain_common.ray_start import init_ray\nassert "
+        "init_ray(train_cpus=1) is True\nprint('CPUS', "
+        "ray.cluster_resources()['CPU'])\nray.shutdown()\n"
     )
     env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
     done = subprocess.run(

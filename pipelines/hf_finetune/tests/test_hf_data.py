@@ -170,8 +170,8 @@ def test_a_users_csv_with_three_classes_and_truncation(
         (
             "comment,rating\nhi,good\n  ,bad\nho,bad\n",
             ("comment", "rating"),
-            r"column 'comment' .* has no value \(blank, NA or NaN\) at row 1 \(1 such rows in rows "
-            r"0–2\)",
+            r"column 'comment' .* has no value \(blank, NA "
+            r"or NaN\) at row 1 \(1 such rows in rows 0–2\)",
         ),
         (
             "comment,rating\nhi,good\nho,bad\n",

@@ -123,8 +123,8 @@ def verify_checkpoint(folder: str | os.PathLike[str], *, hashes: bool = True) ->
         manifest = root / f"{MANIFEST_PREFIX}{rank}.json"
         if not manifest.is_file():
             raise TornCheckpointError(
-                f"checkpoint {str(root)!r} lacks {manifest.name}: rank {rank}'s files are "
-                "incomplete"
+                f"checkpoint {str(root)!r} lacks {manifest.name}: "
+                f"rank {rank}'s files are incomplete"
             )
         for name, expected in parse_manifest(str(root), manifest.name, manifest.read_bytes())[
             "files"

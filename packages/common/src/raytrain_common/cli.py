@@ -47,8 +47,8 @@ class _DeprecatedFlag(argparse.Action):
         option_string: str | None = None,
     ) -> None:
         print(
-            f"{parser.prog}: warning: {option_string} is deprecated and goes in the next version: "
-            f"use {self.current}",
+            f"{parser.prog}: warning: {option_string} is deprecated "
+            f"and goes in the next version: use {self.current}",
             file=sys.stderr,
         )
         setattr(namespace, self.dest, values)

@@ -71,8 +71,8 @@ class RunLocation(StorageLocation):
 
     run_name: str = option(
         "run",
-        "Folder of this run under the storage path; rerunning with the same name continues the "
-        "run.",
+        "Folder of this run under the storage path; "
+        "rerunning with the same name continues the run.",
     )
 
     def check_options(self) -> None:
@@ -141,14 +141,13 @@ class RayTrainSettings(RunLocation):
     )
     max_failures: int = option(
         1,
-        "Times the worker group is restarted from the latest checkpoint after a failure (-1: "
-        "always).",
+        "Times the worker group is restarted from the "
+        "latest checkpoint after a failure (-1: always).",
     )
     max_preemption_failures: int = option(
         -1,
         "Restarts after a node of the run is preempted (a spot reclaim announced by a drain), "
-        "counted "
-        "apart from max_failures (-1: always).",
+        "counted apart from max_failures (-1: always).",
     )
     preemption_grace_s: float = option(
         0.0,
@@ -165,8 +164,8 @@ class RayTrainSettings(RunLocation):
     timeout_s: int = option(1800, "torch.distributed collective timeout.")
     tracking: Literal["mlflow", "none"] = option(
         "mlflow",
-        "Experiment tracking: mlflow logs params, metrics and artifacts from rank 0; none turns it "
-        "off.",
+        "Experiment tracking: mlflow logs params, metrics "
+        "and artifacts from rank 0; none turns it off.",
     )
     tracking_uri: str | None = option(
         None,
@@ -233,8 +232,7 @@ def per_worker_batch_size(global_batch_size: int, workers: int, grad_accum_steps
     if global_batch_size < 1 or global_batch_size % parts:
         raise ConfigError(
             f"global_batch_size={global_batch_size} does not divide evenly over {workers} "
-            "worker(s) "
-            f"× {grad_accum_steps} accumulation step(s): choose a multiple of {parts}, "
+            f"worker(s) × {grad_accum_steps} accumulation step(s): choose a multiple of {parts}, "
             f"e.g. {max(parts, global_batch_size // parts * parts)}"
         )
     return global_batch_size // parts

@@ -39,8 +39,8 @@ KNOWN_ERRORS: tuple[KnownError, ...] = (
         "Ray authentication",
         r"InvalidAuthToken|Authentication token is missing or incorrect"
         r"|Unauthorized: Missing authentication token|ray\.exceptions\.AuthenticationError",
-        "the Ray cluster requires token authentication, and this process had no token or "
-        "another one",
+        "the Ray cluster requires token authentication, "
+        "and this process had no token or another one",
         "set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN to the cluster's token (or RAY_AUTH_TOKEN_PATH "
         "to a file holding it), the same on every node and client; on KubeRay the operator's "
         "Secret holds it (`kubectl get secret <cluster>` or authOptions.secretName), and a "
@@ -51,10 +51,10 @@ KNOWN_ERRORS: tuple[KnownError, ...] = (
         r"CUDA out of memory|torch\.OutOfMemoryError|CUBLAS_STATUS_ALLOC_FAILED"
         r"|HIP out of memory|CUDA error: out of memory",
         "a GPU ran out of memory",
-        "halve the micro-batch and keep the global batch with --grad-accum-steps ×2, turn on "
-        "--activation-checkpointing where the pipeline has it, or spread the model over more GPUs "
-        f"(FSDP, --num-workers); `{DOCTOR} --pipeline <name> -- <train flags>` forecasts the "
-        "memory",
+        "halve the micro-batch and keep the global batch with --grad-accum-steps "
+        "×2, turn on --activation-checkpointing where the pipeline has it, or "
+        f"spread the model over more GPUs (FSDP, --num-workers); `{DOCTOR} "
+        "--pipeline <name> -- <train flags>` forecasts the memory",
     ),
     _known(
         "node out of memory",
@@ -69,10 +69,9 @@ KNOWN_ERRORS: tuple[KnownError, ...] = (
     _known(
         "shared memory too small",
         r"/dev/shm|shm_open|Error while creating shared memory segment|unable to (allocate|write "
-        r"to) "
-        r"shared memory|NCCL WARN .*shm",
-        "/dev/shm is too small (containers get 64 MiB by default); NCCL and DataLoader workers "
-        "need it",
+        r"to) shared memory|NCCL WARN .*shm",
+        "/dev/shm is too small (containers get 64 MiB by "
+        "default); NCCL and DataLoader workers need it",
         "mount a memory-backed emptyDir at /dev/shm (the manifests in deploy/rayjob do) or run "
         "docker with --shm-size=8g",
     ),
@@ -84,10 +83,10 @@ KNOWN_ERRORS: tuple[KnownError, ...] = (
         r"|NCCL (WARN|error).*(Connect|socket|Net)|ncclSystemError|ncclRemoteError",
         "a collective between workers did not complete: ranks cannot reach each other (closed "
         "ports, the wrong network interface, InfiniBand not set up) or one rank is stuck",
-        "allow all TCP ports between the nodes, set NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME to the "
-        "interface the nodes share (e.g. eth0), check InfiniBand with NCCL_DEBUG=INFO "
-        "(NCCL_IB_HCA, "
-        f"or NCCL_IB_DISABLE=1 without it); `{DOCTOR}` runs a timed collective of the run's shape",
+        "allow all TCP ports between the nodes, set NCCL_SOCKET_IFNAME / "
+        "GLOO_SOCKET_IFNAME to the interface the nodes share (e.g. eth0), check "
+        "InfiniBand with NCCL_DEBUG=INFO (NCCL_IB_HCA, or NCCL_IB_DISABLE=1 "
+        f"without it); `{DOCTOR}` runs a timed collective of the run's shape",
     ),
     _known(
         "NCCL error",
@@ -109,11 +108,11 @@ KNOWN_ERRORS: tuple[KnownError, ...] = (
     _known(
         "missing module on a worker",
         r"(ModuleNotFoundError|ImportError): No module named '?([\w.]+)'?",
-        "a worker process cannot import a module the run needs: its image or environment differs "
-        "from the driver's",
-        "install the package in the image every node runs (deploy/Dockerfile) or add it to the "
-        f"job's runtime_env pip list; `{DOCTOR} --pipeline <name>` imports the pipeline's modules "
-        "on every node",
+        "a worker process cannot import a module the run needs: "
+        "its image or environment differs from the driver's",
+        "install the package in the image every node runs (deploy/Dockerfile) "
+        f"or add it to the job's runtime_env pip list; `{DOCTOR} --pipeline "
+        "<name>` imports the pipeline's modules on every node",
     ),
     _known(
         "version mismatch",
@@ -136,8 +135,8 @@ KNOWN_ERRORS: tuple[KnownError, ...] = (
     _known(
         "disk full",
         r"No space left on device|ENOSPC|Disk quota exceeded",
-        "a disk filled up (the storage path, /tmp where Ray spills objects, or a checkpoint "
-        "folder)",
+        "a disk filled up (the storage path, /tmp where "
+        "Ray spills objects, or a checkpoint folder)",
         "free space or point --storage-path at a larger volume; keep fewer checkpoints "
         "(--num-to-keep); Ray's spill folder is under RAY_TMPDIR (/tmp/ray)",
     ),

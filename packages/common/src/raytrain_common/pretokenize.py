@@ -104,9 +104,9 @@ class TokenizeBatch:
         if bad is not None:  # (a dictionary-encoded text column is text, and passes)
             index, text = bad
             raise TokenizeError(
-                f"column {self.text_column!r} holds {type(text).__name__} ({text!r:.40}) at batch "
-                "row "
-                f"{index}, not text: choose the text column with --text-column, or clean the data"
+                f"column {self.text_column!r} holds {type(text).__name__} "
+                f"({text!r:.40}) at batch row {index}, not text: choose "
+                "the text column with --text-column, or clean the data"
             )
         ids = [encoding.ids for encoding in self.tokenizer.encode_batch_fast(texts)]
         if self.eos_id is not None:  # documents for packing: each ends with EOS

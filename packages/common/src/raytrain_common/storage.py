@@ -278,13 +278,10 @@ def check_shared_for_cluster(
     fs_type = mount_fs_type(storage.path) or "unknown"
     raise StorageError(
         f"storage path {storage.uri!r} is on this node's own disk (filesystem {fs_type}), but the "
-        "Ray "
-        f"cluster has {num_nodes} nodes: workers on the other nodes cannot write checkpoints "
-        "there. "
-        "Set --storage-path to storage every node shares: an NFS / ReadWriteMany volume mounted at "
-        "the same path on every node, s3://bucket/prefix or gs://bucket/prefix. If this path is "
-        "such "
-        "a shared mount of a kind not recognised here, pass --storage-is-shared."
+        f"Ray cluster has {num_nodes} nodes: workers on the other nodes cannot write checkpoints "
+        "there. Set --storage-path to storage every node shares: an NFS / ReadWriteMany volume "
+        "mounted at the same path on every node, s3://bucket/prefix or gs://bucket/prefix. If "
+        "this path is such a shared mount of a kind not recognised here, pass --storage-is-shared."
     )
 
 

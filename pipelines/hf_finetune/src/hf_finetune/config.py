@@ -38,8 +38,8 @@ class PrepareConfig(DataLocation, ConsoleSettings):
     dataset_config: str | None = option(None, "Hub dataset configuration name.")
     encoding: str = option(
         UTF8,
-        "Of CSV / TSV / JSONL files: utf-8 (a byte-order mark is fine), cp1252, latin-1, utf-16, "
-        "….",
+        "Of CSV / TSV / JSONL files: utf-8 (a byte-order "
+        "mark is fine), cp1252, latin-1, utf-16, ….",
     )
     text_column: str = option("text", "Column holding the sentences.")
     label_column: str = option("label", "Column holding the class labels.")

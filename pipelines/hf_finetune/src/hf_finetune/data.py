@@ -290,14 +290,12 @@ def select_columns(
         if pa.types.is_binary(text.type) or pa.types.is_large_binary(text.type):
             raise DataError(
                 f"column {text_column!r} of {where} holds raw bytes, not strings (e.g. "
-                f"{example!r}): "
-                "if they are text, store them as a string column (UTF-8); otherwise set "
-                "--text-column to the column with the sentences"
+                f"{example!r}): if they are text, store them as a string column (UTF-8); otherwise "
+                "set --text-column to the column with the sentences"
             )
         raise DataError(
             f"column {text_column!r} of {where} holds {text.type} values (e.g. {example!r}), not "
-            "text: "
-            "set --text-column to the column with the sentences"
+            "text: set --text-column to the column with the sentences"
         )
     labels = table.column(label_column).combine_chunks()
     if pa.types.is_floating(labels.type):
@@ -458,16 +456,15 @@ def tokenizer_fingerprint(tokenizer_path: str) -> str:
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise DataError(
             f"cannot load a tokenizer from {tokenizer_path}: {first[:200]}. A model folder needs "
-            "its "
-            "tokenizer files (tokenizer.json, or vocab.txt / vocab.json + merges.txt)"
+            "its tokenizer files (tokenizer.json, or vocab.txt / vocab.json + merges.txt)"
         ) from error
     if len(tokenizer) < MIN_VOCABULARY:
         # transformers builds a tokenizer of special tokens alone from a folder that lacks the
         # files.
         raise DataError(
-            f"the tokenizer in {tokenizer_path} has {len(tokenizer)} tokens: its files "
-            "(tokenizer.json, "
-            "or vocab.txt / vocab.json + merges.txt) are missing; copy the whole model folder"
+            f"the tokenizer in {tokenizer_path} has {len(tokenizer)} "
+            "tokens: its files (tokenizer.json, or vocab.txt / vocab.json "
+            "+ merges.txt) are missing; copy the whole model folder"
         )
     return hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode()).hexdigest()
 
@@ -491,8 +488,7 @@ def inspect_dataset(data_dir: StoragePath) -> DatasetInfo:
         if stats.rows != info.rows[split]:
             raise DataError(
                 f"{data_dir.uri}/{split} has {stats.rows} rows, {DATASET_FILE} says "
-                f"{info.rows[split]}:"
-                " rerun `hf-finetune prepare --force`"
+                f"{info.rows[split]}: rerun `hf-finetune prepare --force`"
             )
     return info
 

@@ -37,8 +37,7 @@ def resolve_model(model: str | None) -> str:
     except (OSError, ValueError) as error:
         raise ModelError(
             f"unknown model {model!r}: give a local Hugging Face folder (with config.json) or a "
-            "hub "
-            "id; the hub is unreachable when HF_HUB_OFFLINE=1"
+            "hub id; the hub is unreachable when HF_HUB_OFFLINE=1"
         ) from error
     return str(local.resolve()) if local.exists() else model
 

@@ -200,8 +200,7 @@ def check_model_fits_data(model: str, info: DatasetInfo) -> None:
     if model != info.tokenizer and tokenizer_fingerprint(model) != info.tokenizer_sha256:
         raise ConfigError(
             f"the data was tokenised for {info.tokenizer!r}, whose tokenizer differs from "
-            f"{model!r}'s: "
-            f"rerun `hf-finetune prepare --model {model} --force`, or drop --model"
+            f"{model!r}'s: rerun `hf-finetune prepare --model {model} --force`, or drop --model"
         )
 
 

@@ -215,8 +215,8 @@ def measure(args: argparse.Namespace) -> int:
     csv_file = resolve_storage(args.storage_path).join("bench", "bench_llm.csv")
     device = torch.cuda.get_device_name(0) if config.use_gpu else f"{os.cpu_count()} CPU cores"
     print(
-        f"\n{config.model} ({args.preset} preset), {args.steps} steps after {args.warm_up} "
-        f"warm-up, {device}"
+        f"\n{config.model} ({args.preset} preset), {args.steps} "
+        f"steps after {args.warm_up} warm-up, {device}"
     )
     print("| run | workers | tokens/s | MFU | peak memory GiB |")
     print("| --- | --- | --- | --- | --- |")

@@ -55,9 +55,9 @@ class PrepareConfig(DataLocation, ConsoleSettings):
     text_column: str = option("text", "Column of JSONL / Parquet / hub rows.")
     tokenizer: str = option(
         f"{BPE_PREFIX}4096",
-        f"{BPE_PREFIX}N (byte-level BPE trained on the training documents), {GPT2_TOKENIZER} "
-        f"(offline), {SMOLLM2} (converts the offline SmolLM2-135M too), a local folder or a hub "
-        "id.",
+        f"{BPE_PREFIX}N (byte-level BPE trained on the training "
+        f"documents), {GPT2_TOKENIZER} (offline), {SMOLLM2} (converts "
+        "the offline SmolLM2-135M too), a local folder or a hub id.",
     )
     seq_len: int = option(256, "Tokens per training sequence (blocks hold seq_len + 1).")
     validation_fraction: float = option(
@@ -202,8 +202,8 @@ class TrainConfig(RayTrainSettings, DataLocation):
             )
         if self.preemption_check_steps < 0:
             raise ConfigError(
-                f"preemption_check_steps={self.preemption_check_steps}: give 0 (off) or a step "
-                "count"
+                f"preemption_check_steps={self.preemption_check_steps}: "
+                "give 0 (off) or a step count"
             )
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError(f"min_lr_ratio={self.min_lr_ratio}: it must be in [0, 1]")

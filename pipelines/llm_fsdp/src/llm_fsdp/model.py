@@ -64,8 +64,8 @@ def resolve_model(name: str, storage_path: str) -> ModelSpec:
         folder = Path(storage_path) / SMOLLM2_FOLDER
         if not (folder / "config.json").exists():
             raise ModelError(
-                f"no converted SmolLM2 at {folder}: run `llm-fsdp prepare --tokenizer smollm2` "
-                "first"
+                f"no converted SmolLM2 at {folder}: run "
+                "`llm-fsdp prepare --tokenizer smollm2` first"
             )
         return ModelSpec(name, None, str(folder))
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES

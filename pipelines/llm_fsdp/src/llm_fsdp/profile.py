@@ -115,8 +115,8 @@ def training_step(config: Any) -> Any:
         activation_checkpointing=config.activation_checkpointing,
         blocks=lambda model: decoder_blocks(model.lm),
         description=(
-            "eager execution; --compile fuses kernels and keeps fewer activations, so an upper "
-            "bound"
+            "eager execution; --compile fuses kernels and "
+            "keeps fewer activations, so an upper bound"
             if config.compile
             else ""
         ),

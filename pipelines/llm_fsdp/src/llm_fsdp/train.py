@@ -156,12 +156,11 @@ def out_of_memory_advice(config: TrainConfig, micro: int, seq_len: int, step: in
     rank = dist.get_rank() if dist.is_initialized() else 0
     doubled = config.grad_accum_steps * 2
     return (
-        f"rank {rank}: out of GPU memory at step {step} with micro-batches of {micro} × "
-        f"{seq_len} tokens: pass --grad-accum-steps {doubled} (the same global batch in "
-        "micro-batches "
-        f"of {micro // 2}), or --preset gpu-24gb on 24 GB GPUs, or --activation-checkpointing; a "
-        f"smaller --loss-chunk-tokens (now {config.loss_chunk_tokens}) helps when the vocabulary "
-        "is large"
+        f"rank {rank}: out of GPU memory at step {step} with micro-batches of "
+        f"{micro} × {seq_len} tokens: pass --grad-accum-steps {doubled} (the same "
+        f"global batch in micro-batches of {micro // 2}), or --preset gpu-24gb on "
+        "24 GB GPUs, or --activation-checkpointing; a smaller --loss-chunk-tokens "
+        f"(now {config.loss_chunk_tokens}) helps when the vocabulary is large"
     )
 
 

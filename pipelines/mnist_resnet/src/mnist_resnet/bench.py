@@ -301,8 +301,8 @@ def print_table(
         torch.cuda.get_device_name(0) if config.use_gpu else f"{torch.get_num_threads()} threads"
     )
     print(
-        f"\n{args.preset} preset, batch {config.global_batch_size}, {where}, {per_image / 1e9:.2f} "
-        "GFLOP per image"
+        f"\n{args.preset} preset, batch {config.global_batch_size}, "
+        f"{where}, {per_image / 1e9:.2f} GFLOP per image"
     )
     print(
         f"{'pipeline':<24}{'images/s':>10}{'epoch s':>9}{'start-up s':>12}{'MFU':>8}"

@@ -61,9 +61,8 @@ class PredictConfig(RunLocation):
     input: str | None = option(
         None,
         "Images to classify: one file, answered at once as a 'class<TAB>probability<TAB>file' "
-        "line; "
-        "or a folder or bucket prefix (any depth, any number of files), classified by Ray Data "
-        "actors into --predictions (none: test accuracy and a picture).",
+        "line; or a folder or bucket prefix (any depth, any number of files), classified by Ray "
+        "Data actors into --predictions (none: test accuracy and a picture).",
     )
     predictions: str | None = option(
         None,

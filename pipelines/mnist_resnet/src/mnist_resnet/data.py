@@ -496,8 +496,8 @@ def prepare(
     if val is None:
         train, val = carve_validation(train, validation_fraction, seed + 1)
         notes["val_split"] = (
-            f"carved from the training data: {len(val.labels)} images, stratified by class, "
-            f"seed {seed + 1}"
+            f"carved from the training data: {len(val.labels)} "
+            f"images, stratified by class, seed {seed + 1}"
         )
     num_classes = checked_class_count(loaded, {"train": train, "test": test, "val": val})
     mean, std = pixel_stats(loaded, {"train": train, "val": val, "test": test}, seed).mean_std()
@@ -554,8 +554,8 @@ def prepared_already(
     info = DatasetInfo(**json.loads(marker.read_text()))
     if info.format != FORMAT:
         raise DataError(
-            f"{data_dir} was prepared by an earlier version (without row ids): pass --force "
-            "to prepare it again"
+            f"{data_dir} was prepared by an earlier version "
+            "(without row ids): pass --force to prepare it again"
         )
     if info.source == _source_id(source) and image_size in (None, info.height):
         log.info("%s is already prepared from %s; nothing to do", data_dir, info.source)
@@ -661,9 +661,9 @@ def _check_parquet_file(file: StoragePath, info: DatasetInfo) -> None:
         shortest, longest = pc.min(lengths).as_py(), pc.max(lengths).as_py()
         if (shortest, longest) != (expected_bytes, expected_bytes):
             raise DataError(
-                f"{file} holds images of {shortest}..{longest} bytes; expected {info.height}×"
-                f"{info.width}×{info.channels} = {expected_bytes} bytes each (uint8 pixels, "
-                "row-major)"
+                f"{file} holds images of {shortest}..{longest} bytes; "
+                f"expected {info.height}×{info.width}×{info.channels} = "
+                f"{expected_bytes} bytes each (uint8 pixels, row-major)"
             )
     low, high = pc.min(table["label"]).as_py(), pc.max(table["label"]).as_py()
     if low < 0 or high >= info.num_classes:

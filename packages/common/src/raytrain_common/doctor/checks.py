@@ -183,8 +183,8 @@ def check_system(report: Report, facts: dict[str, dict[str, Any]]) -> None:
                 node,
                 WARN,
                 value,
-                "workers on this node may be OOM-killed: give the node more memory or run fewer "
-                "workers on it",
+                "workers on this node may be OOM-killed: give "
+                "the node more memory or run fewer workers on it",
             )
         else:
             report.add("memory", node, OK, value)

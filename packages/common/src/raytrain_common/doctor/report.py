@@ -29,10 +29,9 @@ STORAGE_MIN_FREE_BYTES = 10 * GiB
 
 COLLECTIVE_CAUSES = (
     "ports closed between the nodes (torch.distributed's TCP store and gloo/NCCL use random "
-    "ports), "
-    "the wrong network interface (set NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME to the one the nodes "
-    "share, e.g. eth0), InfiniBand not set up (NCCL_DEBUG=INFO shows it; NCCL_IB_HCA, or "
-    "NCCL_IB_DISABLE=1 without it), or a rank stuck on an overloaded node"
+    "ports), the wrong network interface (set NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME to the one "
+    "the nodes share, e.g. eth0), InfiniBand not set up (NCCL_DEBUG=INFO shows it; NCCL_IB_HCA, "
+    "or NCCL_IB_DISABLE=1 without it), or a rank stuck on an overloaded node"
 )
 
 
