@@ -3,6 +3,7 @@ under it is not, and page cache over it is reclaimed instead (cgroup v1, root)."
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -34,8 +35,13 @@ def test_a_process_over_the_cap_is_killed_and_one_under_it_is_not(tmp_path: Path
         assert cap.oom_kills == 1
         # 400 MiB of file pages read through the page cache under the 200 MiB cap (dropped from
         # the cache first, so this group is charged for them): reclaimed as it goes, no kill.
+        # Written back to disk first: the kernel drops only clean pages on POSIX_FADV_DONTNEED,
+        # and dirty ones left in the cache would be read without charging this group.
         big = tmp_path / "big"
-        big.write_bytes(b"\0" * (400 << 20))
+        with big.open("wb") as out:
+            out.write(b"\0" * (400 << 20))
+            out.flush()
+            os.fsync(out.fileno())
         read = (
             "import os, sys; sys.stdin.read(); fd = os.open(sys.argv[1], os.O_RDONLY)\n"
             "os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)\n"
