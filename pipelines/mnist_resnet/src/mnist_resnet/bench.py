@@ -39,9 +39,10 @@ from mnist_resnet.task import build_model, loss_fn
 from mnist_resnet.train import (
     THROUGHPUT_SKIP_STEPS,
     build_optimizer,
+    learning_rate,
     run,
+    set_learning_rate,
     steps_per_epoch,
-    warmup_cosine,
 )
 from raytrain_common.configs import per_worker_batch_size
 from raytrain_common.hardware import mfu
@@ -71,9 +72,6 @@ def plain_ddp_worker(rank: int, world: int, port: int, config: TrainConfig, resu
     torch.manual_seed(config.seed)
     model = torch.nn.parallel.DistributedDataParallel(build_model(info.num_classes))
     optimizer = build_optimizer(model, config)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, warmup_cosine(steps, config.warmup_fraction)
-    )
     order = torch.randperm(len(labels))
     for step in range(1, steps + 1):
         if step == THROUGHPUT_SKIP_STEPS + 1:
@@ -81,9 +79,9 @@ def plain_ddp_worker(rank: int, world: int, port: int, config: TrainConfig, resu
         index = order[(step - 1) * micro : step * micro]
         loss = loss_fn(model(normalise(images[index], info.mean, info.std)), labels[index])
         loss.backward()
+        set_learning_rate(optimizer, learning_rate(step - 1, steps, config))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
     if rank == 0:
         elapsed = time.perf_counter() - steady_start
         results["images_per_s"] = (

@@ -55,7 +55,6 @@ class Checkpointer:
         self,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
-        scheduler: torch.optim.lr_scheduler.LRScheduler,
         loop_config: dict[str, Any],
         run_dir: StoragePath,
         steps: int,
@@ -63,7 +62,7 @@ class Checkpointer:
         config = TrainConfig(**loop_config["config"])
         context = ray.train.get_context()
         self.rank, self.world = context.get_world_rank(), context.get_world_size()
-        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.model, self.optimizer = model, optimizer
         self.loop_config, self.run_dir, self.steps = loop_config, run_dir, steps
         self.rows_per_epoch = steps * config.global_batch_size
         self.stop_at_step = config.stop_at_step
@@ -189,7 +188,6 @@ class Checkpointer:
         return {
             "model": unwrap(self.model).state_dict(),
             "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
             **dataclasses.asdict(run),
             "world_size": self.world,
             "worker_peak_rss_mb": workers_peak_rss_mb(),  # on every rank: a collective
@@ -199,7 +197,7 @@ class Checkpointer:
 
 
 def read_state(checkpoint: ray.train.Checkpoint | None) -> dict[str, Any] | None:
-    """The state a checkpoint holds (weights, optimiser, schedule, the run's record), noting which
+    """The state a checkpoint holds (weights, optimiser, the run's record), noting which
     checkpoint it came from; None for no checkpoint (a fresh start)."""
     if checkpoint is None:
         return None

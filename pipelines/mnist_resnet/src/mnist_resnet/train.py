@@ -21,7 +21,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import ray.train
@@ -92,21 +92,24 @@ def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimi
     )
 
 
-def warmup_cosine(total_steps: int, warmup_fraction: float) -> Callable[[int], float]:
-    """Learning-rate multiplier: linear warm-up, then cosine decay to zero at `total_steps`.
+def learning_rate(step: int, total_steps: int, config: TrainConfig) -> float:
+    """Step `step`'s (0-based) learning rate: linear warm-up over `--warmup-fraction` of all
+    steps, then cosine down to zero at `total_steps`.
 
-    A pure function of the step, so a resumed run that asks for more epochs simply stretches the
-    curve instead of tripping a scheduler that had already finished (OneCycleLR would raise).
+    A pure function of the step, written into the optimiser before each step (as llm_fsdp's), so
+    a resumed run needs only its step, and a rerun that asks for more epochs stretches the curve
+    instead of tripping a scheduler that had already finished (OneCycleLR would raise).
     """
-    warmup = max(1, round(total_steps * warmup_fraction))
+    warmup = max(1, round(total_steps * config.warmup_fraction))
+    if step < warmup:
+        return config.lr * ((step + 1) / warmup)
+    progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+    return config.lr * (0.5 * (1.0 + math.cos(math.pi * progress)))
 
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
-        return 0.5 * (1.0 + math.cos(math.pi * progress))
 
-    return factor
+def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
 
 
 def steps_per_epoch(train_rows: int, global_batch_size: int) -> int:
@@ -123,14 +126,14 @@ def steps_per_epoch(train_rows: int, global_batch_size: int) -> int:
 def train_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    lr: float,
     batch: dict[str, torch.Tensor],
     info: DatasetInfo,
     config: TrainConfig,
     totals: EpochTotals,
 ) -> str:
-    """One optimiser step over this rank's rows (uint8 images, normalised on the model's device),
-    in `grad_accum_steps` micro-batches; returns the dtype the forward pass computed in (bfloat16
+    """One optimiser step at learning rate `lr` over this rank's rows (uint8 images, normalised on
+    the model's device), in `grad_accum_steps` micro-batches; returns the dtype the forward pass computed in (bfloat16
     when autocast is really in effect)."""
     device = totals.sums.device
     inputs = on_device(batch, info, device)
@@ -157,29 +160,25 @@ def train_step(
         totals.add(logits, loss, batch["label"])
     if config.grad_clip_norm is not None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip_norm)
+    set_learning_rate(optimizer, lr)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    scheduler.step()
     return str(logits.dtype).removeprefix("torch.")
 
 
 def build_training(
-    info: DatasetInfo, config: TrainConfig, steps: int, state: dict[str, Any] | None
-) -> tuple[nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
-    """The model (the checkpoint's weights loaded before DDP wraps it), optimiser and schedule."""
+    info: DatasetInfo, config: TrainConfig, state: dict[str, Any] | None
+) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The model (the checkpoint's weights loaded before DDP wraps it) and optimiser."""
     torch.manual_seed(config.seed)
     model = build_model(info.num_classes, info.channels)
     if state is not None:
         load_model_weights(model, state["model"])
     model = ray.train.torch.prepare_model(model)  # moves to the device, wraps in DDP if world > 1
     optimizer = build_optimizer(model, config)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, warmup_cosine(steps * config.epochs, config.warmup_fraction)
-    )
     if state is not None:
         optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-    return model, optimizer, scheduler
+    return model, optimizer
 
 
 # ---------------------------------------------------------------------------------------------
@@ -207,8 +206,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     # Resume from this run's newest complete checkpoint, if any (a restarted worker group, a rerun).
     checkpoint = resume_checkpoint(ray.train.get_checkpoint(), run_dir)
     state = read_state(checkpoint)
-    model, optimizer, scheduler = build_training(info, config, steps, state)
-    checkpointer = Checkpointer(model, optimizer, scheduler, loop_config, run_dir, steps)
+    model, optimizer = build_training(info, config, state)
+    checkpointer = Checkpointer(model, optimizer, loop_config, run_dir, steps)
     run = checkpointer.restore(state)
     logger = MetricsLogger(loop_config, run, run_dir, steps)
     validator = Validator(model, info, config, steps)
@@ -225,9 +224,10 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                 local_shuffle_seed=epoch_seed(config.seed + rank, epoch),
             )
             for batch in logger.timed(batches):
-                dtype = train_step(model, optimizer, scheduler, batch, info, config, logger.totals)
+                lr = learning_rate(run.step, steps * config.epochs, config)
+                dtype = train_step(model, optimizer, lr, batch, info, config, logger.totals)
                 run.step += 1
-                logger.step_end(run, scheduler.get_last_lr()[0])
+                logger.step_end(run, lr)
                 validation = validator.maybe_validate(run.step)
                 if checkpointer.step_end(run, batch, dtype, rows, logger, validation):
                     return
