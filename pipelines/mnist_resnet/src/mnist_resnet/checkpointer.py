@@ -172,8 +172,11 @@ class Checkpointer:
         if self.rank != 0:
             ray.train.report(metrics, checkpoint=None)
             return
-        trained = run.position.trained_rows if run.position is not None else None
-        place = (epoch + 1, rows.bits[:0]) if finished else (epoch, trained.numpy())  # type: ignore[union-attr]
+        if finished:
+            place = (epoch + 1, rows.bits[:0])
+        else:  # step_end has just set the epoch's position
+            trained = run.position.trained_rows  # type: ignore[union-attr]
+            place = (epoch, trained.numpy())  # type: ignore[union-attr]
         with scratch_folder("checkpoint") as folder:
             save_state(folder, state)
             (Path(folder) / POSITION_FILE).write_bytes(position_file(*place))

@@ -108,6 +108,7 @@ def learning_rate(step: int, total_steps: int, config: TrainConfig) -> float:
 
 
 def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Every parameter group steps at `lr` (the two groups differ only in weight decay)."""
     for group in optimizer.param_groups:
         group["lr"] = lr
 
@@ -133,8 +134,8 @@ def train_step(
     totals: EpochTotals,
 ) -> str:
     """One optimiser step at learning rate `lr` over this rank's rows (uint8 images, normalised on
-    the model's device), in `grad_accum_steps` micro-batches; returns the dtype the forward pass computed in (bfloat16
-    when autocast is really in effect)."""
+    the model's device), in `grad_accum_steps` micro-batches; returns the dtype the forward pass
+    computed in (bfloat16 when autocast is really in effect)."""
     device = totals.sums.device
     inputs = on_device(batch, info, device)
     images, labels = inputs["image"], inputs["label"]
