@@ -156,15 +156,16 @@ CASES = [
         "truncated image",
         "mnist-resnet",
         lambda r: ["prepare", "--source", str(truncated_tree(r)), *storage(r)],
-        r"1 of 6 images checked cannot be decoded: .*broken\.png "
-        r"\(OSError: .*truncated.*Replace or remove",
+        r"1 of 6 files \(16\.7%\) cannot be decoded, over --max-bad-fraction 0\.01 \(first: "
+        r".*broken\.png: OSError: .*truncated.*raise --max-bad-fraction to leave them out",
         needs_ray=True,
     ),
     Case(
         "image file that is not an image",
         "mnist-resnet",
         lambda r: ["prepare", "--source", str(not_an_image_tree(r)), *storage(r)],
-        r"fake\.jpg is not an image PIL can open",
+        r"1 of 2 files \(50\.0%\) cannot be decoded, .*fake\.jpg: UnidentifiedImageError",
+        needs_ray=True,
     ),
     Case(
         "image size out of range",
@@ -232,7 +233,8 @@ CASES = [
         "oversized image",
         "mnist-resnet",
         lambda r: ["prepare", "--source", str(oversized_tree(r)), *storage(r)],
-        r"big\.png is 12000×12000 pixels \(144 Mpx\), over the limit of 67 Mpx per image",
+        r"big\.png: ImageTooLargeError: .* 12000×12000 pixels \(144 Mpx\), over the limit of 67 Mpx",
+        needs_ray=True,
     ),
     Case(
         "image file name not valid UTF-8",
@@ -580,7 +582,7 @@ def corrupt_mnist_data(root: Path) -> Path:
         "train_rows": 5,
         "val_rows": 5,
         "test_rows": 5,
-        "format": 2,
+        "format": 3,
     }
     text(data / "dataset.json", json.dumps(info))
     for split in ("train", "val", "test"):

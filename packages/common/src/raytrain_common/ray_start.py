@@ -97,11 +97,14 @@ def init_ray(train_cpus: float, *, data_cpus: float = DATA_CPUS) -> bool:
     return True
 
 
-def start_ray_for_run(settings: RayTrainSettings, *paths: StoragePath) -> None:
+def start_ray_for_run(
+    settings: RayTrainSettings, storage: StoragePath, inputs: dict[str, StoragePath]
+) -> None:
     """Join or start the cluster, then refuse what cannot work before any worker starts.
 
-    Node-local `paths` on a multi-node cluster, and a worker group the cluster cannot hold (after
-    waiting 5 minutes for autoscaled nodes on a remote cluster), each fail with what to change.
+    A node-local storage path or input (`inputs`: what it is, e.g. "--data-dir" → where) on a
+    multi-node cluster, and a worker group the cluster cannot hold (after waiting 5 minutes for
+    autoscaled nodes on a remote cluster), each fail with what to change.
     """
     show_ray_output(settings.verbose)
     is_local = init_ray(train_cpus=settings.num_workers * settings.cpus_per_worker)
@@ -109,8 +112,9 @@ def start_ray_for_run(settings: RayTrainSettings, *paths: StoragePath) -> None:
     if not settings.verbose:
         log.info("Ray's own lines are in %s (--verbose shows them here)", ray_log_folder())
     nodes = alive_nodes()
-    for path in paths:
-        check_shared_for_cluster(path, nodes, assume_shared=settings.storage_is_shared)
+    check_shared_for_cluster(storage, nodes, assume_shared=settings.storage_is_shared)
+    for what, path in inputs.items():
+        check_shared_for_cluster(path, nodes, assume_shared=settings.storage_is_shared, reads=what)
     hint = (
         "Drop --use-gpu / use --preset cpu, or set RAY_ADDRESS to a cluster with GPUs."
         if settings.use_gpu

@@ -266,22 +266,33 @@ def is_shared(storage: StoragePath) -> bool:
 
 
 def check_shared_for_cluster(
-    storage: StoragePath, num_nodes: int, *, assume_shared: bool = False
+    storage: StoragePath, num_nodes: int, *, assume_shared: bool = False, reads: str | None = None
 ) -> None:
-    """Refuse a node-local storage path when the cluster has several nodes.
+    """Refuse a node-local path when the cluster has several nodes.
 
-    Workers on the other nodes would write their checkpoints to their own disks, where neither the
-    driver nor a restarted run can find them.
+    For the storage path: workers on the other nodes would write their checkpoints to their own
+    disks, where neither the driver nor a restarted run can find them. For an input (`reads`
+    names it: a data folder, an image tree): tasks and workers on the other nodes would not find
+    its files, and fail on the first one with a bare FileNotFoundError.
     """
     if num_nodes <= 1 or assume_shared or is_shared(storage):
         return
     fs_type = mount_fs_type(storage.path) or "unknown"
+    shared = (
+        "an NFS / ReadWriteMany volume mounted at the same path on every node, s3://bucket/prefix "
+        "or gs://bucket/prefix. If this path is such a shared mount of a kind not recognised "
+        "here, pass --storage-is-shared."
+    )
+    if reads is not None:
+        raise StorageError(
+            f"{reads} {storage.uri!r} is on this node's own disk (filesystem {fs_type}), but the "
+            f"Ray cluster has {num_nodes} nodes: Ray Data tasks and workers on the other nodes "
+            f"cannot read it. Put it on storage every node shares: {shared}"
+        )
     raise StorageError(
         f"storage path {storage.uri!r} is on this node's own disk (filesystem {fs_type}), but the "
         f"Ray cluster has {num_nodes} nodes: workers on the other nodes cannot write checkpoints "
-        "there. Set --storage-path to storage every node shares: an NFS / ReadWriteMany volume "
-        "mounted at the same path on every node, s3://bucket/prefix or gs://bucket/prefix. If "
-        "this path is such a shared mount of a kind not recognised here, pass --storage-is-shared."
+        f"there. Set --storage-path to storage every node shares: {shared}"
     )
 
 

@@ -225,7 +225,7 @@ def run(config: TrainConfig, callbacks: Sequence[UserCallback] = ()) -> dict[str
     )
 
     warm_tracking_store(config, storage)  # overlaps Ray's start
-    start_ray_for_run(config, storage, data_dir)
+    start_ray_for_run(config, storage, {"the data folder (--data-dir)": data_dir})
     tracked = open_for_config(config, storage, pipeline="hf_finetune", version=__version__)
 
     trainer = TorchTrainer(

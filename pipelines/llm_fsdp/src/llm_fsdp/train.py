@@ -303,7 +303,7 @@ def run(config: TrainConfig, callbacks: Sequence[UserCallback] = ()) -> dict[str
     config.validate()
     config = dataclasses.replace(config, storage_path=storage.uri, data_dir=data_dir.uri)
     warm_tracking_store(config, storage)  # overlaps Ray's start
-    start_ray_for_run(config, storage, data_dir)
+    start_ray_for_run(config, storage, {"the data folder (--data-dir)": data_dir})
     tracked = open_for_config(config, storage, pipeline="llm_fsdp", version=__version__)
 
     trainer = TorchTrainer(

@@ -153,7 +153,7 @@ class Checkpointer:
         """Note a batch trained on: its ids, the dtype it computed in, and (rank 0) where it was
         decoded and when the run's first batch came."""
         run.compute_dtype = dtype
-        ids = batch["id"].numpy()
+        ids = batch["row"].numpy()
         rows.mark(ids)
         self.audit.add(ids)
         if self.rank == 0:
@@ -179,7 +179,8 @@ class Checkpointer:
             place = (epoch, trained.numpy())  # type: ignore[union-attr]
         with scratch_folder("checkpoint") as folder:
             save_state(folder, state)
-            (Path(folder) / POSITION_FILE).write_bytes(position_file(*place))
+            fingerprint = self.loop_config["dataset"].get("fingerprint", "")
+            (Path(folder) / POSITION_FILE).write_bytes(position_file(*place, fingerprint))
             write_manifest(folder)  # last: a checkpoint without it is torn, and never resumed
             ray.train.report(
                 metrics,

@@ -21,6 +21,7 @@ from mnist_resnet.config import (
     TrainConfig,
 )
 from mnist_resnet.data import DataError
+from mnist_resnet.ingest import DataChangedError
 from raytrain_common.checkpoint import TornCheckpointError
 from raytrain_common.cli import (
     add_config_options,
@@ -41,6 +42,7 @@ log = logging.getLogger("mnist_resnet")
 USER_ERRORS = (
     ConfigError,
     DataError,
+    DataChangedError,
     StorageError,
     ResourceError,
     FileNotFoundError,
@@ -108,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from mnist_resnet.data import prepare
+    from mnist_resnet.data import BAD_FILES, prepare
 
     config = config_from_args(args, PrepareConfig)
     show_ray_output(config.verbose)
@@ -123,6 +125,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
             test_fraction=config.test_fraction,
             validation_fraction=config.validation_fraction,
             seed=config.seed,
+            max_bad_fraction=config.max_bad_fraction,
         )
     shape = f"{info.height}×{info.width}" + ("" if info.channels == 1 else f"×{info.channels}")
     names = info.class_names or []
@@ -132,6 +135,12 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         f"images of {shape}, {info.num_classes} classes{classes}, from {info.source}"
         + (f"\ntest split: {info.notes['test_split']}" if "test_split" in info.notes else "")
         + f"\nvalidation split: {info.notes['val_split']}"
+        + (
+            f"\n{info.bad_files} file(s) cannot be decoded and were left out: "
+            f"{data_dir.join(BAD_FILES)}"
+            if info.bad_files
+            else ""
+        )
         + f"\nwritten to {data_dir}"
     )
     return 0

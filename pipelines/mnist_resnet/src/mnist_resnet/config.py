@@ -52,6 +52,12 @@ class PrepareConfig(DataLocation, ConsoleSettings):
         deprecated=["--val-fraction"],
     )
     seed: int = option(0, "Seed of the carved splits and of the order rows are written in.")
+    max_bad_fraction: float = option(
+        0.01,
+        "Largest share of an image tree's files that may fail prepare's check (truncated, empty, "
+        "not an image) and be left out, listed in bad_files.csv; above it prepare refuses the "
+        "tree (a wrong folder or a broken copy, more likely). 0.05 suits a scraped collection.",
+    )
     force: bool = option(False, "Rewrite a dataset prepared before.")
 
 

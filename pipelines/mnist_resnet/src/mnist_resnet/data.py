@@ -18,16 +18,22 @@ every epoch (ingest.py).
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import functools
 import gzip
+import hashlib
 import importlib.util
+import io
 import json
 import logging
 import pickle
+import posixpath
 import shutil
 import struct
-from collections.abc import Iterable, Iterator
+import tempfile
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,10 +60,11 @@ log = logging.getLogger(__name__)
 IMAGE_SIZE = (28, 28)
 DATASET_FILE = "dataset.json"
 SPLITS = ("train", "val", "test")
-FORMAT = 2
+FORMAT = 3  # 3: rows carry a position (`row`) and a stable `id`; 2 had one dense `id`
 ROWS_PER_FILE = 10_000
 STATS_SAMPLE = 2048  # images of a tree decoded for its mean and std (±0.5 % of the full split's)
-CHECK_SAMPLE = 512  # images of a tree's validation and test splits decoded by prepare's check
+CHECK_BLOCK = 256  # files of a tree checked by one Ray Data task in prepare
+BAD_FILES = "bad_files.csv"  # beside dataset.json: an image tree's files left out, and why
 MAX_CLASSES = 1000
 SCHEMA = pa.schema([("image", pa.binary()), ("label", pa.int64())])
 TORCHVISION_SOURCE = "torchvision"
@@ -83,7 +90,9 @@ class DatasetInfo:
     class_names: list[str] | None = None  # an image tree's folder names; MNIST's are its digits
     notes: dict[str, Any] = field(default_factory=dict)  # how an image tree was read and split
     image_root: str | None = None  # an image tree's location; its splits list files under it
-    format: int = 1  # FORMAT since rows carry ids; 1: a version that wrote pixels without ids
+    format: int = 1  # FORMAT since rows carry stable ids; 1 and 2: earlier versions
+    fingerprint: str = ""  # of every split's (id, label) rows: what a checkpoint was trained on
+    bad_files: int = 0  # files of an image tree left out by prepare's check (bad_files.csv)
 
     def class_name(self, label: int) -> str:
         return self.class_names[label] if self.class_names else str(label)
@@ -93,9 +102,14 @@ class DatasetInfo:
 class Split:
     images: np.ndarray  # (N, H, W) or (N, H, W, 3) uint8
     labels: np.ndarray  # (N,) int64
+    ids: np.ndarray | None = None  # (N,) int64 stable ids; None: the source's own row numbers
+
+    def __post_init__(self) -> None:
+        if self.ids is None:
+            object.__setattr__(self, "ids", np.arange(len(self.labels), dtype=np.int64))
 
     def take(self, rows: np.ndarray) -> Split:
-        return Split(self.images[rows], self.labels[rows])
+        return Split(self.images[rows], self.labels[rows], self.ids[rows])  # type: ignore[index]
 
 
 @dataclass(frozen=True)
@@ -106,8 +120,21 @@ class FileSplit:
     paths: np.ndarray  # (N,) str
     labels: np.ndarray  # (N,) int64
 
+    @property
+    def ids(self) -> np.ndarray:
+        """Each file's stable id, from its path relative to the tree (`path_id`)."""
+        return np.fromiter((path_id(path) for path in self.paths), np.int64, len(self.paths))
+
     def take(self, rows: np.ndarray) -> FileSplit:
         return FileSplit(self.paths[rows], self.labels[rows])
+
+
+def path_id(relative: str, key: bytes = b"") -> int:
+    """A file's id: 63 bits of a hash of its path relative to the tree, so a file keeps its id
+    when others are added or removed and the tree is prepared again (1.28 M files share an id
+    with probability ~1e-7). With `key`, a seeded draw per file (the carve's order)."""
+    digest = hashlib.blake2b(relative.encode("utf-8"), digest_size=8, key=key).digest()
+    return int.from_bytes(digest, "big") >> 1
 
 
 @dataclass(frozen=True)
@@ -125,6 +152,8 @@ class Loaded:
     side: int = IMAGE_SIZE[0]
     channels: int = 1
     image_root: str | None = None  # an image tree's location: its splits list files under it
+    bad_files: list[tuple[str, str]] = field(default_factory=list)  # (file, why) left out
+    checked_files: int = 0  # an image tree's files decoded by prepare's check
 
 
 # ---------------------------------------------------------------------------------------------
@@ -258,20 +287,29 @@ def read_idx(path: Path, unpack_dir: Path) -> np.ndarray:
 
 
 def load_image_tree(source: str, image_size: int | None, test_fraction: float, seed: int) -> Loaded:
-    """A class-per-folder image tree's files, split (see images.py); the images stay where they
-    are and are decoded in training."""
+    """A class-per-folder image tree's files, every one checked (`check_tree_files`) and split
+    (see images.py); the images stay where they are and are decoded in training."""
     root = resolve_storage(source)
     try:
         tree = image_tree.scan_tree(root)
-        every = [path for files in tree.files.values() for path, _ in files]
-        side, channels, modes = image_tree.choose_size_and_channels(root, every, seed)
     except image_tree.ImageFolderError as error:
         raise DataError(str(error)) from error
+    every = [path for files in tree.files.values() for path, _ in files]
+    checked = check_tree_files(root, every)
+    bad = {path: why for path, (_, _, why) in checked.items() if why}
+    good = [entry for entry in checked.values() if not entry[2]]
+    if not good:
+        raise DataError(
+            f"none of the {len(every)} images under {root} can be decoded (first: "
+            f"{next(iter(bad))}: {next(iter(bad.values()))}): is --source the right folder?"
+        )
+    modes = dict(Counter(mode for _, mode, _ in good))
+    side, channels = image_tree.size_and_channels([side for side, _, _ in good], modes)
     side = image_size or side
     listed = {
         split: FileSplit(
-            np.array([path for path, _ in files], dtype=object),
-            np.array([label for _, label in files], dtype=np.int64),
+            np.array([path for path, _ in files if path not in bad], dtype=object),
+            np.array([label for path, label in files if path not in bad], dtype=np.int64),
         )
         for split, files in tree.files.items()
     }
@@ -291,26 +329,62 @@ def load_image_tree(source: str, image_size: int | None, test_fraction: float, s
     if "val" in listed:
         notes["val_split"] = f"the tree's own {tree.folder_names['val']}/ folder"
     log.info(
-        "%d classes, %d + %d images at %d×%d, %d channel(s) (modes %s); %d other files skipped",
-        len(tree.class_names),
-        len(train.labels),
-        len(test.labels),
-        side,
-        side,
-        channels,
-        modes,
-        sum(tree.skipped.values()),
+        "%d classes, %d + %d images at %d×%d, %d channel(s) (modes %s); %d other files skipped, "
+        "%d that cannot be decoded left out",
+        *(len(tree.class_names), len(train.labels), len(test.labels), side, side, channels),
+        *(modes, sum(tree.skipped.values()), len(bad)),
     )
     loaded = Loaded(train, test, tree.class_names, notes, listed.get("val"), side, channels)
-    return dataclasses.replace(loaded, image_root=root.uri)
+    return dataclasses.replace(
+        loaded,
+        image_root=root.uri,
+        bad_files=[(posixpath.join(root.uri, path), why) for path, why in bad.items()],
+        checked_files=len(every),
+    )
+
+
+def check_tree_files(root: StoragePath, paths: list[str]) -> dict[str, tuple[int, str, str]]:
+    """Every file of the tree read and decoded whole in Ray Data tasks spread over the cluster (a
+    block of CHECK_BLOCK files a task, each task fetching its files in parallel): path →
+    (shorter side, mode, "") for an image, (0, "", why) for a file that is not one."""
+    import ray.data
+
+    from mnist_resnet.transforms import check_files
+    from raytrain_common.ray_start import init_ray
+
+    init_ray(train_cpus=1)  # only now: the checks before run without a cluster
+    blocks = [
+        pa.table(
+            {
+                "index": np.arange(start, min(start + CHECK_BLOCK, len(paths))),
+                "path": pa.array(paths[start : start + CHECK_BLOCK], pa.string()),
+            }
+        )
+        for start in range(0, len(paths), CHECK_BLOCK)
+    ]
+    checked = ray.data.from_arrow(blocks).map_batches(
+        check_files, batch_size=None, fn_kwargs={"root_uri": root.uri}
+    )
+    found: dict[str, tuple[int, str, str]] = {}
+    for batch in checked.iter_batches(batch_size=4096, batch_format="numpy"):
+        for index, side, mode, why in zip(
+            batch["index"], batch["side"], batch["mode"], batch["error"], strict=True
+        ):
+            found[paths[int(index)]] = (int(side), str(mode), str(why))
+    return {path: found[path] for path in paths}
 
 
 def carve(
     whole: Split | FileSplit, fraction: float, seed: int
 ) -> tuple[Split | FileSplit, Split | FileSplit]:
     """(kept, held out): a stratified, seeded share of `whole` held out (see
-    images.held_out_rows)."""
-    kept, held_out = image_tree.carve_held_out(whole.labels, fraction, seed)
+    images.held_out_rows); a tree's files by a seeded hash of their paths, so the split of a file
+    stays put when the tree is edited and prepared again."""
+    keys = None
+    if isinstance(whole, FileSplit):
+        key = seed.to_bytes(8, "big", signed=True)
+        keys = np.fromiter((path_id(p, key) for p in whole.paths), np.int64, len(whole.paths))
+    kept, held_out = image_tree.carve_held_out(whole.labels, fraction, seed, keys)
     return whole.take(kept), whole.take(held_out)
 
 
@@ -376,8 +450,8 @@ class PixelStats:
         return [round(float(m), 6) for m in mean], [round(max(float(s), 1e-3), 6) for s in std]
 
 
-def pixel_table(split: Split, ids: np.ndarray) -> pa.Table:
-    """An array split's rows as (id, image, label): raw uint8 pixels as bytes (compact, any
+def pixel_table(split: Split, rows: np.ndarray) -> pa.Table:
+    """An array split's rows as (row, id, image, label): raw uint8 pixels as bytes (compact, any
     reader can decode)."""
     count = split.images.shape[0]
     per_image = int(np.prod(split.images.shape[1:]))
@@ -386,21 +460,51 @@ def pixel_table(split: Split, ids: np.ndarray) -> pa.Table:
     images = pa.Array.from_buffers(
         pa.binary(), count, [None, pa.py_buffer(offsets), pa.py_buffer(pixels)]
     )
-    return pa.table({"id": ids, "image": images, "label": pa.array(split.labels, pa.int64())})
+    return pa.table(
+        {
+            "row": rows,
+            "id": pa.array(split.ids, pa.int64()),
+            "image": images,
+            "label": pa.array(split.labels, pa.int64()),
+        }
+    )
 
 
 def split_tables(split: Split | FileSplit, seed: int) -> Iterator[pa.Table]:
     """The split's rows in a seeded random order (a sorted source's first rows would be one
-    class), ids counting in that order, a file's worth at a time."""
+    class), a file's worth at a time: `row` counts in that order (the position training's
+    bitmaps and --limit-*-rows use), `id` is the row's stable identity (a file's path hash, an
+    array source's own row number)."""
     order = np.random.default_rng([seed, len(split.labels)]).permutation(len(split.labels))
     for start in range(0, len(order), ROWS_PER_FILE):
-        rows = split.take(order[start : start + ROWS_PER_FILE])
-        ids = pa.array(np.arange(start, start + len(rows.labels)), pa.int64())
-        if isinstance(rows, Split):
-            yield pixel_table(rows, ids)
+        part = split.take(order[start : start + ROWS_PER_FILE])
+        rows = pa.array(np.arange(start, start + len(part.labels)), pa.int64())
+        if isinstance(part, Split):
+            yield pixel_table(part, rows)
         else:
-            paths = pa.array(list(rows.paths), pa.string())
-            yield pa.table({"id": ids, "path": paths, "label": pa.array(rows.labels, pa.int64())})
+            yield pa.table(
+                {
+                    "row": rows,
+                    "id": pa.array(part.ids, pa.int64()),
+                    "path": pa.array(list(part.paths), pa.string()),
+                    "label": pa.array(part.labels, pa.int64()),
+                }
+            )
+
+
+def fingerprint(source: str, side: int, channels: int, splits: dict[str, Split | FileSplit]) -> str:
+    """What the prepared rows are, in 16 hex digits: the source, the size, and every split's
+    (id, label) pairs in id order. A checkpoint records it; a run resumed on data whose
+    fingerprint differs is refused (train.py)."""
+    digest = hashlib.blake2b(digest_size=8)
+    digest.update(json.dumps([source, side, channels]).encode())
+    for name in SPLITS:
+        ids, labels = np.asarray(splits[name].ids), splits[name].labels
+        order = np.argsort(ids, kind="stable")
+        digest.update(name.encode())
+        digest.update(np.ascontiguousarray(ids[order], dtype=np.int64).tobytes())
+        digest.update(np.ascontiguousarray(labels[order], dtype=np.int64).tobytes())
+    return digest.hexdigest()
 
 
 def write_split(folder: StoragePath, tables: Iterable[pa.Table]) -> None:
@@ -411,12 +515,10 @@ def write_split(folder: StoragePath, tables: Iterable[pa.Table]) -> None:
         )
 
 
-def pixel_stats(loaded: Loaded, splits: dict[str, Split | FileSplit], seed: int) -> PixelStats:
+def pixel_stats(loaded: Loaded, train: Split | FileSplit, seed: int) -> PixelStats:
     """The training pixels' statistics: all of an array source (in memory already); for a tree,
-    a seeded sample of STATS_SAMPLE training images, decoded by Ray Data tasks where the files are
-    read, with CHECK_SAMPLE images of each other split: a file that cannot be decoded is named
-    here, before training."""
-    train = splits["train"]
+    a seeded sample of STATS_SAMPLE training images (±0.5 % of the full split's), decoded by Ray
+    Data tasks where the files are read."""
     stats = PixelStats(loaded.channels)
     if isinstance(train, Split):
         for start in range(0, len(train.labels), ROWS_PER_FILE):
@@ -425,48 +527,26 @@ def pixel_stats(loaded: Loaded, splits: dict[str, Split | FileSplit], seed: int)
         return stats
     import ray.data
 
-    from mnist_resnet.transforms import pixels_from_files
-    from raytrain_common.ray_start import init_ray
+    from mnist_resnet.transforms import SKIPPED_LABEL, pixels_from_files
 
-    init_ray(train_cpus=1)  # only now: the checks before run without a cluster
-    samples: list[pa.Table] = []
-    for name, split in splits.items():
-        assert isinstance(split, FileSplit)  # a tree's splits are all file lists
-        count = min(STATS_SAMPLE if name == "train" else CHECK_SAMPLE, len(split.labels))
-        picked = np.random.default_rng([seed, len(samples)]).choice(
-            len(split.labels), count, replace=False
-        )
-        sample = split.take(np.sort(picked))
-        samples.append(
-            pa.table(
-                {
-                    "id": np.arange(count) if name == "train" else np.full(count, -1),
-                    "path": pa.array(list(sample.paths), pa.string()),
-                    "label": sample.labels,
-                }
-            )
-        )
-    decoded = ray.data.from_arrow(samples).map_batches(
+    count = min(STATS_SAMPLE, len(train.labels))
+    picked = np.random.default_rng(seed).choice(len(train.labels), count, replace=False)
+    sample = train.take(np.sort(picked))
+    rows = pa.table(
+        {
+            "row": np.arange(count),
+            "path": pa.array(list(sample.paths), pa.string()),
+            "label": sample.labels,
+        }
+    )
+    blocks = [rows.slice(start, 256) for start in range(0, count, 256)]  # a task each
+    decoded = ray.data.from_arrow(blocks).map_batches(
         pixels_from_files,
         batch_size=64,
-        fn_kwargs={
-            "root_uri": loaded.image_root,
-            "side": loaded.side,
-            "channels": loaded.channels,
-            "report_errors": True,
-        },
+        fn_kwargs={"root_uri": loaded.image_root, "side": loaded.side, "channels": loaded.channels},
     )
-    tried, failed = 0, []
     for batch in decoded.iter_batches(batch_size=256, batch_format="numpy"):
-        bad = batch["error"] != ""
-        tried += len(bad)
-        failed += list(batch["error"][bad])
-        stats.add(batch["image"][~bad & (batch["id"] >= 0)])
-    if failed:
-        raise DataError(
-            f"{len(failed)} of {tried} images checked cannot be decoded: {'; '.join(failed[:3])}. "
-            "Replace or remove them"
-        )
+        stats.add(batch["image"][batch["label"] != SKIPPED_LABEL])  # changed since the check
     return stats
 
 
@@ -480,17 +560,20 @@ def prepare(
     test_fraction: float = 0.1,
     validation_fraction: float = 0.1,
     seed: int = 0,
+    max_bad_fraction: float = 0.01,
 ) -> DatasetInfo:
     """Write the source's train, validation (carved when it has none) and test splits as Parquet.
-    An image tree (local, NFS, s3://, gs://) is listed, not copied: Ray Data decodes its images in
-    training, and a sample of them in tasks for the statistics. An IDX folder is memory-mapped;
-    MNIST itself (the wheel, torchvision) is read whole: its size is fixed."""
-    check_prepare_options(image_size, test_fraction, validation_fraction)
+    An image tree (local, NFS, s3://, gs://) is listed, not copied, and every file of it decoded
+    once by Ray Data tasks: the ones that fail are left out and listed in bad_files.csv (refused
+    above `max_bad_fraction`); training decodes the rest. An IDX folder is memory-mapped; MNIST
+    itself (the wheel, torchvision) is read whole: its size is fixed."""
+    check_prepare_options(image_size, test_fraction, validation_fraction, max_bad_fraction)
     existing = prepared_already(data_dir, source, image_size, force)
     if existing is not None:
         return existing
     check_output_folder(data_dir, DATASET_FILE)  # the user's own files: refused before any work
     loaded = load_source(source, download_root, image_size, test_fraction, seed)
+    check_bad_share(loaded, max_bad_fraction)
     train, test, val = loaded.train, loaded.test, loaded.val
     notes = dict(loaded.notes)
     if val is None:
@@ -499,17 +582,20 @@ def prepare(
             f"carved from the training data: {len(val.labels)} "
             f"images, stratified by class, seed {seed + 1}"
         )
-    num_classes = checked_class_count(loaded, {"train": train, "test": test, "val": val})
-    mean, std = pixel_stats(loaded, {"train": train, "val": val, "test": test}, seed).mean_std()
+    splits = {"train": train, "val": val, "test": test}
+    num_classes = checked_class_count(loaded, splits)
+    mean, std = pixel_stats(loaded, train, seed).mean_std()
     marker = data_dir.join(DATASET_FILE)
     if marker.exists() and not data_dir.is_local:  # rewritten in place: unmarked until complete
         marker.filesystem.delete_file(marker.path)
     with staged_folder(data_dir, DATASET_FILE) as staging:
-        for name, split in (("train", train), ("val", val), ("test", test)):
+        for name, split in splits.items():
             folder = staging.join(SPLIT_FOLDERS[name])
             if folder.exists():
                 folder.filesystem.delete_dir_contents(folder.path)
             write_split(folder, split_tables(split, seed))
+        if loaded.image_root:
+            write_atomic(staging.join(BAD_FILES), bad_files_csv(loaded.bad_files))
         info = DatasetInfo(
             source=_source_id(source),
             num_classes=num_classes,
@@ -525,14 +611,48 @@ def prepare(
             notes=notes,
             image_root=loaded.image_root,
             format=FORMAT,
+            fingerprint=fingerprint(_source_id(source), loaded.side, loaded.channels, splits),
+            bad_files=len(loaded.bad_files),
         )
         staging.join(DATASET_FILE).write_text(json.dumps(asdict(info), indent=2) + "\n")
     return info
 
 
+def check_bad_share(loaded: Loaded, max_bad_fraction: float) -> None:
+    """Refuse a tree whose share of undecodable files is above `max_bad_fraction` (more likely a
+    wrong folder or a broken copy than a few bad files); the list goes to a temporary CSV, since
+    nothing is written to --data-dir by a refused prepare."""
+    bad, checked = len(loaded.bad_files), max(loaded.checked_files, 1)
+    if bad / checked <= max_bad_fraction:
+        return
+    with tempfile.NamedTemporaryFile("wb", prefix="bad_files-", suffix=".csv", delete=False) as out:
+        bad_files_csv(loaded.bad_files)(out)
+    first, why = loaded.bad_files[0]
+    raise DataError(
+        f"{bad} of {checked} files ({bad / checked:.1%}) cannot be decoded, over "
+        f"--max-bad-fraction {max_bad_fraction:g} (first: {first}: {why}; all: {out.name}): "
+        "check that --source is the right folder, or raise --max-bad-fraction to leave them out"
+    )
+
+
+def bad_files_csv(bad_files: list[tuple[str, str]]) -> Callable[[Any], None]:
+    """A writer of bad_files.csv: one row per file left out, `file,reason`."""
+
+    def write(stream: Any) -> None:
+        text = io.StringIO()
+        writer = csv.writer(text)
+        writer.writerow(["file", "reason"])
+        writer.writerows(bad_files)
+        stream.write(text.getvalue().encode("utf-8"))
+
+    return write
+
+
 def check_prepare_options(
-    image_size: int | None, test_fraction: float, validation_fraction: float
+    image_size: int | None, test_fraction: float, validation_fraction: float, max_bad: float = 0.01
 ) -> None:
+    if not 0 <= max_bad < 1:
+        raise DataError(f"--max-bad-fraction={max_bad}: give a share from 0 up to (not) 1")
     if image_size is not None and not 8 <= image_size <= 1024:
         raise DataError(f"--image-size={image_size}: give a side between 8 and 1024 pixels")
     for flag, fraction in (
@@ -555,7 +675,7 @@ def prepared_already(
     if info.format != FORMAT:
         raise DataError(
             f"{data_dir} was prepared by an earlier version "
-            "(without row ids): pass --force to prepare it again"
+            "(without stable row ids): pass --force to prepare it again"
         )
     if info.source == _source_id(source) and image_size in (None, info.height):
         log.info("%s is already prepared from %s; nothing to do", data_dir, info.source)
@@ -610,7 +730,7 @@ def inspect_dataset(data_dir: StoragePath) -> DatasetInfo:
     info = DatasetInfo(**json.loads(marker.read_text()))
     if info.format != FORMAT or not info.val_rows:
         raise DataError(
-            f"{data_dir} was prepared by an earlier version (rows without ids): rerun "
+            f"{data_dir} was prepared by an earlier version (rows without stable ids): rerun "
             f"`mnist-resnet prepare --force --data-dir {data_dir}`"
         )
     for split in SPLITS:
@@ -635,7 +755,7 @@ def check_parquet_file(file: StoragePath, info: DatasetInfo) -> None:
 
 def _check_parquet_file(file: StoragePath, info: DatasetInfo) -> None:
     content = "path" if info.image_root else "image"
-    expected = {"id": pa.types.is_integer, "label": pa.types.is_integer}
+    expected = {"row": pa.types.is_integer, "id": pa.types.is_integer, "label": pa.types.is_integer}
     expected[content] = pa.types.is_string if info.image_root else pa.types.is_binary
     with file.filesystem.open_input_file(file.path) as stream:
         parquet = pq.ParquetFile(stream)
@@ -644,15 +764,15 @@ def _check_parquet_file(file: StoragePath, info: DatasetInfo) -> None:
         if missing:
             raise DataError(
                 f"{file} lacks column(s) {sorted(missing)} (it has {schema.names}); expected "
-                f"id (integer), {content} and label (integer class id): rerun "
+                f"row and id (integers), {content} and label (integer class id): rerun "
                 "`mnist-resnet prepare --force`"
             )
         wrong = [name for name, test in expected.items() if not test(schema.field(name).type)]
         if wrong:
             raise DataError(
                 f"{file}: column(s) {wrong} have type(s) "
-                f"{[str(schema.field(name).type) for name in wrong]}; expected integer id and "
-                f"label, and {'string' if info.image_root else 'binary'} {content}"
+                f"{[str(schema.field(name).type) for name in wrong]}; expected integer row, id "
+                f"and label, and {'string' if info.image_root else 'binary'} {content}"
             )
         table = parquet.read(columns=[content, "label"])
     if not info.image_root:

@@ -18,7 +18,6 @@ import io
 import logging
 import os
 import posixpath
-import random
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field
@@ -39,7 +38,6 @@ GREY_MODES = frozenset({"1", "L", "LA", "I", "I;16", "I;16B", "I;16L", "F"})
 # The default side: the images' median shorter side, within these bounds (28: MNIST's, the least
 # ResNet's stride-32 stem handles well; 128: a CPU box still trains it; pass --image-size for 224).
 MIN_DEFAULT_SIDE, MAX_DEFAULT_SIDE = 28, 128
-SIZE_SAMPLE = 2000  # headers read to choose the size and channels
 # The most pixels one image may have: above it an image is refused (named, with its size) before it
 # is decoded. A PNG or GIF of a few KB can declare a huge canvas (a decompression bomb), and a
 # 16-bit scan of 100+ Mpx decodes to gigabytes in a task; 67 Mpx (8192²) holds any camera's photo.
@@ -203,26 +201,12 @@ def utf8_name(path: Path | str) -> str:
     return name
 
 
-def choose_size_and_channels(
-    root: StoragePath, paths: list[str], seed: int
-) -> tuple[int, int, dict[str, int]]:
-    """(side, channels, modes seen) from a sample of image headers: the median shorter side within
-    28..128, and 1 channel if every sampled image is grey, else 3 (RGB)."""
-    sample = paths if len(paths) <= SIZE_SAMPLE else random.Random(seed).sample(paths, SIZE_SAMPLE)
-    sides: list[int] = []
-    modes: Counter[str] = Counter()
-    for path in sample:
-        try:
-            with open_image(header_of(root, path)) as image:
-                sides.append(min(image.size))
-                modes[image.mode] += 1
-        except ImageTooLargeError as error:
-            raise ImageFolderError(str(error)) from error
-        except OSError as error:
-            raise ImageFolderError(f"{path} is not an image PIL can open ({error})") from error
+def size_and_channels(sides: list[int], modes: dict[str, int]) -> tuple[int, int]:
+    """(side, channels) of a tree from its checked files: the median shorter side within 28..128,
+    and 1 channel if every image is grey, else 3 (RGB)."""
     side = int(np.clip(np.median(sides), MIN_DEFAULT_SIDE, MAX_DEFAULT_SIDE))
     channels = 1 if set(modes) <= GREY_MODES else 3
-    return side, channels, dict(modes)
+    return side, channels
 
 
 def header_of(root: StoragePath, relative: str) -> str | IO[bytes]:
@@ -235,14 +219,34 @@ def header_of(root: StoragePath, relative: str) -> str | IO[bytes]:
         return io.BytesIO(stream.read(64 << 10))
 
 
+def check_image(stream: IO[bytes]) -> tuple[int, str]:
+    """(shorter side after EXIF orientation, mode) of one file, decoded whole: its header, the
+    pixel limit and every byte of its compressed data are checked, so a truncated JPEG, an empty
+    PNG or a web page saved as `.jpg` raises here (OSError, ValueError or SyntaxError, as Pillow's
+    decoders do). A JPEG is decoded at an eighth of its size (`Image.draft`): all of its data is
+    still read, at a fraction of the work."""
+    with open_image(stream) as image:
+        width, height = image.size
+        mode = image.mode
+        if image.format == "JPEG":
+            image.draft(image.mode, (max(1, width // 8), max(1, height // 8)))
+        image.load()
+        return min(width, height), mode
+
+
 def load_image(path: str | IO[bytes], side: int, channels: int) -> np.ndarray:
     """One image (a path, or a file's bytes as a stream) as uint8 (side, side) or (side, side, 3):
-    the shorter side resized to `side` and the centre cropped square, palette / alpha / 16-bit modes
-    converted."""
+    turned upright by its EXIF orientation (phone photos are stored sideways with a tag), the
+    shorter side resized to `side` and the centre cropped square, palette / alpha / 16-bit modes
+    converted. A JPEG larger than needed is decoded at a reduced scale (`Image.draft`: 1/2 to 1/8
+    of the work), never below `side`."""
     from PIL import Image, ImageOps
 
     with open_image(path) as image:  # refused here, before decoding, if it is too large
+        if image.format == "JPEG":
+            image.draft("RGB" if channels == 3 else "L", (side, side))
         image.load()  # decode now: a truncated file fails here, with its path
+        image = ImageOps.exif_transpose(image)
         if image.mode in ("I;16", "I;16B", "I;16L", "I", "F"):
             array = np.asarray(image, dtype=np.float32)  # 4 bytes a pixel, within the pixel limit
             span = max(float(array.max() - array.min()), 1e-9)
@@ -272,14 +276,19 @@ def held_out_rows(rows: int, fraction: float) -> int:
     return max(round(rows * fraction), min(MIN_HELD_OUT_ROWS, int(rows * MAX_HELD_OUT_SHARE)), 1)
 
 
-def carve_held_out(labels: np.ndarray, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+def carve_held_out(
+    labels: np.ndarray, fraction: float, seed: int, keys: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """(kept, held out) indices: the held-out split `held_out_rows` long, shared over the classes
-    in proportion (each class keeping an image for training), drawn with `seed`."""
+    in proportion (each class keeping an image for training). Each class holds out its members
+    with the smallest `keys` (a seeded hash of each file's path: a file added to or removed from
+    the tree moves at most one other file of its class across the line), or a seeded draw."""
     rng = np.random.default_rng(seed)
     target = held_out_rows(len(labels), fraction)
     train, test = [], []
     for label in np.unique(labels):
-        members = rng.permutation(np.flatnonzero(labels == label))
+        members = np.flatnonzero(labels == label)
+        members = rng.permutation(members) if keys is None else members[np.argsort(keys[members])]
         count = min(len(members) - 1, max(1, round(target * len(members) / len(labels))))
         test.append(members[:count])
         train.append(members[count:])

@@ -50,6 +50,7 @@ import ray.data
 import torch
 import torch.distributed as dist
 from ray.data import FileShuffleConfig, RandomSeedConfig
+from ray.data.collate_fn import NumpyBatchCollateFn
 from ray.train import DataConfig
 
 from mnist_resnet.transforms import (
@@ -77,6 +78,10 @@ DECODE_BATCH = 256  # rows per Ray Data decode task batch: a few MB of pixels at
 
 class DataShardError(RuntimeError):
     """A worker's shard did not hold the rows its epoch needs."""
+
+
+class DataChangedError(ValueError):
+    """A run asked to resume on prepared data other than the data it was trained on."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -126,17 +131,18 @@ class ImageData:
         folder = split_folder(resolve_storage(self.data_dir), split)
         files = [file.path for file in folder.list_files(".parquet")]
         rows = ray.data.read_parquet(files, filesystem=folder.filesystem, shuffle=file_order)
-        return rows if limit is None else rows.filter(expr=f"id < {int(limit)}")
+        return rows if limit is None else rows.filter(expr=f"row < {int(limit)}")
 
-    def decoded(self, rows: ray.data.Dataset) -> ray.data.Dataset:
-        """Rows → {id, label, image: uint8 (C, H, W), decode_node}, decoded in Ray Data tasks."""
+    def decoded(self, rows: ray.data.Dataset, training: bool = False) -> ray.data.Dataset:
+        """Rows → {row, label, image: uint8 (C, H, W), decode_node}, decoded in Ray Data tasks;
+        an image tree's training rows also carry `error`, why a file was skipped (TrainingBatch)."""
         info = self.info
         if info.get("image_root"):
             files = {"root_uri": info["image_root"], "side": info["height"]}
             return rows.map_batches(
                 pixels_from_files,
                 batch_size=DECODE_BATCH,
-                fn_kwargs={**files, "channels": info["channels"]},
+                fn_kwargs={**files, "channels": info["channels"], "error_column": training},
             )
         pixels = {"height": info["height"], "width": info["width"], "channels": info["channels"]}
         return rows.map_batches(pixels_from_bytes, batch_size=DECODE_BATCH, fn_kwargs=pixels)
@@ -167,7 +173,7 @@ class ImageData:
             rows = rows.map_batches(drop_trained, fn_kwargs={"trained": trained})
         if tree:
             rows = rows.random_shuffle(seed=RandomSeedConfig(seed, reseed_after_execution=True))
-        decoded = self.decoded(rows)
+        decoded = self.decoded(rows, training=True)
         if self.augment != "none":
             pad = max(1, self.info["height"] // 8)
             flip = self.augment == "crop-flip"
@@ -199,6 +205,21 @@ class ImageData:
     def split(self, split: str, limit: int | None = None) -> ray.data.Dataset:
         """Any split decoded, unshuffled: the test split, and the single-process tools."""
         return self.decoded(self.rows(split, limit))
+
+
+class TrainingBatch(NumpyBatchCollateFn):
+    """A training batch as torch tensors (on the CPU: uint8 crosses to the device in `on_device`),
+    with `skipped`, the files of the batch that could not be decoded (their rows carry
+    SKIPPED_LABEL), as a list of strings: a string column has no tensor form."""
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, Any]:
+        errors = batch.pop("error", np.zeros(0, dtype=object))
+        tensors: dict[str, Any] = {
+            name: torch.from_numpy(np.require(column, requirements=["C", "W"]))
+            for name, column in batch.items()
+        }
+        tensors["skipped"] = [str(error) for error in errors if error]
+        return tensors
 
 
 def epoch_seed(seed: int, epoch: int) -> int:
@@ -236,8 +257,8 @@ def read_arrays(data: ImageData, split: str, limit: int | None = None) -> dict[s
     """A whole decoded split in this process's memory, in id order: for the single-process tools
     (the baseline, bench, predict's picture), never for training."""
     parts = list(data.split(split, limit).iter_batches(batch_size=4096, batch_format="numpy"))
-    ids = np.concatenate([part["id"] for part in parts])
-    order = np.argsort(ids)
+    positions = np.concatenate([part["row"] for part in parts])
+    order = np.argsort(positions)
     return {
         name: np.concatenate([part[name] for part in parts])[order] for name in ("image", "label")
     }
@@ -285,8 +306,33 @@ class EpochRows:
         return union
 
 
-def position_file(epoch: int, trained: np.ndarray) -> bytes:
-    """The bytes of POSITION_FILE: what `ImageData.position` reads."""
+def position_file(epoch: int, trained: np.ndarray, fingerprint: str = "") -> bytes:
+    """The bytes of POSITION_FILE: what `ImageData.position` reads, and the fingerprint of the
+    prepared dataset the bitmap's rows belong to (`check_same_dataset` reads it)."""
     stream = io.BytesIO()
-    np.savez(stream, epoch=np.array(epoch), trained=trained)
+    np.savez(stream, epoch=np.array(epoch), trained=trained, fingerprint=np.array(fingerprint))
     return stream.getvalue()
+
+
+def check_same_dataset(run_dir: StoragePath, info: dict[str, Any]) -> None:
+    """Refuse, before any worker starts, to resume a run on prepared data other than the data its
+    newest checkpoint was trained on (a tree edited and prepared again): the epoch's trained-rows
+    bitmap, its step count and the schedule are all counted in that data's rows, so a resume
+    would silently train some rows twice and skip others. The same tree prepared again gives the
+    same fingerprint (ids come from paths, the carve from their hashes) and resumes."""
+    checkpoint = newest_complete_checkpoint(run_dir)
+    if checkpoint is None or not info.get("fingerprint"):
+        return
+    saved = resolve_storage(run_dir.uri_for(checkpoint.path)).join(POSITION_FILE)
+    if not saved.exists():
+        return
+    with np.load(io.BytesIO(saved.read_bytes()), allow_pickle=False) as arrays:
+        trained_on = str(arrays["fingerprint"]) if "fingerprint" in arrays else ""
+    if trained_on and trained_on != info["fingerprint"]:
+        raise DataChangedError(
+            f"{run_dir.uri} was trained on prepared data {trained_on}, but its --data-dir now "
+            f"holds {info['fingerprint']} ({info['train_rows']} training rows): the data changed "
+            "since (a tree edited and prepared again), and resuming would count the epoch's rows "
+            "wrong. Train the changed data as a new run (another --run-name), or prepare the "
+            "data as it was to continue this one"
+        )

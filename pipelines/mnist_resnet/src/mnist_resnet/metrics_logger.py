@@ -18,6 +18,7 @@ import torch.distributed as dist
 from mnist_resnet.config import TrainConfig
 from mnist_resnet.ingest import EpochRows
 from mnist_resnet.run_state import EpochPosition, RunState
+from mnist_resnet.task import usable
 from raytrain_common.hardware import peak_memory_gb
 from raytrain_common.loop import ThroughputMeter, startup_seconds
 from raytrain_common.metrics import METRICS_FILE, eta, write_metrics_csv
@@ -39,7 +40,8 @@ class EpochTotals:
         # Sums from before a resume live on rank 0 only, so the all-reduce counts them once.
         on_this_rank = carried if rank == 0 else EpochPosition()
         self.sums = torch.tensor(
-            [on_this_rank.loss_sum, on_this_rank.correct, on_this_rank.seen], device=device
+            [on_this_rank.loss_sum, on_this_rank.correct, on_this_rank.seen, on_this_rank.skipped],
+            device=device,
         )
         self.interval = torch.zeros(2, device=device)  # summed micro-batch losses, micro-batches
         self.train_s_before = carried.train_s
@@ -47,11 +49,13 @@ class EpochTotals:
 
     def add(self, logits: torch.Tensor, loss: torch.Tensor, labels: torch.Tensor) -> None:
         detached = loss.detach().float()
+        decoded = usable(labels).sum().float()
         self.sums += torch.stack(
             [
-                detached * len(labels),
+                detached * decoded,
                 (logits.argmax(dim=1) == labels).sum().float(),
-                torch.tensor(float(len(labels)), device=labels.device),
+                decoded,
+                len(labels) - decoded,  # rows whose file could not be decoded
             ]
         )
         self.interval += torch.stack([detached, torch.ones_like(detached)])
@@ -68,10 +72,10 @@ class EpochTotals:
         totals = self.sums.clone()
         if dist.is_initialized():
             dist.all_reduce(totals)
-        loss_sum, correct, seen = totals.tolist()
+        loss_sum, correct, seen, skipped = totals.tolist()
         train_s = self.train_s_before + time.perf_counter() - self.started
         trained = None if rows is None else torch.from_numpy(rows.merged(totals.device))
-        return EpochPosition(step_in_epoch, loss_sum, correct, seen, train_s, trained)
+        return EpochPosition(step_in_epoch, loss_sum, correct, seen, train_s, skipped, trained)
 
 
 class MetricsLogger:
@@ -93,6 +97,7 @@ class MetricsLogger:
         self.sink = rank_zero_sink(loop_config, self.rank)
         self.data_wait_s, self.lr = 0.0, 0.0
         self.epoch_sums, self.epoch_rate = EpochPosition(), 0.0  # the epoch just ended
+        self.skipped_named: set[str] = set()  # files this rank could not decode, logged once
 
     def timed(
         self, batches: Iterable[dict[str, torch.Tensor]]
@@ -107,7 +112,20 @@ class MetricsLogger:
             self.data_wait_s += time.perf_counter() - started
             if batch is None:
                 return
+            self.note_skipped(batch.pop("skipped", []))
             yield batch
+
+    def note_skipped(self, files: list[str]) -> None:
+        """One line for each file this rank could not decode, the first time it meets it (its
+        row still counts as trained: the epoch goes on without it)."""
+        for file in files:
+            if file not in self.skipped_named:
+                self.skipped_named.add(file)
+                log.warning(
+                    "rank %d: skipped %s; it counts as trained this epoch (in metrics.csv's "
+                    "skipped_files). Remove it from the tree before the next `prepare`",
+                    *(self.rank, file),
+                )
 
     def step_end(self, run: RunState, lr: float) -> None:
         """Count the step; rank 0's progress line every --log-every-steps and at an epoch's end;
@@ -157,6 +175,7 @@ class MetricsLogger:
             "train_accuracy": sums.correct / sums.seen,
             "train_images_per_s": self.epoch_rate,
             "train_s": sums.train_s,
+            "skipped_files": sums.skipped,
             **validation,
             "lr": self.lr,
         }

@@ -20,6 +20,7 @@ from mnist_resnet.data import DataError, DatasetInfo, as_nchw, normalise, on_dev
 from mnist_resnet.images import IMAGE_SUFFIXES, load_image
 from mnist_resnet.ingest import ImageData
 from mnist_resnet.task import build_model, evaluate
+from mnist_resnet.transforms import SKIPPED_LABEL
 from raytrain_common.checkpoint import load_model_weights, load_remote_state
 from raytrain_common.metrics import SUMMARY_FILE
 from raytrain_common.ray_start import init_ray
@@ -76,7 +77,7 @@ def checkpoint_test_metrics(checkpoint_uri: str, limit: int | None = None) -> di
     def batches() -> Iterator[dict[str, torch.Tensor]]:
         nonlocal seen
         for batch in read_test_split(state, limit).iter_torch_batches(batch_size=512, device="cpu"):
-            seen += len(batch["label"])
+            seen += int((batch["label"] != SKIPPED_LABEL).sum())  # undecodable files left out
             yield on_device(batch, info, device)
 
     bf16 = bool(state["config"].get("bf16")) and device.type == "cuda"
@@ -153,24 +154,25 @@ def draw_predictions(
 @torch.no_grad()
 def predict(storage_path: str, run_name: str, count: int, output: str | None) -> dict[str, Any]:
     """Test accuracy of the run's best checkpoint and a picture of `count` test images: the first
-    ones by id, then mistakes. The test split streams through Ray Data a batch at a time, so memory
+    ones by row, then mistakes. The test split streams through Ray Data a batch at a time, so memory
     holds one batch and the pictured images, whatever the split's size."""
     run_dir = resolve_storage(storage_path).join(run_name)
     model, state = load_best_model(run_dir)
     info = DatasetInfo(**state["dataset"])
     head = min(count - count // 4, info.test_rows)
     correct = seen = 0
-    # (id, image, label, predicted): ids below `head` all, then mistakes, `count` in all.
+    # (row, image, label, predicted): rows below `head` all, then mistakes, `count` in all.
     shown: list[tuple[int, np.ndarray, int, int]] = []
     for batch in read_test_split(state).iter_torch_batches(batch_size=PREDICT_BATCH, device="cpu"):
         images = normalise(batch["image"], info.mean, info.std)
         predicted = model(images).argmax(1).numpy()
-        labels, ids = batch["label"].numpy(), batch["id"].numpy()
+        labels, rows = batch["label"].numpy(), batch["row"].numpy()
+        usable = labels != SKIPPED_LABEL  # a file that could not be decoded is left out
         correct += int((predicted == labels).sum())
-        seen += len(labels)
+        seen += int(usable.sum())
         pixels = batch["image"].numpy()
-        for i in np.flatnonzero((ids < head) | (predicted != labels)):
-            shown.append((int(ids[i]), pixels[i], int(labels[i]), int(predicted[i])))
+        for i in np.flatnonzero(usable & ((rows < head) | (predicted != labels))):
+            shown.append((int(rows[i]), pixels[i], int(labels[i]), int(predicted[i])))
         shown.sort(key=lambda item: (item[0] >= head, item[0]))
         del shown[count:]
     pixels = np.stack([item[1] for item in shown])  # (n, C, H, W) uint8

@@ -22,6 +22,7 @@ class EpochPosition:
     correct: float = 0.0
     seen: float = 0.0
     train_s: float = 0.0
+    skipped: float = 0.0  # rows whose file could not be decoded (counted as trained)
     trained_rows: torch.Tensor | None = None  # the epoch's rows trained, a bitmap (EpochRows)
 
 

@@ -107,6 +107,9 @@ def write_run_outputs(
         "train_time_s": sum(row["train_s"] + row["val_s"] for row in history),
         "compute_dtype": state.get("compute_dtype"),
         "decoded_on": state.get("decoded_on", {}),
+        # Files that failed to decode in training (changed or removed since prepare), each epoch's
+        # count as in metrics.csv; the ranks' logs name them. prepare's own: dataset.bad_files.
+        "skipped_files": [int(row.get("skipped_files", 0)) for row in history],
         "worker_peak_rss_mb": state.get("worker_peak_rss_mb"),
         "peak_memory_gb": max(
             (r["peak_memory_gb"] for r in history if "peak_memory_gb" in r), default=None

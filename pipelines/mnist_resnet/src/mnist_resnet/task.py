@@ -16,6 +16,7 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 from torchvision.models import resnet18
 
+from mnist_resnet.transforms import SKIPPED_LABEL
 from raytrain_common.checkpoint import unwrap
 
 
@@ -33,8 +34,16 @@ def build_model(num_classes: int, channels: int = 1) -> nn.Module:
 
 
 def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """The training loss: mean cross-entropy over the batch."""
-    return F.cross_entropy(logits, labels)
+    """The training loss: mean cross-entropy over the batch's usable rows (a row whose file could
+    not be decoded carries SKIPPED_LABEL and adds nothing; a batch of none gives 0, not NaN, and
+    still takes part in DDP's all-reduce)."""
+    summed = F.cross_entropy(logits, labels, ignore_index=SKIPPED_LABEL, reduction="sum")
+    return summed / usable(labels).sum().clamp(min=1)
+
+
+def usable(labels: torch.Tensor) -> torch.Tensor:
+    """Which rows of a batch hold a decoded image (the others carry SKIPPED_LABEL)."""
+    return labels != SKIPPED_LABEL
 
 
 def autocast(device: torch.device, enabled: bool) -> contextlib.AbstractContextManager[Any]:
@@ -43,13 +52,13 @@ def autocast(device: torch.device, enabled: bool) -> contextlib.AbstractContextM
 
 
 def batch_scores(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """[summed loss, correct predictions, images] of one batch, in float32: sums add up over
+    """[summed loss, correct predictions, images] of one batch's usable rows, in float32: sums add up over
     batches and ranks into the metrics of `scores`."""
     return torch.stack(
         [
-            F.cross_entropy(logits.float(), labels, reduction="sum"),
+            F.cross_entropy(logits.float(), labels, ignore_index=SKIPPED_LABEL, reduction="sum"),
             (logits.argmax(dim=1) == labels).sum().float(),
-            torch.tensor(float(len(labels)), device=labels.device),
+            usable(labels).sum().float(),
         ]
     )
 

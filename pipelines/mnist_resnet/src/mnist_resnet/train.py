@@ -43,6 +43,8 @@ from mnist_resnet.ingest import (
     EpochRows,
     EvenTrainingEveryValidationRow,
     ImageData,
+    TrainingBatch,
+    check_same_dataset,
     epoch_seed,
 )
 from mnist_resnet.metrics_logger import THROUGHPUT_SKIP_STEPS, EpochTotals, MetricsLogger
@@ -220,7 +222,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             batches = shard.iter_torch_batches(
                 batch_size=rows_per_step,
                 drop_last=True,  # every rank takes the same number of steps
-                device="cpu",  # uint8 crosses to the device in on_device, normalised there
+                collate_fn=TrainingBatch(),  # uint8 on the CPU (on_device moves it) + skipped files
                 local_shuffle_buffer_size=loop_config["local_shuffle_rows"],
                 local_shuffle_seed=epoch_seed(config.seed + rank, epoch),
             )
@@ -265,9 +267,13 @@ def run(config: TrainConfig, callbacks: Sequence[UserCallback] = ()) -> dict[str
         )
     config = dataclasses.replace(config, storage_path=storage.uri, data_dir=data_dir.uri)
     run_dir = storage.join(config.run_name)
+    check_same_dataset(run_dir, dataclasses.asdict(info))  # a resume on edited data: refused
 
     warm_tracking_store(config, storage)  # overlaps Ray's start
-    start_ray_for_run(config, storage, data_dir)
+    inputs = {"the data folder (--data-dir)": data_dir}
+    if info.image_root:  # the files themselves, which every node's decode tasks read
+        inputs["the image tree (prepare --source)"] = resolve_storage(info.image_root)
+    start_ray_for_run(config, storage, inputs)
     tracked = open_for_config(config, storage, pipeline="mnist_resnet", version=__version__)
 
     # Ray Data reads, shuffles and decodes the images on the cluster's CPUs (ingest.py). Ray calls

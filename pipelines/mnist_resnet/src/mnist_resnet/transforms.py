@@ -15,6 +15,9 @@ import ray
 from raytrain_common.storage import StoragePath, resolve_storage
 
 READ_THREADS = 16  # files fetched at once inside one decode task (object storage is latency-bound)
+# The label of a row whose file could not be decoded in training: PyTorch's ignore_index, so the
+# loss and the metrics leave the row out while it keeps its place in the epoch (task.py).
+SKIPPED_LABEL = -100
 
 
 # ---------------------------------------------------------------------------------------------
@@ -40,12 +43,12 @@ def pixels_from_bytes(
 ) -> dict[str, np.ndarray]:
     """Raw pixel rows (MNIST, IDX sources) → uint8 (n, C, H, W)."""
     flat = np.frombuffer(b"".join(batch["image"]), dtype=np.uint8)
-    images = to_nchw(flat.reshape(len(batch["id"]), height, width, channels))
+    images = to_nchw(flat.reshape(len(batch["row"]), height, width, channels))
     return {
-        "id": batch["id"],
+        "row": batch["row"],
         "label": batch["label"],
         "image": images,
-        "decode_node": np.full(len(batch["id"]), node_tag(), dtype=np.int64),
+        "decode_node": np.full(len(batch["row"]), node_tag(), dtype=np.int64),
     }
 
 
@@ -55,8 +58,52 @@ def image_root(uri: str) -> StoragePath:
     return resolve_storage(uri)
 
 
-def read_file(root: StoragePath, relative: str) -> io.BytesIO:
-    return io.BytesIO(root.join(*relative.split("/")).read_bytes())
+def read_file(root: StoragePath, relative: str) -> io.BytesIO | OSError:
+    """A file's bytes, or the error reading it (a file removed since `prepare`, a storage fault):
+    the caller decides what a missing file means."""
+    try:
+        return io.BytesIO(root.join(*relative.split("/")).read_bytes())
+    except OSError as error:
+        return error
+
+
+def fetch(root: StoragePath, paths: list[str]) -> list[io.BytesIO | OSError]:
+    """The files' bytes fetched in parallel: object storage answers each request in tens of ms."""
+    with concurrent.futures.ThreadPoolExecutor(READ_THREADS) as pool:
+        return list(pool.map(functools.partial(read_file, root), paths))
+
+
+def failure(root: StoragePath, path: str, error: BaseException) -> str:
+    """What bad_files.csv and the training log say of a file: where it is and why it failed."""
+    return f"{posixpath.join(root.uri, path)} ({type(error).__name__}: {error})"
+
+
+def check_files(batch: dict[str, np.ndarray], root_uri: str) -> dict[str, np.ndarray]:
+    """prepare's check of every file of a tree, in Ray Data tasks across the cluster: each file
+    read and decoded whole (images.check_image); its shorter side and mode, or why it fails."""
+    from mnist_resnet.images import check_image
+
+    root = image_root(root_uri)
+    paths = [str(path) for path in batch["path"]]
+    sides, modes, errors = [], [], []
+    for stream in fetch(root, paths):
+        try:
+            if isinstance(stream, OSError):
+                raise stream
+            side, mode = check_image(stream)
+            sides.append(side)
+            modes.append(mode)
+            errors.append("")
+        except (OSError, ValueError, SyntaxError) as error:  # PIL's decoders raise all three
+            sides.append(0)
+            modes.append("")
+            errors.append(f"{type(error).__name__}: {error}")
+    return {
+        "index": batch["index"],
+        "side": np.array(sides, dtype=np.int64),
+        "mode": np.array(modes, dtype=object),
+        "error": np.array(errors, dtype=object),
+    }
 
 
 def pixels_from_files(
@@ -64,40 +111,39 @@ def pixels_from_files(
     root_uri: str,
     side: int,
     channels: int,
-    report_errors: bool = False,
+    error_column: bool = False,
 ) -> dict[str, np.ndarray]:
-    """An image tree's (path) rows → uint8 (n, C, side, side): the files fetched in parallel
-    (object storage answers each request in tens of ms) and decoded here, in the Ray Data task.
-    A file that cannot be decoded stops the task, named; with `report_errors` (prepare's check) it
-    gets blank pixels and its error in an `error` column instead."""
+    """An image tree's (path) rows → uint8 (n, C, side, side), the files fetched in parallel and
+    decoded here, in the Ray Data task.
+
+    A file that fails (changed or removed since `prepare` checked it) never stops the run: its row
+    keeps its place with blank pixels and the label SKIPPED_LABEL, which the loss and the metrics
+    leave out, so the row still counts as consumed for the epoch and every rank still takes the
+    same number of steps. With `error_column` the row also carries why, for the rank's log."""
     from mnist_resnet.images import load_image
 
     root = image_root(root_uri)
     paths = [str(path) for path in batch["path"]]
-    with concurrent.futures.ThreadPoolExecutor(READ_THREADS) as pool:
-        streams = list(pool.map(functools.partial(read_file, root), paths))
+    labels = np.array(batch["label"], dtype=np.int64, copy=True)
     decoded, errors = [], []
-    for path, stream in zip(paths, streams, strict=True):
+    for index, (path, stream) in enumerate(zip(paths, fetch(root, paths), strict=True)):
         try:
+            if isinstance(stream, OSError):
+                raise stream
             decoded.append(load_image(stream, side, channels))
             errors.append("")
         except (OSError, ValueError, SyntaxError) as error:  # PIL's decoders raise all three
-            where = posixpath.join(root.uri, path)
-            if not report_errors:
-                raise ValueError(
-                    f"{where} cannot be decoded ({type(error).__name__}: {error}): replace or "
-                    "remove it, then run `mnist-resnet prepare --force`"
-                ) from error
             decoded.append(np.zeros((side, side, channels)[: 3 if channels == 3 else 2], np.uint8))
-            errors.append(f"{where} ({type(error).__name__}: {error})")
+            labels[index] = SKIPPED_LABEL
+            errors.append(failure(root, path, error))
     images = to_nchw(np.stack(decoded).reshape(len(paths), side, side, channels))
     columns = {
-        "id": batch["id"],
-        "label": batch["label"],
+        "row": batch["row"],
+        "label": labels,
         "image": images,
         "decode_node": np.full(len(paths), node_tag(), dtype=np.int64),
     }
-    if report_errors:
+    if error_column:
         columns["error"] = np.array(errors, dtype=object)
     return columns
 
@@ -119,11 +165,11 @@ def augment(batch: dict[str, np.ndarray], pad: int, flip: bool) -> dict[str, np.
 
 
 def bits_set(bits: np.ndarray, ids: np.ndarray) -> np.ndarray:
-    """Whether each id's bit is set in the bitmap `bits` (bit i: byte i // 8, bit i % 8)."""
+    """Whether each row's bit is set in the bitmap `bits` (bit i: byte i // 8, bit i % 8)."""
     return ((bits[ids >> 3] >> (ids & 7).astype(np.uint8)) & 1).astype(bool)
 
 
 def drop_trained(batch: dict[str, np.ndarray], trained: np.ndarray) -> dict[str, np.ndarray]:
-    """The rows of `batch` whose ids are not set in the bitmap `trained`."""
-    keep = ~bits_set(trained, batch["id"])
+    """The rows of `batch` whose positions (`row`) are not set in the bitmap `trained`."""
+    keep = ~bits_set(trained, batch["row"])
     return {name: column[keep] for name, column in batch.items()}
