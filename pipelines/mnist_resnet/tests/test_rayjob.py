@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -18,22 +17,28 @@ def rayjob() -> dict[str, Any]:
     return next(d for d in yaml.safe_load_all(MANIFEST.read_text()) if d["kind"] == "RayJob")
 
 
-def test_the_job_decodes_on_its_cpu_only_group() -> None:
-    """The training workers take all of their GPU pod's CPUs and its "trainer" resource, which only
-    the GPU group declares; a CPU-only group is then where Ray Data's tasks can run
-    (test_cpu_only_nodes_decode_while_the_training_node_trains runs that shape on this box)."""
+def test_the_job_decodes_on_its_cpu_only_group_by_node_labels() -> None:
+    """Each group carries a Ray node label (a group's top-level `labels`: KubeRay rejects
+    `rayStartParams['labels']`), and PLACEMENT_ARGS selects the GPU group for the training
+    workers and the CPU-only group for Ray Data's tasks
+    (test_ingest_runs_only_on_the_labelled_cpu_nodes_while_the_training_node_trains runs that
+    shape on this box); the GPU pod's CPUs all go to its worker; every mid-epoch loss is bounded
+    by --checkpoint-every-minutes."""
     spec = rayjob()["spec"]
     groups = {g["groupName"]: g for g in spec["rayClusterSpec"]["workerGroupSpecs"]}
     env = yaml.safe_load(spec["runtimeEnvYAML"])["env_vars"]
     placement = env["PLACEMENT_ARGS"].split()
     cpus = placement[placement.index("--cpus-per-worker") + 1]
-    resource = placement[placement.index("--worker-resource") + 1]
+    train = placement[placement.index("--train-node-labels") + 1]
+    ingest_labels = placement[placement.index("--ingest-node-labels") + 1]
     assert "$PLACEMENT_ARGS" in spec["entrypoint"]
+    assert "--checkpoint-every-minutes" in spec["entrypoint"]
     gpu, ingest = groups["gpu"], groups["ingest"]
+    assert "=".join(*gpu["labels"].items()) == train
+    assert "=".join(*ingest["labels"].items()) == ingest_labels
+    assert not any("labels" in group["rayStartParams"] for group in groups.values())
     assert gpu["rayStartParams"]["num-cpus"] == cpus
-    assert json.loads(json.loads(gpu["rayStartParams"]["resources"])) == {resource: 1}
     [gpu_container] = gpu["template"]["spec"]["containers"]
     assert gpu_container["resources"]["limits"]["cpu"] == cpus
-    assert "resources" not in ingest["rayStartParams"]
     [ingest_container] = ingest["template"]["spec"]["containers"]
     assert "nvidia.com/gpu" not in ingest_container["resources"]["limits"]

@@ -136,6 +136,17 @@ class RayTrainSettings(RunLocation):
         "training nodes' `ray start --resources`): workers land only on those nodes, and a node "
         "group without it (CPU-only) is left to Ray Data.",
     )
+    checkpoint_every_minutes: float = option(
+        30.0,
+        "Also checkpoint once this many minutes have passed since the last checkpoint, so a node "
+        "lost without notice costs at most that much work however long an epoch is (0: off).",
+    )
+    train_node_labels: str | None = option(
+        None,
+        "Run the training workers only on nodes with these Ray node labels, key=value[,key=value] "
+        "(set by `ray start --labels`, or a KubeRay group's `labels`), e.g. "
+        "ray.io/node-group=train: Ray's own placement, in place of --worker-resource.",
+    )
     num_to_keep: int = option(
         2, "Checkpoints kept: the best by the pipeline's score, plus always the latest."
     )
@@ -209,6 +220,11 @@ class RayTrainSettings(RunLocation):
             )
         if self.storage_patience_s < 0:
             raise ConfigError(f"storage_patience_s={self.storage_patience_s}: it must be 0 or more")
+        node_labels(self.train_node_labels, "--train-node-labels")  # raises when malformed
+        if self.checkpoint_every_minutes < 0:
+            raise ConfigError(
+                f"checkpoint_every_minutes={self.checkpoint_every_minutes}: it must be 0 or more"
+            )
         if self.preemption_grace_s < 0:
             raise ConfigError(f"preemption_grace_s={self.preemption_grace_s}: it must be 0 or more")
 
@@ -262,6 +278,20 @@ def check_batch_splits_for_every_worker_count(
     )
 
 
+def node_labels(text: str | None, flag: str) -> dict[str, str] | None:
+    """`key=value[,key=value]` as the label selector Ray takes (None for none); an error naming
+    `flag` when it is not of that form."""
+    if not text:
+        return None
+    pairs = [pair.split("=", 1) for pair in text.split(",")]
+    if any(len(pair) != 2 or not pair[0].strip() or not pair[1].strip() for pair in pairs):
+        raise ConfigError(
+            f"{flag}={text!r}: give key=value pairs separated by commas, as the nodes were "
+            "labelled (`ray start --labels ray.io/node-group=train`)"
+        )
+    return {key.strip(): value.strip() for key, value in pairs}
+
+
 def build_scaling_config(settings: RayTrainSettings) -> ScalingConfig:
     low, high = settings.worker_counts()
     resources: dict[str, float] = {"CPU": settings.cpus_per_worker}
@@ -275,6 +305,7 @@ def build_scaling_config(settings: RayTrainSettings) -> ScalingConfig:
         resources_per_worker=resources,
         placement_strategy=settings.placement_strategy,
         accelerator_type=settings.accelerator_type,
+        label_selector=node_labels(settings.train_node_labels, "--train-node-labels"),
         elastic_resize_monitor_interval_s=settings.elastic_resize_monitor_interval_s,
     )
 

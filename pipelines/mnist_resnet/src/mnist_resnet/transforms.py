@@ -112,6 +112,7 @@ def pixels_from_files(
     side: int,
     channels: int,
     error_column: bool = False,
+    crop_scale: float | None = None,
 ) -> dict[str, np.ndarray]:
     """An image tree's (path) rows → uint8 (n, C, side, side), the files fetched in parallel and
     decoded here, in the Ray Data task.
@@ -119,8 +120,12 @@ def pixels_from_files(
     A file that fails (changed or removed since `prepare` checked it) never stops the run: its row
     keeps its place with blank pixels and the label SKIPPED_LABEL, which the loss and the metrics
     leave out, so the row still counts as consumed for the epoch and every rank still takes the
-    same number of steps. With `error_column` the row also carries why, for the rank's log."""
-    from mnist_resnet.images import load_image
+    same number of steps. With `error_column` the row also carries why, for the rank's log. With
+    `crop_scale`, training's photo recipe: a random resized crop (down to that share of the area)
+    and a flip, drawn anew every epoch, in place of the centre crop."""
+    from mnist_resnet.images import RandomResizedCrop, load_image
+
+    crop = None if crop_scale is None else RandomResizedCrop(min_scale=crop_scale)
 
     root = image_root(root_uri)
     paths = [str(path) for path in batch["path"]]
@@ -130,7 +135,7 @@ def pixels_from_files(
         try:
             if isinstance(stream, OSError):
                 raise stream
-            decoded.append(load_image(stream, side, channels))
+            decoded.append(load_image(stream, side, channels, crop))
             errors.append("")
         except (OSError, ValueError, SyntaxError) as error:  # PIL's decoders raise all three
             decoded.append(np.zeros((side, side, channels)[: 3 if channels == 3 else 2], np.uint8))
