@@ -42,12 +42,15 @@ from __future__ import annotations
 
 import copy
 import io
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import ray
 import ray.data
+import ray.train
+import ray.train.torch
 import torch
 import torch.distributed as dist
 from ray.data import ExecutionOptions, FileShuffleConfig, RandomSeedConfig
@@ -63,6 +66,9 @@ from mnist_resnet.transforms import (
 )
 from raytrain_common.checkpoint import newest_complete_checkpoint
 from raytrain_common.storage import StoragePath, resolve_storage
+
+if TYPE_CHECKING:  # the run's record and context import the dataset, which imports this module
+    from mnist_resnet.run_state import RunState, WorkerContext
 
 TRAIN = "train"
 REST_OF_EPOCH = "train_rest_of_epoch"  # the rows of a resumed epoch not trained before the stop
@@ -320,6 +326,97 @@ class EpochRows:
                 f"{int(np.unpackbits(union).sum())} distinct"
             )
         return union
+
+
+class TrainingRows:
+    """Every training row once per epoch, on any worker count and across resumes, behind one
+    object. It picks the shard an epoch reads (the whole split in a fresh order, or only the rows
+    a resumed epoch has not trained: REST_OF_EPOCH), marks each batch's rows in this rank's bitmap
+    (`EpochRows`, which every checkpoint saves merged over the ranks), keeps the --record-row-ids
+    audit and where rank 0's rows were decoded, and checks at the epoch's end that the rank's
+    shard held exactly its steps and the ranks together every row once."""
+
+    def __init__(self, context: WorkerContext) -> None:
+        self.context = context
+        self.audit = RowIdAudit(context.run_dir, context.rank, context.config.record_row_ids)
+        self.marked = EpochRows(context.train_rows)
+
+    def epoch(self, run: RunState, epoch: int) -> Iterator[dict[str, Any]]:
+        """This rank's batches of `epoch` (from the run's position in it), each marked as it is
+        handed out: a checkpoint after step s holds exactly the rows of steps 1..s."""
+        context, resumed = self.context, run.resumes_mid_epoch
+        carried = run.position.trained_rows if resumed else None  # type: ignore[union-attr]
+        on_rank_zero = carried.numpy() if carried is not None and context.rank == 0 else None
+        self.marked = EpochRows(context.train_rows, on_rank_zero)  # rank 0 carries: counted once
+        shard = ray.train.get_dataset_shard(REST_OF_EPOCH if resumed else TRAIN)
+        batches = shard.iter_torch_batches(
+            batch_size=context.rows_per_step,
+            drop_last=True,  # every rank takes the same number of steps
+            collate_fn=TrainingBatch(),  # uint8 on the CPU (on_device moves it) + skipped files
+            local_shuffle_buffer_size=context.loop_config["local_shuffle_rows"],
+            local_shuffle_seed=epoch_seed(context.config.seed + context.rank, epoch),
+        )
+        steps_left, taken = epoch * context.steps - run.step, 0
+        for batch in batches:
+            rows = batch["row"].numpy()
+            self.marked.mark(rows)
+            self.audit.add(rows)
+            if context.rank == 0:
+                count_decode_nodes(run.decoded_on, batch["decode_node"].numpy())
+            taken += 1
+            yield batch
+        if taken != steps_left:
+            raise DataShardError(
+                f"rank {context.rank}'s shard of epoch {epoch} held {taken} steps, not "
+                f"{steps_left}: the dataset changed under the run?"
+            )
+
+    def trained(self) -> np.ndarray:
+        """The epoch's rows trained by every rank, a bitmap (a collective: every rank calls)."""
+        return self.marked.merged(ray.train.torch.get_device())
+
+    def check_epoch_complete(self) -> None:
+        """At an epoch's end: the ranks together trained every row of its full batches once (a
+        collective)."""
+        distinct = int(np.unpackbits(self.trained()).sum())
+        if distinct != self.context.rows_per_epoch:
+            raise DataShardError(
+                f"epoch trained {distinct} distinct rows, not {self.context.rows_per_epoch}"
+            )
+
+
+def count_decode_nodes(counts: dict[str, int], node_tags: np.ndarray) -> None:
+    """Add one batch's rows to `counts`, by the node (its id's first 15 hex digits) that decoded
+    them: where the data work ran."""
+    for tag, rows in zip(*np.unique(node_tags, return_counts=True), strict=True):
+        key = f"{int(tag):015x}"
+        counts[key] = counts.get(key, 0) + int(rows)
+
+
+class RowIdAudit:
+    """With --record-row-ids, each rank writes the rows it trained on with every checkpoint, to
+    <run>/row_ids/epoch-E/step-S-rank-R.npy: steps lost to a failure (trained after the last
+    checkpoint, then redone) are never written, so the files count each row's training in the run
+    that was kept."""
+
+    def __init__(self, run_dir: StoragePath, rank: int, enabled: bool) -> None:
+        self.folder, self.rank, self.enabled = run_dir.join("row_ids"), rank, enabled
+        self.rows: list[np.ndarray] = []
+
+    def add(self, rows: np.ndarray) -> None:
+        if self.enabled:
+            self.rows.append(rows.copy())
+
+    def write(self, epoch: int, step: int) -> None:
+        if not self.enabled:
+            return
+        rows = np.concatenate(self.rows) if self.rows else np.zeros(0, dtype=np.int64)
+        buffer = io.BytesIO()
+        np.save(buffer, rows)
+        self.folder.join(f"epoch-{epoch}", f"step-{step:07d}-rank-{self.rank}.npy").write_bytes(
+            buffer.getvalue()
+        )
+        self.rows = []
 
 
 def position_file(epoch: int, trained: np.ndarray, fingerprint: str = "") -> bytes:

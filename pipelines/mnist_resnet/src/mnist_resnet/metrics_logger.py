@@ -8,21 +8,18 @@ import logging
 import math
 import time
 from collections.abc import Iterable, Iterator
-from typing import Any
 
+import numpy as np
 import ray.train
 import ray.train.torch
 import torch
 import torch.distributed as dist
 
-from mnist_resnet.config import TrainConfig
-from mnist_resnet.ingest import EpochRows
-from mnist_resnet.run_state import EpochPosition, RunState
+from mnist_resnet.run_state import EpochPosition, RunState, WorkerContext
 from mnist_resnet.task import usable
 from raytrain_common.hardware import peak_memory_gb
 from raytrain_common.loop import ThroughputMeter, startup_seconds
 from raytrain_common.metrics import METRICS_FILE, eta, write_metrics_csv
-from raytrain_common.storage import StoragePath
 from raytrain_common.tracking import rank_zero_sink
 
 log = logging.getLogger("mnist_resnet")
@@ -66,16 +63,16 @@ class EpochTotals:
         self.interval.zero_()
         return loss_sum / max(batches, 1)
 
-    def position(self, step_in_epoch: int, rows: EpochRows | None = None) -> EpochPosition:
-        """The epoch's sums over every rank, and its rows trained when `rows` is given (a
-        collective: every rank calls it)."""
+    def position(self, step_in_epoch: int, trained: np.ndarray | None = None) -> EpochPosition:
+        """The epoch's sums over every rank (a collective: every rank calls it), and its rows
+        trained (`TrainingRows.trained`) when given."""
         totals = self.sums.clone()
         if dist.is_initialized():
             dist.all_reduce(totals)
         loss_sum, correct, seen, skipped = totals.tolist()
         train_s = self.train_s_before + time.perf_counter() - self.started
-        trained = None if rows is None else torch.from_numpy(rows.merged(totals.device))
-        return EpochPosition(step_in_epoch, loss_sum, correct, seen, train_s, skipped, trained)
+        bitmap = None if trained is None else torch.from_numpy(trained)
+        return EpochPosition(step_in_epoch, loss_sum, correct, seen, train_s, skipped, bitmap)
 
 
 class MetricsLogger:
@@ -83,18 +80,17 @@ class MetricsLogger:
     throughput meter and its wait for data; rank 0 writes the progress lines, the curve points,
     metrics.csv and the MLflow rows (through the sink, which never blocks a step)."""
 
-    def __init__(
-        self, loop_config: dict[str, Any], run: RunState, run_dir: StoragePath, steps: int
-    ) -> None:
-        self.config = TrainConfig(**loop_config["config"])
-        self.rank = ray.train.get_context().get_world_rank()
+    def __init__(self, context: WorkerContext, run: RunState) -> None:
+        self.config, self.rank, self.run = context.config, context.rank, run
         self.device = ray.train.torch.get_device()
-        self.launched_at, self.run_dir, self.steps = loop_config["launched_at"], run_dir, steps
+        self.launched_at = context.loop_config["launched_at"]
+        self.run_dir, self.steps = context.run_dir, context.steps
         self.totals = EpochTotals(self.device, self.rank, run.position)
         self.meter = ThroughputMeter(
             self.config.global_batch_size, warmup_steps=THROUGHPUT_SKIP_STEPS
         )
-        self.sink = rank_zero_sink(loop_config, self.rank)
+        self.sink = rank_zero_sink(context.loop_config, self.rank)
+        self.validation: dict[str, float] = {}  # the latest scores on the validation split
         self.data_wait_s, self.lr = 0.0, 0.0
         self.epoch_sums, self.epoch_rate = EpochPosition(), 0.0  # the epoch just ended
         self.skipped_named: set[str] = set()  # files this rank could not decode, logged once
@@ -103,7 +99,7 @@ class MetricsLogger:
         self, batches: Iterable[dict[str, torch.Tensor]]
     ) -> Iterator[dict[str, torch.Tensor]]:
         """An epoch's batches, timing this rank's wait for each (about none when ingest keeps
-        up)."""
+        up) and when the run's first batch came, and naming the files skipped in them."""
         self.data_wait_s = 0.0
         iterator = iter(batches)
         while True:
@@ -112,8 +108,15 @@ class MetricsLogger:
             self.data_wait_s += time.perf_counter() - started
             if batch is None:
                 return
+            if self.run.first_batch_s is None:
+                self.run.first_batch_s = time.time() - self.launched_at
             self.note_skipped(batch.pop("skipped", []))
             yield batch
+
+    def record(self, validation: dict[str, float] | None) -> None:
+        """Keep the validation split's scores (when the validator ran) for the epoch's row."""
+        if validation is not None:
+            self.validation = validation
 
     def note_skipped(self, files: list[str]) -> None:
         """One line for each file this rank could not decode, the first time it meets it (its
@@ -164,10 +167,10 @@ class MetricsLogger:
         )
         return {"train_loss_interval": loss, "lr": self.lr}
 
-    def epoch_row(self, run: RunState, validation: dict[str, float]) -> dict[str, float]:
+    def epoch_row(self, run: RunState) -> dict[str, float]:
         """The ended epoch's row of metrics.csv and MLflow (in the store before the checkpoint's
-        report: a sweep may stop the trial on it)."""
-        sums = self.epoch_sums
+        report: a sweep may stop the trial on it), with its validation scores."""
+        sums, validation = self.epoch_sums, self.validation
         row = {
             "epoch": run.step // self.steps,
             "step": run.step,

@@ -1,14 +1,21 @@
-"""The run's record that every checkpoint holds besides the weights: steps done, one row per epoch,
-the position inside an epoch (its sums and its trained rows), faults survived, timing."""
+"""The run's record that every checkpoint holds besides the weights (steps done, one row per epoch,
+the position inside an epoch: its sums and its trained rows, faults survived, timing), and what
+every worker knows of the run (`WorkerContext`)."""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
+import ray.train
 import torch
 
+from mnist_resnet.config import TrainConfig
+from mnist_resnet.data import DatasetInfo
+from raytrain_common.configs import per_worker_batch_size
 from raytrain_common.faults import FaultLog
+from raytrain_common.storage import StoragePath, resolve_storage
 
 
 @dataclass
@@ -45,3 +52,51 @@ class RunState:
     def resumes_mid_epoch(self) -> bool:
         """The checkpoint resumed was written inside an epoch: the rest of it is still to train."""
         return self.position is not None and self.position.trained_rows is not None
+
+
+@dataclass(frozen=True)
+class WorkerContext:
+    """What every worker knows of the run, parsed once from `train_loop_config` and handed to the
+    components: the typed config and dataset, where the run lives, the worker's place in the
+    group, and the epoch's size in steps and rows."""
+
+    config: TrainConfig
+    info: DatasetInfo
+    run_dir: StoragePath
+    rank: int
+    world: int
+    steps: int  # optimiser steps per epoch, the same on any worker count
+    rows_per_step: int  # rows one rank takes per optimiser step (micro-batches together)
+    train_rows: int  # the training split's rows (--limit-train-rows applied)
+    loop_config: dict[str, Any]  # as Ray handed it: saved in checkpoints, read by the tracker
+
+    @classmethod
+    def parse(cls, loop_config: dict[str, Any]) -> WorkerContext:
+        """Raises, naming the fix, if the global batch does not split over this worker count
+        (an elastic run's new size)."""
+        config = TrainConfig(**loop_config["config"])
+        info = DatasetInfo(**loop_config["dataset"])
+        context = ray.train.get_context()
+        world = context.get_world_size()
+        train_rows = min(info.train_rows, config.limit_train_rows or info.train_rows)
+        micro = per_worker_batch_size(config.global_batch_size, world, config.grad_accum_steps)
+        return cls(
+            config=config,
+            info=info,
+            run_dir=resolve_storage(config.storage_path).join(config.run_name),
+            rank=context.get_world_rank(),
+            world=world,
+            steps=train_rows // config.global_batch_size,
+            rows_per_step=config.grad_accum_steps * micro,
+            train_rows=train_rows,
+            loop_config=loop_config,
+        )
+
+    @property
+    def last_step(self) -> int:
+        return self.steps * self.config.epochs
+
+    @property
+    def rows_per_epoch(self) -> int:
+        """Rows an epoch trains: its full global batches (the rest wait for another epoch)."""
+        return self.steps * self.config.global_batch_size

@@ -32,22 +32,20 @@ from ray.train.torch import TorchTrainer
 from torch import nn
 
 from mnist_resnet import __version__
-from mnist_resnet.checkpointer import SCORE, Checkpointer, carried_rows, read_state
+from mnist_resnet.checkpointer import SCORE, Checkpointer, read_state, restore_run
 from mnist_resnet.config import TrainConfig
 from mnist_resnet.data import DatasetInfo, inspect_dataset, on_device
 from mnist_resnet.ingest import (
     REST_OF_EPOCH,
     TRAIN,
     VAL,
-    DataShardError,
-    EpochRows,
     EvenTrainingEveryValidationRow,
     ImageData,
-    TrainingBatch,
+    TrainingRows,
     check_same_dataset,
-    epoch_seed,
 )
-from mnist_resnet.metrics_logger import THROUGHPUT_SKIP_STEPS, EpochTotals, MetricsLogger
+from mnist_resnet.metrics_logger import THROUGHPUT_SKIP_STEPS, MetricsLogger
+from mnist_resnet.run_state import WorkerContext
 from mnist_resnet.summary import write_run_outputs
 from mnist_resnet.task import autocast, build_model, loss_fn
 from mnist_resnet.validator import Validator
@@ -58,7 +56,6 @@ from raytrain_common.configs import (
     build_scaling_config,
     build_torch_config,
     node_labels,
-    per_worker_batch_size,
 )
 from raytrain_common.ray_start import quiet_ray_output, start_ray_for_run
 from raytrain_common.runs import fit, locate_run
@@ -134,11 +131,13 @@ def train_step(
     batch: dict[str, torch.Tensor],
     info: DatasetInfo,
     config: TrainConfig,
-    totals: EpochTotals,
+    logger: MetricsLogger,
 ) -> str:
     """One optimiser step at learning rate `lr` over this rank's rows (uint8 images, normalised on
     the model's device), in `grad_accum_steps` micro-batches; returns the dtype the forward pass
-    computed in (bfloat16 when autocast is really in effect)."""
+    computed in (bfloat16 when autocast is really in effect). The logger sums its loss and
+    accuracy."""
+    totals = logger.totals
     device = totals.sums.device
     inputs = on_device(batch, info, device)
     images, labels = inputs["image"], inputs["label"]
@@ -193,59 +192,35 @@ def build_training(
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     """Runs on every worker: build → restore → for each batch of this worker's shard: step, log,
     maybe validate, maybe checkpoint → finish. When to log, validate and checkpoint, and what a
-    checkpoint holds, are the components' (MetricsLogger, Validator, Checkpointer, above)."""
+    checkpoint holds, are the components' (MetricsLogger, Validator, Checkpointer, above); which
+    rows an epoch reads, so that each is trained once per epoch, is TrainingRows' (ingest.py)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    config = TrainConfig(**loop_config["config"])
+    context = WorkerContext.parse(loop_config)  # the typed config, the dataset, the epoch's size
+    config, info = context.config, context.info
     quiet_ray_output(config.verbose)
-    info = DatasetInfo(**loop_config["dataset"])
-    rank, world = ray.train.get_context().get_world_rank(), ray.train.get_context().get_world_size()
-    train_rows = min(info.train_rows, config.limit_train_rows or info.train_rows)
-    steps = steps_per_epoch(train_rows, config.global_batch_size)
-    # Raises, naming the fix, if the global batch does not split over this worker count (elastic).
-    rows_per_step = config.grad_accum_steps * per_worker_batch_size(
-        config.global_batch_size, world, config.grad_accum_steps
-    )
-    run_dir = resolve_storage(config.storage_path).join(config.run_name)
 
     # Resume from this run's newest complete checkpoint, if any (a restarted worker group, a rerun).
-    checkpoint = resume_checkpoint(ray.train.get_checkpoint(), run_dir)
+    checkpoint = resume_checkpoint(ray.train.get_checkpoint(), context.run_dir)
     state = read_state(checkpoint)
     model, optimizer = build_training(info, config, state)
-    checkpointer = Checkpointer(model, optimizer, loop_config, run_dir, steps)
-    run = checkpointer.restore(state)
-    logger = MetricsLogger(loop_config, run, run_dir, steps)
-    validator = Validator(model, info, config, steps)
+    run = restore_run(state, context)
+    rows = TrainingRows(context)
+    logger = MetricsLogger(context, run)
+    validator = Validator(model, context)
+    checkpointer = Checkpointer(model, optimizer, context, rows, logger)
     try:
-        for epoch in checkpointer.epochs_left(run, config.epochs):
+        for epoch in checkpointer.epochs_left(run):
             # A resumed epoch reads only the rows it has not trained; a new one all, in a new order.
-            shard = ray.train.get_dataset_shard(REST_OF_EPOCH if run.resumes_mid_epoch else TRAIN)
-            rows = EpochRows(train_rows, carried_rows(run, rank))
-            batches = shard.iter_torch_batches(
-                batch_size=rows_per_step,
-                drop_last=True,  # every rank takes the same number of steps
-                collate_fn=TrainingBatch(),  # uint8 on the CPU (on_device moves it) + skipped files
-                local_shuffle_buffer_size=loop_config["local_shuffle_rows"],
-                local_shuffle_seed=epoch_seed(config.seed + rank, epoch),
-            )
-            for batch in logger.timed(batches):
-                lr = learning_rate(run.step, steps * config.epochs, config)
-                dtype = train_step(model, optimizer, lr, batch, info, config, logger.totals)
+            for batch in logger.timed(rows.epoch(run, epoch)):
+                lr = learning_rate(run.step, context.last_step, config)
+                run.compute_dtype = train_step(model, optimizer, lr, batch, info, config, logger)
                 run.step += 1
                 logger.step_end(run, lr)
-                validation = validator.maybe_validate(run.step)
-                if checkpointer.step_end(run, batch, dtype, rows, logger, validation):
+                logger.record(validator.maybe_validate(run.step))
+                if checkpointer.step_end(run):
                     return
-            check_epoch_ended(run.step, epoch, steps, rank)
     finally:
         logger.close()
-
-
-def check_epoch_ended(step: int, epoch: int, steps: int, rank: int) -> None:
-    if step != epoch * steps:
-        raise DataShardError(
-            f"rank {rank}'s shard of epoch {epoch} ended after step {step}; the epoch ends at "
-            f"step {epoch * steps}: the dataset changed under the run?"
-        )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,9 +8,9 @@ import ray.train
 import ray.train.torch
 from torch import nn
 
-from mnist_resnet.config import TrainConfig
-from mnist_resnet.data import DatasetInfo, on_device
+from mnist_resnet.data import on_device
 from mnist_resnet.ingest import VAL
+from mnist_resnet.run_state import WorkerContext
 from mnist_resnet.task import evaluate
 from raytrain_common.loop import ValidationPolicy
 
@@ -21,12 +21,10 @@ class Validator:
     """Scores the model on the validation split at every epoch's end, each rank its shard (split
     unevenly, see EvenTrainingEveryValidationRow), reduced over all ranks."""
 
-    def __init__(
-        self, model: nn.Module, info: DatasetInfo, config: TrainConfig, steps: int
-    ) -> None:
-        self.model, self.info, self.bf16 = model, info, config.bf16
+    def __init__(self, model: nn.Module, context: WorkerContext) -> None:
+        self.model, self.info, self.bf16 = model, context.info, context.config.bf16
         self.device = ray.train.torch.get_device()
-        self.policy = ValidationPolicy(every_steps=steps, last_step=steps * config.epochs)
+        self.policy = ValidationPolicy(every_steps=context.steps, last_step=context.last_step)
 
     def maybe_validate(self, step: int) -> dict[str, float] | None:
         """The validation metrics when `step` ends an epoch, else None."""
