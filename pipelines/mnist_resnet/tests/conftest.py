@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from mnist_resnet.config import TrainConfig, cpu_preset
-from mnist_resnet.data import HUB_SOURCE, prepare
+from mnist_resnet.prepare import HUB_SOURCE, prepare
 from raytrain_common.storage import StoragePath, resolve_storage
 
 

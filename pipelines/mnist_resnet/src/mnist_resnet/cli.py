@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from mnist_resnet.data import BAD_FILES, prepare
+    from mnist_resnet.prepare import BAD_FILES, prepare
 
     config = config_from_args(args, PrepareConfig)
     show_ray_output(config.verbose)

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import copy
 import io
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -330,8 +330,8 @@ class EpochRows:
 
 class TrainingRows:
     """Every training row once per epoch, on any worker count and across resumes, behind one
-    object. It picks the shard an epoch reads (the whole split in a fresh order, or only the rows
-    a resumed epoch has not trained: REST_OF_EPOCH), marks each batch's rows in this rank's bitmap
+    object. It names the dataset an epoch reads (the whole split in a fresh order, or only the
+    rows a resumed epoch has not trained: REST_OF_EPOCH), marks each batch's rows in this rank's bitmap
     (`EpochRows`, which every checkpoint saves merged over the ranks), keeps the --record-row-ids
     audit and where rank 0's rows were decoded, and checks at the epoch's end that the rank's
     shard held exactly its steps and the ranks together every row once."""
@@ -341,21 +341,21 @@ class TrainingRows:
         self.audit = RowIdAudit(context.run_dir, context.rank, context.config.record_row_ids)
         self.marked = EpochRows(context.train_rows)
 
-    def epoch(self, run: RunState, epoch: int) -> Iterator[dict[str, Any]]:
+    @staticmethod
+    def dataset(run: RunState) -> str:
+        """The dataset an epoch reads: the whole split in a fresh order, or the rows a resumed
+        epoch has not trained yet."""
+        return REST_OF_EPOCH if run.resumes_mid_epoch else TRAIN
+
+    def counted(
+        self, batches: Iterable[dict[str, Any]], run: RunState, epoch: int
+    ) -> Iterator[dict[str, Any]]:
         """This rank's batches of `epoch` (from the run's position in it), each marked as it is
         handed out: a checkpoint after step s holds exactly the rows of steps 1..s."""
-        context, resumed = self.context, run.resumes_mid_epoch
-        carried = run.position.trained_rows if resumed else None  # type: ignore[union-attr]
+        context = self.context
+        carried = run.position.trained_rows if run.resumes_mid_epoch else None  # type: ignore[union-attr]
         on_rank_zero = carried.numpy() if carried is not None and context.rank == 0 else None
         self.marked = EpochRows(context.train_rows, on_rank_zero)  # rank 0 carries: counted once
-        shard = ray.train.get_dataset_shard(REST_OF_EPOCH if resumed else TRAIN)
-        batches = shard.iter_torch_batches(
-            batch_size=context.rows_per_step,
-            drop_last=True,  # every rank takes the same number of steps
-            collate_fn=TrainingBatch(),  # uint8 on the CPU (on_device moves it) + skipped files
-            local_shuffle_buffer_size=context.loop_config["local_shuffle_rows"],
-            local_shuffle_seed=epoch_seed(context.config.seed + context.rank, epoch),
-        )
         steps_left, taken = epoch * context.steps - run.step, 0
         for batch in batches:
             rows = batch["row"].numpy()

@@ -41,8 +41,10 @@ from mnist_resnet.ingest import (
     VAL,
     EvenTrainingEveryValidationRow,
     ImageData,
+    TrainingBatch,
     TrainingRows,
     check_same_dataset,
+    epoch_seed,
 )
 from mnist_resnet.metrics_logger import THROUGHPUT_SKIP_STEPS, MetricsLogger
 from mnist_resnet.run_state import WorkerContext
@@ -211,7 +213,15 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     try:
         for epoch in checkpointer.epochs_left(run):
             # A resumed epoch reads only the rows it has not trained; a new one all, in a new order.
-            for batch in logger.timed(rows.epoch(run, epoch)):
+            shard = ray.train.get_dataset_shard(rows.dataset(run))
+            batches = shard.iter_torch_batches(
+                batch_size=context.rows_per_step,
+                drop_last=True,  # every rank takes the same number of steps
+                collate_fn=TrainingBatch(),  # uint8 on the CPU (on_device moves it), skipped files
+                local_shuffle_buffer_size=loop_config["local_shuffle_rows"],
+                local_shuffle_seed=epoch_seed(config.seed + context.rank, epoch),
+            )
+            for batch in logger.timed(rows.counted(batches, run, epoch)):
                 lr = learning_rate(run.step, context.last_step, config)
                 run.compute_dtype = train_step(model, optimizer, lr, batch, info, config, logger)
                 run.step += 1
