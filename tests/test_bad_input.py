@@ -230,6 +230,33 @@ CASES = [
         r"epochs",
     ),
     Case(
+        "resume on data prepared again from an edited tree",
+        "mnist-resnet",
+        lambda r: [
+            "train",
+            "--data-dir",
+            str(run_on_changed_data(r)),
+            "--global-batch-size",
+            "16",
+            *storage(r),
+        ],
+        r"was trained on prepared data 0123456789abcdef, but its --data-dir now holds "
+        r"[0-9a-f]{16} \(\d+ training rows\).*another --run-name",
+        needs_ray=True,
+    ),
+    Case(
+        "bad-file share out of range",
+        "mnist-resnet",
+        lambda r: ["prepare", "--max-bad-fraction", "1.5", *storage(r)],
+        r"--max-bad-fraction=1\.5: give a share from 0 up to \(not\) 1",
+    ),
+    Case(
+        "node labels without a value",
+        "mnist-resnet",
+        lambda r: ["train", "--ingest-node-labels", "ingest", *storage(r)],
+        r"--ingest-node-labels='ingest': give key=value pairs separated by commas",
+    ),
+    Case(
         "oversized image",
         "mnist-resnet",
         lambda r: ["prepare", "--source", str(oversized_tree(r)), *storage(r)],
@@ -545,6 +572,28 @@ def oversized_tree(root: Path) -> Path:
     image(root / "pets" / "cat" / "a.png")
     bomb_png(root / "pets" / "dog" / "big.png", 12_000)  # 144 Mpx declared in 25 KB
     return root / "pets"
+
+
+def run_on_changed_data(root: Path) -> Path:
+    """A tree prepared (a real prepare), and a run whose newest checkpoint says it was trained on
+    other prepared data (fingerprint 0123456789abcdef): what a tree edited and prepared again
+    between a stop and the rerun leaves. Returns the data folder."""
+    from mnist_resnet.ingest import POSITION_FILE, position_file
+    from mnist_resnet.prepare import prepare
+    from raytrain_common.checkpoint import save_state, write_manifest
+    from raytrain_common.storage import resolve_storage
+
+    for name in ("cat", "dog"):
+        for index in range(40):
+            image(root / "pets" / name / f"{index}.png", size=(20 + index % 3, 16))
+    data_dir = root / "runs" / "data" / "pets"
+    prepare(str(root / "pets"), resolve_storage(data_dir), root / "download")
+    checkpoint = root / "runs" / "mnist_resnet" / "checkpoint_2026-01-01_00-00-00.000000"
+    save_state(checkpoint, {"step": 3})
+    trained = np.zeros(8, np.uint8)
+    (checkpoint / POSITION_FILE).write_bytes(position_file(1, trained, "0123456789abcdef"))
+    write_manifest(checkpoint)
+    return data_dir
 
 
 def latin1_name_tree(root: Path) -> Path:
