@@ -25,8 +25,8 @@ from mnist_resnet.data import (
     Split,
     inspect_dataset,
     normalise,
-    read_split_arrays,
 )
+from mnist_resnet.ingest import read_split_arrays
 from mnist_resnet.prepare import (
     HUB_SOURCE,
     _NumpyOnlyUnpickler,

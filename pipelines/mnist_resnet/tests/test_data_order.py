@@ -115,6 +115,19 @@ def test_every_epoch_is_a_fresh_order_of_the_whole_split_and_a_resume_reads_only
     assert np.array_equal(np.sort(again), np.arange(ROWS))
     assert (again != ids).mean() > 0.9
 
+    # The photo recipe crops while Ray Data decodes: every row still once, at the tree's side,
+    # and other pixels than the centre crop (the rows' order differs too: compare by row).
+    photo = dataclasses.replace(data, augment="photo").train()
+    batches = list(photo.iter_batches(batch_size=512, batch_format="numpy"))
+    rows = np.concatenate([batch["row"] for batch in batches])
+    assert np.array_equal(np.sort(rows), np.arange(ROWS))
+    cropped = np.concatenate([batch["image"] for batch in batches])[np.argsort(rows)]
+    centred = list(data.split("train").iter_batches(batch_size=512, batch_format="numpy"))
+    order = np.argsort(np.concatenate([batch["row"] for batch in centred]))
+    plain = np.concatenate([batch["image"] for batch in centred])[order]
+    assert cropped.shape == plain.shape == (ROWS, 1, 28, 28)
+    assert (cropped != plain).any(axis=(1, 2, 3)).mean() > 0.9
+
     # A run stopped a third into its epoch 3: the rest of that epoch is exactly the other rows.
     trained = ids[: ROWS // 3]
     checkpoint_with_trained_rows(tmp_path / "sorted" / "run", 3, trained)

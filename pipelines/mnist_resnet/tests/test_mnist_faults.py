@@ -159,7 +159,7 @@ def write_digit_files(root: Path, data_dir: StoragePath, count: int) -> dict[str
     user's folder of new images is): {path: true label}."""
     from PIL import Image
 
-    from mnist_resnet.data import read_split_arrays
+    from mnist_resnet.ingest import read_split_arrays
 
     test = read_split_arrays(data_dir, "test", limit=count)
     truth = {}

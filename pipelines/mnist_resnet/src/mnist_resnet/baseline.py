@@ -13,7 +13,8 @@ from typing import Any
 import torch
 
 from mnist_resnet.config import TrainConfig
-from mnist_resnet.data import as_nchw, inspect_dataset, normalise, read_split_arrays
+from mnist_resnet.data import as_nchw, inspect_dataset, normalise
+from mnist_resnet.ingest import read_split_arrays
 from mnist_resnet.predict import evaluate_arrays
 from mnist_resnet.task import autocast, build_model, loss_fn
 from mnist_resnet.train import (

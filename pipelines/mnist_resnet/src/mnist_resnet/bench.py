@@ -34,7 +34,8 @@ import torch.multiprocessing as mp
 from mnist_resnet.baseline import run_baseline
 from mnist_resnet.cli import USER_ERRORS
 from mnist_resnet.config import PRESETS, TrainConfig
-from mnist_resnet.data import inspect_dataset, normalise, read_split_arrays
+from mnist_resnet.data import inspect_dataset, normalise
+from mnist_resnet.ingest import read_split_arrays
 from mnist_resnet.task import build_model, loss_fn
 from mnist_resnet.train import (
     THROUGHPUT_SKIP_STEPS,

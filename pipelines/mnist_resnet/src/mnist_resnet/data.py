@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -29,7 +29,6 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 
-from mnist_resnet.ingest import split_folder
 from raytrain_common.storage import (
     StoragePath,
 )
@@ -39,6 +38,23 @@ log = logging.getLogger(__name__)
 DATASET_FILE = "dataset.json"
 SPLITS = ("train", "val", "test")
 FORMAT = 3  # 3: rows carry a position (`row`) and a stable `id`; 2 had one dense `id`
+
+
+# The folder each split is written to: `validation/` for the validation split, as in the text
+# pipelines and Hugging Face datasets (mnist-resnet 0.12 and earlier wrote `val/`, still read).
+SPLIT_FOLDERS = {"train": "train", "val": "validation", "test": "test"}
+FORMER_VAL_FOLDER = "val"
+
+
+def split_folder(data_dir: StoragePath, split: str) -> StoragePath:
+    """Where a prepared split's files are: `validation/` for "val", or the `val/` of a folder an
+    earlier version prepared (read as it is; `prepare --force` writes `validation/`)."""
+    folder = data_dir.join(SPLIT_FOLDERS[split])
+    if split == "val" and not folder.exists():
+        former = data_dir.join(FORMER_VAL_FOLDER)
+        if former.exists():
+            return former
+    return folder
 
 
 class DataError(ValueError):
@@ -186,19 +202,3 @@ def normalise(
     mean_t = torch.as_tensor(mean, dtype=torch.float32, device=images.device).reshape(shape)
     std_t = torch.as_tensor(std, dtype=torch.float32, device=images.device).reshape(shape)
     return (images.float() / 255.0 - mean_t) / std_t
-
-
-def read_split_arrays(data_dir: StoragePath, split: str, limit: int | None = None) -> Split:
-    """A whole split decoded into this process's memory as (N, H, W) or (N, H, W, C) images, in
-    id order, read through Ray Data: for the single-process tools (baseline, bench, predict's
-    picture), never for training."""
-    from mnist_resnet.ingest import ImageData, read_arrays
-    from raytrain_common.ray_start import init_ray
-
-    init_ray(train_cpus=1)
-    info = DatasetInfo(**json.loads(data_dir.join(DATASET_FILE).read_text()))
-    data = ImageData(data_dir.uri, asdict(info), run_dir="", seed=0)
-    arrays = read_arrays(data, split, limit)
-    images = arrays["image"]
-    images = images[:, 0] if info.channels == 1 else images.transpose(0, 2, 3, 1)
-    return Split(np.ascontiguousarray(images), arrays["label"])

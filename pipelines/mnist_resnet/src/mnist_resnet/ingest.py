@@ -42,8 +42,9 @@ from __future__ import annotations
 
 import copy
 import io
+import json
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -57,6 +58,7 @@ from ray.data import ExecutionOptions, FileShuffleConfig, RandomSeedConfig
 from ray.data.collate_fn import NumpyBatchCollateFn
 from ray.train import DataConfig
 
+from mnist_resnet.data import DATASET_FILE, DatasetInfo, Split, split_folder
 from mnist_resnet.transforms import (
     augment,
     bits_set,
@@ -74,10 +76,6 @@ TRAIN = "train"
 REST_OF_EPOCH = "train_rest_of_epoch"  # the rows of a resumed epoch not trained before the stop
 VAL = "val"
 
-# The folder each split is written to: `validation/` for the validation split, as in the text
-# pipelines and Hugging Face datasets (mnist-resnet 0.12 and earlier wrote `val/`, still read).
-SPLIT_FOLDERS = {"train": "train", "val": "validation", "test": "test"}
-FORMER_VAL_FOLDER = "val"
 POSITION_FILE = "epoch_rows.npz"  # beside state.pt in every checkpoint: the epoch and its bitmap
 LOCAL_SHUFFLE_ROWS = 4096  # pixel rows mixed in each worker's buffer (3 MiB of MNIST)
 DECODE_BATCH = 256  # rows per Ray Data decode task batch: a few MB of pixels at the largest side
@@ -94,17 +92,6 @@ class DataChangedError(ValueError):
 # ---------------------------------------------------------------------------------------------
 # The datasets
 # ---------------------------------------------------------------------------------------------
-
-
-def split_folder(data_dir: StoragePath, split: str) -> StoragePath:
-    """Where a prepared split's files are: `validation/` for "val", or the `val/` of a folder an
-    earlier version prepared (read as it is; `prepare --force` writes `validation/`)."""
-    folder = data_dir.join(SPLIT_FOLDERS[split])
-    if split == "val" and not folder.exists():
-        former = data_dir.join(FORMER_VAL_FOLDER)
-        if former.exists():
-            return former
-    return folder
 
 
 @dataclass(frozen=True)
@@ -276,7 +263,7 @@ class EvenTrainingEveryValidationRow(DataConfig):
 
 
 def read_arrays(data: ImageData, split: str, limit: int | None = None) -> dict[str, np.ndarray]:
-    """A whole decoded split in this process's memory, in id order: for the single-process tools
+    """A whole decoded split in this process's memory, in row order: for the single-process tools
     (the baseline, bench, predict's picture), never for training."""
     parts = list(data.split(split, limit).iter_batches(batch_size=4096, batch_format="numpy"))
     positions = np.concatenate([part["row"] for part in parts])
@@ -284,6 +271,21 @@ def read_arrays(data: ImageData, split: str, limit: int | None = None) -> dict[s
     return {
         name: np.concatenate([part[name] for part in parts])[order] for name in ("image", "label")
     }
+
+
+def read_split_arrays(data_dir: StoragePath, split: str, limit: int | None = None) -> Split:
+    """A whole split decoded into this process's memory as (N, H, W) or (N, H, W, C) images, in
+    row order, read through Ray Data: for the single-process tools (baseline, bench, predict's
+    picture), never for training."""
+    from raytrain_common.ray_start import init_ray
+
+    init_ray(train_cpus=1)
+    info = DatasetInfo(**json.loads(data_dir.join(DATASET_FILE).read_text()))
+    data = ImageData(data_dir.uri, asdict(info), run_dir="", seed=0)
+    arrays = read_arrays(data, split, limit)
+    images = arrays["image"]
+    images = images[:, 0] if info.channels == 1 else images.transpose(0, 2, 3, 1)
+    return Split(np.ascontiguousarray(images), arrays["label"])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -33,8 +33,15 @@ import pyarrow.parquet as pq
 
 from mnist_resnet import images as image_tree
 from mnist_resnet.config import HUB_SOURCE
-from mnist_resnet.data import DATASET_FILE, FORMAT, SPLITS, DataError, DatasetInfo, Split
-from mnist_resnet.ingest import SPLIT_FOLDERS
+from mnist_resnet.data import (
+    DATASET_FILE,
+    FORMAT,
+    SPLIT_FOLDERS,
+    SPLITS,
+    DataError,
+    DatasetInfo,
+    Split,
+)
 from raytrain_common.storage import (
     StoragePath,
     check_output_folder,
