@@ -260,7 +260,8 @@ CASES = [
         "oversized image",
         "mnist-resnet",
         lambda r: ["prepare", "--source", str(oversized_tree(r)), *storage(r)],
-        r"big\.png: ImageTooLargeError: .* 12000×12000 pixels \(144 Mpx\), over the limit of 67 Mpx",
+        r"big\.png: ImageTooLargeError: .* 12000×12000 pixels \(144 Mpx\), "
+        r"over the limit of 67 Mpx",
         needs_ray=True,
     ),
     Case(

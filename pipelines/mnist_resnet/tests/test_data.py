@@ -191,7 +191,10 @@ def test_parquet_without_the_expected_columns(mnist_dir: StoragePath, tmp_path: 
     spoil(data_dir, pa.table({"pixels": [b"x"], "target": [1]}))
     with pytest.raises(
         DataError,
-        match=r"lacks column\(s\) \['id', 'image', 'label', 'row'\] \(it has \['pixels', 'target'\]\)",
+        match=(
+            r"lacks column\(s\) \['id', 'image', 'label', 'row'\] "
+            r"\(it has \['pixels', 'target'\]\)"
+        ),
     ):
         inspect_dataset(data_dir)
 

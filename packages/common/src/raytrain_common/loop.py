@@ -65,7 +65,7 @@ class CheckpointDue:
         return self.reasons == {TIMED}
 
 
-@dataclass(frozen=True)
+@dataclass
 class CheckpointPolicy:
     """When a training loop checkpoints.
 
@@ -88,7 +88,7 @@ class CheckpointPolicy:
     stop_at_step: int | None = None
     preemption_check_steps: int = 0
     every_minutes: float = 0.0
-    last_checkpoint: list[float] = field(default_factory=lambda: [time.monotonic()])
+    last_checkpoint: float = field(default_factory=time.monotonic)  # monotonic seconds
 
     def due(self, step: int, faults: FaultLog) -> CheckpointDue:
         """Whether step `step` ends with a checkpoint. A collective when a preemption or clock check
@@ -109,7 +109,7 @@ class CheckpointPolicy:
         if step >= self.last_step:
             reasons.add(END)
         if reasons:
-            self.last_checkpoint[0] = time.monotonic()
+            self.last_checkpoint = time.monotonic()
         return CheckpointDue(frozenset(reasons))
 
     def time_is_up(self, step: int) -> bool:
@@ -118,7 +118,7 @@ class CheckpointPolicy:
         cadence = self.preemption_check_steps or 10
         if self.every_minutes <= 0 or step % cadence:
             return False
-        late = time.monotonic() - self.last_checkpoint[0] >= self.every_minutes * 60
+        late = time.monotonic() - self.last_checkpoint >= self.every_minutes * 60
         return bool(ray.train.collective.broadcast_from_rank_zero(late))
 
     def already_done(self, step: int) -> bool:

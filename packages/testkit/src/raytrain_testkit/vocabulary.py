@@ -56,7 +56,9 @@ OPTIONAL_SUMMARY_KEYS: dict[str, str] = {
     "checkpoint_stall_s": "median seconds training waited for a checkpoint",
     "first_batch_s": "seconds from `train` starting to the first batch reaching rank 0",
     "decoded_on": "rank 0's training rows by the node (id prefix) whose Ray Data task decoded them",
-    "skipped_files": "each epoch's skipped_files (metrics.csv): files that failed to decode in training",
+    "skipped_files": (
+        "each epoch's skipped_files (metrics.csv): files that failed to decode in training"
+    ),
 }
 SUMMARY_KEYS = REQUIRED_SUMMARY_KEYS | OPTIONAL_SUMMARY_KEYS
 
@@ -81,7 +83,9 @@ METRIC_COLUMNS: dict[str, str] = {
     "val_perplexity": "exp(val_loss)",
     "checkpoint_stall_s": "seconds training waited for the checkpoint of this step",
     "data_wait_share": "share of the row's training time rank 0 waited for its next batch",
-    "skipped_files": "rows of the epoch whose file could not be decoded in training (counted as trained)",
+    "skipped_files": (
+        "rows of the epoch whose file could not be decoded in training (counted as trained)"
+    ),
 }
 
 

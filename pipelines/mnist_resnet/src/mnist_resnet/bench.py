@@ -36,6 +36,7 @@ from mnist_resnet.cli import USER_ERRORS
 from mnist_resnet.config import PRESETS, TrainConfig
 from mnist_resnet.data import inspect_dataset, normalise
 from mnist_resnet.ingest import read_split_arrays
+from mnist_resnet.run_state import steps_per_epoch
 from mnist_resnet.task import build_model, loss_fn
 from mnist_resnet.train import (
     THROUGHPUT_SKIP_STEPS,
@@ -43,7 +44,6 @@ from mnist_resnet.train import (
     learning_rate,
     run,
     set_learning_rate,
-    steps_per_epoch,
 )
 from raytrain_common.configs import per_worker_batch_size
 from raytrain_common.hardware import mfu

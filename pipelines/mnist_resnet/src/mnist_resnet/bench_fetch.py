@@ -116,7 +116,8 @@ def main() -> None:
     finally:
         server.stop()
     print(
-        "| storage | files | this pipeline's fetch (files/s) | Ray Data `download` (files/s) | ours ÷ Ray's |"
+        "| storage | files | this pipeline's fetch (files/s) | Ray Data `download` (files/s) "
+        "| ours ÷ Ray's |"
     )
     print("| --- | --- | --- | --- | --- |")
     for where, best in results.items():

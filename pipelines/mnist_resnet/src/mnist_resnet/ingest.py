@@ -2,23 +2,24 @@
 `TorchTrainer(datasets=...)` and read in `train.py` with
 `get_dataset_shard(...).iter_torch_batches`.
 
-A prepared split is Parquet of small rows, `id` (0..N-1), `label`, and either `image` (raw pixels:
-MNIST and the IDX sources) or `path` (an image tree's file, relative to the tree, which stays where
-it is: a local disk, NFS, S3 or GCS). Each epoch, Ray Data tasks read those rows, shuffle them,
-read and decode the files (resize, crop), augment, and stream the pixels to the workers; no node
-holds a copy of the split. On a cluster with CPU-only nodes those tasks run there: the training
-nodes' CPUs are all reserved by the training workers (see deploy/rayjob/mnist_resnet.yaml).
+A prepared split is Parquet of small rows, `row` (0..N-1, the position), `id` (stable: a file's path
+hash), `label`, and either `image` (raw pixels: MNIST and the IDX sources) or `path` (an image
+tree's file, relative to the tree, which stays where it is: a local disk, NFS, S3 or GCS). Each
+epoch, Ray Data tasks read those rows, shuffle them, read and decode the files (resize, crop),
+augment, and stream the pixels to the workers; no node holds a copy of the split. On a cluster with
+CPU-only nodes those tasks run there: the nodes --ingest-node-labels selects (Ray's node labels; see
+deploy/rayjob/mnist_resnet.yaml).
 
 Data order, a fresh one every epoch, whatever order the source was written in (an image tree
 read class by class, a CSV sorted by date):
-- An image tree's rows are (id, path, label), ~100 bytes: `random_shuffle`, reseeded every epoch
-  (RandomSeedConfig with `reseed_after_execution`), draws a uniform permutation of them before any
-  file is read. Its cost per epoch is one all-to-all pass over those rows through the object store:
-  ~130 MB at 1.28 M images (ImageNet: seconds, spread over the cluster) and ~10 GB at 100 M (spilled
-  to disk past the object store: minutes, against the hours such an epoch trains). The files are
-  then read once an epoch, in the order they are trained on. A file-level shuffle of the tree
-  (`FileShuffleConfig` on `read_images`) would do the same for one-image files, but it plans the
-  whole file list in the driver's memory.
+- An image tree's rows are (row, id, path, label), ~100 bytes: `random_shuffle`, reseeded every
+  epoch (RandomSeedConfig with `reseed_after_execution`), draws a uniform permutation of them before
+  any file is read. Its cost per epoch is one all-to-all pass over those rows through the object
+  store: ~130 MB at 1.28 M images (ImageNet: seconds, spread over the cluster) and ~10 GB at 100 M
+  (spilled to disk past the object store: minutes, against the hours such an epoch trains). The
+  files are then read once an epoch, in the order they are trained on. A file-level shuffle of the
+  tree (`FileShuffleConfig` on `read_images`) would do the same for one-image files, but it plans
+  the whole file list in the driver's memory.
 - Pixel rows (MNIST and IDX sources: the images are in the Parquet) would carry every pixel
   through such a shuffle, so the object store would hold the whole split at once. `prepare` wrote
   them in a seeded random order (each file a uniform sample of the split), so a fresh order needs
@@ -29,13 +30,13 @@ read class by class, a CSV sorted by date):
 
 Exactly once per epoch: the epoch trains floor(N / global batch) full global batches; the equal
 split (`streaming_split(equal=True)`, DataConfig's default) gives every worker the same number of
-rows and `drop_last` the same number of batches, so all ranks step together on any worker count,
-and the N mod (global batch) rows left over are a different few each epoch. Every batch carries
-its rows' ids; each rank marks them in a bitmap of the split (N/8 bytes, `EpochRows`), which every
-checkpoint saves merged over the ranks. A resumed epoch (a killed worker, a preempted node, a
-rerun, on any worker count) reads the `REST_OF_EPOCH` dataset: the split without the rows marked,
-so every row is trained once in the epoch. Ray Data has no resumable iterator in open source; this
-bitmap is the smallest state that gives that property.
+rows and `drop_last` the same number of batches, so all ranks step together on any worker count, and
+the N mod (global batch) rows left over are a different few each epoch. Every batch carries its
+rows' positions (`row`); each rank marks them in a bitmap of the split (N/8 bytes, `EpochRows`),
+which every checkpoint saves merged over the ranks. A resumed epoch (a killed worker, a preempted
+node, a rerun, on any worker count) reads the `REST_OF_EPOCH` dataset: the split without the rows
+marked, so every row is trained once in the epoch. Ray Data has no resumable iterator in open
+source; this bitmap is the smallest state that gives that property.
 """
 
 from __future__ import annotations
@@ -152,15 +153,10 @@ class ImageData:
     def position(self) -> tuple[int, np.ndarray | None]:
         """(epoch in progress, bitmap of its rows trained) of the run's newest checkpoint;
         (1, None) before the first."""
-        run_dir = resolve_storage(self.run_dir)
-        checkpoint = newest_complete_checkpoint(run_dir)
-        if checkpoint is None:
+        saved = saved_position(resolve_storage(self.run_dir))
+        if saved is None:
             return 1, None
-        saved = resolve_storage(run_dir.uri_for(checkpoint.path)).join(POSITION_FILE)
-        if not saved.exists():
-            return 1, None
-        with np.load(io.BytesIO(saved.read_bytes()), allow_pickle=False) as arrays:
-            epoch, trained = int(arrays["epoch"]), arrays["trained"]
+        epoch, trained, _ = saved
         return epoch, trained if trained.any() else None
 
     def shuffled(self, epoch: int, trained: np.ndarray | None = None) -> ray.data.Dataset:
@@ -331,12 +327,12 @@ class EpochRows:
 
 
 class TrainingRows:
-    """Every training row once per epoch, on any worker count and across resumes, behind one
-    object. It names the dataset an epoch reads (the whole split in a fresh order, or only the
-    rows a resumed epoch has not trained: REST_OF_EPOCH), marks each batch's rows in this rank's bitmap
+    """Every training row once per epoch, on any worker count and across resumes, behind one object.
+    It names the dataset an epoch reads (the whole split in a fresh order, or only the rows a
+    resumed epoch has not trained: REST_OF_EPOCH), marks each batch's rows in this rank's bitmap
     (`EpochRows`, which every checkpoint saves merged over the ranks), keeps the --record-row-ids
-    audit and where rank 0's rows were decoded, and checks at the epoch's end that the rank's
-    shard held exactly its steps and the ranks together every row once."""
+    audit and where rank 0's rows were decoded, and checks at the epoch's end that the rank's shard
+    held exactly its steps and the ranks together every row once."""
 
     def __init__(self, context: WorkerContext) -> None:
         self.context = context
@@ -355,7 +351,8 @@ class TrainingRows:
         """This rank's batches of `epoch` (from the run's position in it), each marked as it is
         handed out: a checkpoint after step s holds exactly the rows of steps 1..s."""
         context = self.context
-        carried = run.position.trained_rows if run.resumes_mid_epoch else None  # type: ignore[union-attr]
+        position = run.position if run.resumes_mid_epoch else None
+        carried = position.trained_rows if position is not None else None
         on_rank_zero = carried.numpy() if carried is not None and context.rank == 0 else None
         self.marked = EpochRows(context.train_rows, on_rank_zero)  # rank 0 carries: counted once
         steps_left, taken = epoch * context.steps - run.step, 0
@@ -429,21 +426,29 @@ def position_file(epoch: int, trained: np.ndarray, fingerprint: str = "") -> byt
     return stream.getvalue()
 
 
+def saved_position(run_dir: StoragePath) -> tuple[int, np.ndarray, str] | None:
+    """(epoch in progress, bitmap of its rows trained, the prepared data's fingerprint: "" before
+    0.14) of the run's newest complete checkpoint; None before the first."""
+    checkpoint = newest_complete_checkpoint(run_dir)
+    if checkpoint is None:
+        return None
+    saved = resolve_storage(run_dir.uri_for(checkpoint.path)).join(POSITION_FILE)
+    if not saved.exists():
+        return None
+    with np.load(io.BytesIO(saved.read_bytes()), allow_pickle=False) as arrays:
+        fingerprint = str(arrays["fingerprint"]) if "fingerprint" in arrays else ""
+        return int(arrays["epoch"]), arrays["trained"], fingerprint
+
+
 def check_same_dataset(run_dir: StoragePath, info: dict[str, Any]) -> None:
     """Refuse, before any worker starts, to resume a run on prepared data other than the data its
     newest checkpoint was trained on (a tree edited and prepared again): the epoch's trained-rows
     bitmap, its step count and the schedule are all counted in that data's rows, so a resume
     would silently train some rows twice and skip others. The same tree prepared again gives the
     same fingerprint (ids come from paths, the carve from their hashes) and resumes."""
-    checkpoint = newest_complete_checkpoint(run_dir)
-    if checkpoint is None or not info.get("fingerprint"):
-        return
-    saved = resolve_storage(run_dir.uri_for(checkpoint.path)).join(POSITION_FILE)
-    if not saved.exists():
-        return
-    with np.load(io.BytesIO(saved.read_bytes()), allow_pickle=False) as arrays:
-        trained_on = str(arrays["fingerprint"]) if "fingerprint" in arrays else ""
-    if trained_on and trained_on != info["fingerprint"]:
+    saved = saved_position(run_dir)
+    trained_on = saved[2] if saved is not None else ""
+    if trained_on and info.get("fingerprint") and trained_on != info["fingerprint"]:
         raise DataChangedError(
             f"{run_dir.uri} was trained on prepared data {trained_on}, but its --data-dir now "
             f"holds {info['fingerprint']} ({info['train_rows']} training rows): the data changed "

@@ -71,9 +71,9 @@ class FileSplit:
     paths: np.ndarray  # (N,) str
     labels: np.ndarray  # (N,) int64
 
-    @property
+    @functools.cached_property
     def ids(self) -> np.ndarray:
-        """Each file's stable id, from its path relative to the tree (`path_id`)."""
+        """Each file's stable id, from its path relative to the tree (`path_id`), hashed once."""
         return np.fromiter((path_id(path) for path in self.paths), np.int64, len(self.paths))
 
     def take(self, rows: np.ndarray) -> FileSplit:

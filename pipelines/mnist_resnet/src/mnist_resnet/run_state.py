@@ -54,6 +54,17 @@ class RunState:
         return self.position is not None and self.position.trained_rows is not None
 
 
+def training_rows(info: DatasetInfo, config: TrainConfig) -> int:
+    """The training split's rows a run trains on: all, or the first --limit-train-rows."""
+    return min(info.train_rows, config.limit_train_rows or info.train_rows)
+
+
+def steps_per_epoch(train_rows: int, global_batch_size: int) -> int:
+    """Optimiser steps per epoch, the same on any worker count: the rows past the last full global
+    batch are left for another epoch (each epoch's order leaves out other ones)."""
+    return train_rows // global_batch_size
+
+
 @dataclass(frozen=True)
 class WorkerContext:
     """What every worker knows of the run, parsed once from `train_loop_config` and handed to the
@@ -78,7 +89,7 @@ class WorkerContext:
         info = DatasetInfo(**loop_config["dataset"])
         context = ray.train.get_context()
         world = context.get_world_size()
-        train_rows = min(info.train_rows, config.limit_train_rows or info.train_rows)
+        train_rows = training_rows(info, config)
         micro = per_worker_batch_size(config.global_batch_size, world, config.grad_accum_steps)
         return cls(
             config=config,
@@ -86,7 +97,7 @@ class WorkerContext:
             run_dir=resolve_storage(config.storage_path).join(config.run_name),
             rank=context.get_world_rank(),
             world=world,
-            steps=train_rows // config.global_batch_size,
+            steps=steps_per_epoch(train_rows, config.global_batch_size),
             rows_per_step=config.grad_accum_steps * micro,
             train_rows=train_rows,
             loop_config=loop_config,

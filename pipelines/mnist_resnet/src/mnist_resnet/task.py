@@ -52,8 +52,8 @@ def autocast(device: torch.device, enabled: bool) -> contextlib.AbstractContextM
 
 
 def batch_scores(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """[summed loss, correct predictions, images] of one batch's usable rows, in float32: sums add up over
-    batches and ranks into the metrics of `scores`."""
+    """[summed loss, correct predictions, images] of one batch's usable rows, in float32: sums add
+    up over batches and ranks into the metrics of `scores`."""
     return torch.stack(
         [
             F.cross_entropy(logits.float(), labels, ignore_index=SKIPPED_LABEL, reduction="sum"),

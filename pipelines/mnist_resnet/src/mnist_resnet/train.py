@@ -46,8 +46,8 @@ from mnist_resnet.ingest import (
     check_same_dataset,
     epoch_seed,
 )
-from mnist_resnet.metrics_logger import THROUGHPUT_SKIP_STEPS, MetricsLogger
-from mnist_resnet.run_state import WorkerContext
+from mnist_resnet.metrics_logger import THROUGHPUT_SKIP_STEPS, EpochTotals, MetricsLogger
+from mnist_resnet.run_state import WorkerContext, steps_per_epoch, training_rows
 from mnist_resnet.summary import write_run_outputs
 from mnist_resnet.task import autocast, build_model, loss_fn
 from mnist_resnet.validator import Validator
@@ -115,12 +115,6 @@ def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
-def steps_per_epoch(train_rows: int, global_batch_size: int) -> int:
-    """Optimiser steps per epoch, the same on any worker count: the rows past the last full global
-    batch are left for another epoch (each epoch's order leaves out other ones)."""
-    return train_rows // global_batch_size
-
-
 # ---------------------------------------------------------------------------------------------
 # One step, and the model it trains
 # ---------------------------------------------------------------------------------------------
@@ -133,13 +127,11 @@ def train_step(
     batch: dict[str, torch.Tensor],
     info: DatasetInfo,
     config: TrainConfig,
-    logger: MetricsLogger,
+    totals: EpochTotals,
 ) -> str:
     """One optimiser step at learning rate `lr` over this rank's rows (uint8 images, normalised on
     the model's device), in `grad_accum_steps` micro-batches; returns the dtype the forward pass
-    computed in (bfloat16 when autocast is really in effect). The logger sums its loss and
-    accuracy."""
-    totals = logger.totals
+    computed in (bfloat16 when autocast is really in effect)."""
     device = totals.sums.device
     inputs = on_device(batch, info, device)
     images, labels = inputs["image"], inputs["label"]
@@ -223,7 +215,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             )
             for batch in logger.timed(rows.counted(batches, run, epoch)):
                 lr = learning_rate(run.step, context.last_step, config)
-                run.compute_dtype = train_step(model, optimizer, lr, batch, info, config, logger)
+                totals = logger.totals  # the epoch's sums, which the step adds to
+                run.compute_dtype = train_step(model, optimizer, lr, batch, info, config, totals)
                 run.step += 1
                 logger.step_end(run, lr)
                 logger.record(validator.maybe_validate(run.step))
@@ -253,7 +246,7 @@ def run(config: TrainConfig, callbacks: Sequence[UserCallback] = ()) -> dict[str
     started, launched_at = time.perf_counter(), time.time()
     storage, data_dir = locate_run(config)
     info = decoded_side(inspect_dataset(data_dir), config.image_size)
-    train_rows = min(info.train_rows, config.limit_train_rows or info.train_rows)
+    train_rows = training_rows(info, config)
     steps = steps_per_epoch(train_rows, config.global_batch_size)
     if steps < 1:
         raise ConfigError(
