@@ -22,23 +22,27 @@ os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
 os.environ.pop("RAY_AUTH_TOKEN_PATH", None)
 
 
-OWN_SESSION_MARKERS = ("faults", "memory_cap")
+OWN_CLUSTER_MARKERS = ("faults", "memory_cap")
+
+
+def starts_own_cluster(item: pytest.Item) -> bool:
+    return any(marker in item.keywords for marker in OWN_CLUSTER_MARKERS)
 
 
 @pytest.hookimpl(trylast=True)  # after `-m` has deselected: `items` is what will run
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """`gpu` tests run where CUDA is and are skipped, with the reason, everywhere else. `faults`
-    and `memory_cap` tests start their own multi-node clusters, which cannot share this process
-    with the session's single-node one: they run only in a session of their own
-    (`pytest -m faults`, `pytest -m memory_cap`)."""
+    and `memory_cap` tests start their own multi-node clusters, which cannot share a process with
+    the session's single-node one: selected beside other tests (a bare `pytest`), they are skipped
+    with the command that runs them; `nox -s faults` runs both kinds in a pytest process of their
+    own, so the README's test command skips none."""
     import torch
 
-    for marker in OWN_SESSION_MARKERS:
-        if any(marker not in item.keywords for item in items):
-            skip = pytest.mark.skip(reason=f"run {marker} tests on their own: `nox -s {marker}`")
-            for item in items:
-                if marker in item.keywords:
-                    item.add_marker(skip)
+    own = [item for item in items if starts_own_cluster(item)]
+    if own and len(own) < len(items):
+        skip = pytest.mark.skip(reason="starts its own multi-node cluster: `nox -s faults`")
+        for item in own:
+            item.add_marker(skip)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
@@ -86,15 +90,18 @@ def ray_address(ray_cluster: None) -> str:
 
 
 @pytest.fixture
-def small_volume(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str], Path]]:
+def small_volume(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., Path]]:
     """`small_volume("2m")`: a real file system of that size (tmpfs) that fills up, as a storage
-    volume does; unmounted after the test. Skips where mounting needs a root this user lacks."""
+    volume does; `read_only=True`: mounted read-only, as a volume remounted after an error is.
+    Unmounted after the test. Skips where mounting needs a root this user lacks (CI runs as
+    root, so none is skipped there)."""
     mounted: list[Path] = []
 
-    def mount(size: str) -> Path:
+    def mount(size: str, read_only: bool = False) -> Path:
         folder = tmp_path_factory.mktemp(f"volume-{size}")
+        options = f"size={size}" + (",ro" if read_only else "")
         done = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
+            ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)],
             capture_output=True,
             text=True,
         )

@@ -2,8 +2,9 @@
 
 - one per pipeline and hardware, and its benchmark, each registered by its pipeline's own
   `pipelines/*/sessions.py` (a pipeline you add brings its own);
-- `quick` (no Ray cluster), `tests`, `slow`, `tests_gpu`, `faults`, `manifests` and `lint` (ruff
-  and mypy), over every package;
+- `quick` (no Ray cluster), `tests`, `tests_gpu`, `faults`, `memory_cap`, `manifests` and `lint`
+  (ruff and mypy), over every package: `nox -s lint tests manifests faults`, the README's test
+  command that CI runs, runs every test but the GPU ones (no tier is left out);
 - `new_pipeline`: copy a pipeline under a new name, here or as a standalone project;
 - `doctor`: check a Ray cluster for a run before the run (`raytrain-doctor`);
 - `ui`: MLflow's UI on the local tracking store the runs write.
@@ -59,27 +60,18 @@ def run_marked_tests(session: nox.Session, markers: str, *default_args: str) -> 
     run_in_stack(session, python, "-m", "pytest", "-m", markers, *args)
 
 
+# The CI sessions' pytest selections: together every test (tests/test_repo.py checks it), GPU
+# tests skipped where there is no GPU.
+TESTS_MARKERS = "not manifests and not faults and not memory_cap"
+FAULTS_MARKERS = "faults or memory_cap"
+MANIFESTS_MARKERS = "manifests"
+
+
 @nox.session(venv_backend="none")
 def tests(session: nox.Session) -> None:
-    """Every package's tests and the cross-cutting ones, on real Ray clusters, but the `slow` ones
-    (~15 minutes on a 2-core box, with `quick`'s tier; CI runs it)."""
-    run_marked_tests(
-        session, "not manifests and not faults and not memory_cap and not slow", "--durations=25"
-    )
-
-
-@nox.session(venv_backend="none")
-def slow(session: nox.Session) -> None:
-    """The long end-to-end runs CI leaves out (~60 minutes on a 2-core box): each pipeline trained
-    to its accuracy bar through a killed worker, exact resumes on another worker count, the sweep,
-    the CPU-only decode nodes, and the fault scenarios beyond `faults`' first (the faults in a
-    pytest process of their own: they start their own multi-node clusters)."""
-    python = stack_python(session)
-    args = session.posargs or ["-q", "--durations=0"]
-    run_in_stack(
-        session, python, "-m", "pytest", "-m", "slow and not faults and not memory_cap", *args
-    )
-    run_in_stack(session, python, "-m", "pytest", "-m", "slow and faults", *args)
+    """Every package's tests and the cross-cutting ones, on real Ray clusters: all but the
+    manifests' and those that start their own multi-node clusters (`faults`)."""
+    run_marked_tests(session, TESTS_MARKERS, "--durations=60")
 
 
 @nox.session(venv_backend="none")
@@ -95,18 +87,18 @@ def quick(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none")
 def faults(session: nox.Session) -> None:
-    """A fault on a real 2-node Ray cluster on this box (CI runs it): an FSDP2 run's node preempted
-    (drained with a deadline, then killed), after both nodes tokenised its corpus and read its one
-    token file in place; the run resumes from the shards written at the notice, a torn shard is
-    refused. The other fault scenarios are `slow` (`nox -s slow`)."""
-    run_marked_tests(session, "faults and not slow", "--durations=0")
+    """The tests that start multi-node Ray clusters of their own, in a pytest process of their own:
+    faults injected into real runs (nodes preempted and lost, workers, drivers and ingest nodes
+    killed, storage outages; docs/faults.md) and the memory-capped runs (`memory_cap`: root and
+    cgroup v1, which CI's box has)."""
+    run_marked_tests(session, FAULTS_MARKERS, "--durations=0")
 
 
 @nox.session(venv_backend="none")
 def memory_cap(session: nox.Session) -> None:
-    """Each pipeline trained on a node of a real 2-node cluster whose memory is capped (cgroup v1,
-    as a pod's limit) below its measured baseline plus its training split: no worker is killed and
-    the run reaches its quality bar. Needs root; minutes per pipeline, so not part of CI."""
+    """The memory-capped runs alone (`faults` runs them too): each pipeline trained on a node of a
+    real 2-node cluster whose memory is capped (cgroup v1, as a pod's limit) below its measured
+    baseline plus its training split. Needs root."""
     run_marked_tests(session, "memory_cap", "-s", "--durations=0")
 
 
@@ -141,7 +133,7 @@ def manifests(session: nox.Session) -> None:
         "-m",
         "pytest",
         "-m",
-        "manifests",
+        MANIFESTS_MARKERS,
         "tests/test_manifests.py",
         *(session.posargs or ["-q"]),
     )

@@ -676,12 +676,13 @@ def test_the_catalogue_is_in_the_troubleshooting_page() -> None:
     assert len(CASES) >= 30
 
 
-def test_a_full_disk_gets_one_line_naming_the_path_and_nothing_half_written(
-    small_volume: Callable[[str], Path], capsys: pytest.CaptureFixture[str]
+def test_a_full_or_read_only_disk_gets_one_line_naming_the_path_and_nothing_half_written(
+    small_volume: Callable[..., Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
     """`prepare` of the real MNIST onto a 2 MiB volume: no space left after a few files. One line
     says the storage is full and names it (not a traceback, not an outage), exit status 2, and the
-    volume holds nothing afterwards: the staged output was removed."""
+    volume holds nothing afterwards: the staged output was removed. Onto a read-only volume: one
+    line saying it is read-only (even root cannot write there)."""
     small_disk = small_volume("2m")
     status = mnist_resnet.cli.main(["prepare", "--storage-path", str(small_disk)])
     err = capsys.readouterr().err.strip()
@@ -690,3 +691,10 @@ def test_a_full_disk_gets_one_line_naming_the_path_and_nothing_half_written(
     assert last.startswith("mnist-resnet prepare: error: the storage at "), last
     assert str(small_disk) in last and "is full (no space left on device)" in last, last
     assert not [p for p in small_disk.rglob("*") if p.is_file()]
+
+    read_only = small_volume("2m", read_only=True)
+    status = mnist_resnet.cli.main(["prepare", "--storage-path", str(read_only)])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert status == 2, last
+    assert last.startswith("mnist-resnet prepare: error: "), last
+    assert str(read_only) in last and "read-only" in last, last

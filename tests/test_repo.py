@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import itertools
+import json
 import os
 import re
 import shutil
@@ -327,10 +328,29 @@ def test_a_copied_pipeline_differs_from_its_origin_only_in_the_renamed_names(
     )
 
 
-def test_copied_pipelines_cli_and_fast_tests_work(scratch_repo: Path) -> None:
+# The cross-cutting suites run again in the scratch repository with the copies in place: all but
+# the tests that copy pipelines (they would copy the copies) and those that need a Ray cluster or
+# the manifests' Ray head (run by `nox -s tests` and `manifests` once a copy is installed).
+CROSS_CUTTING = [
+    "tests/test_vocabulary.py",
+    "tests/test_repo.py",
+    "tests/test_known_failures.py",
+    "tests/test_bad_input.py",
+    "tests/test_manifests.py",
+]
+NOT_IN_SCRATCH = (
+    "not copied and not entrypoint_succeeds and not submission_without and not doctor_manifest"
+)
+
+
+def test_copied_pipelines_cli_fast_tests_and_the_cross_cutting_suites_work(
+    scratch_repo: Path,
+) -> None:
     """Every copy runs under its new names: its CLI answers, and its tests that need no Ray cluster
-    pass, each copy's in a pytest process of its own, side by side (the Ray ones run in `nox -s
-    tests` once a copy is installed, as the README says)."""
+    pass, each copy's in a pytest process of its own, side by side; and the cross-cutting suites
+    (vocabulary, repo, known failures, bad input, manifests) pass with the three copies in place
+    beside their origins, so no table keyed by the pipelines' names breaks on a new one (the Ray
+    ones run in `nox -s tests` once a copy is installed, as the README says)."""
     copies = [scratch_repo / "pipelines" / copy_pipeline(scratch_repo, p.name) for p in PIPELINES]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(str(copy / "src") for copy in copies)}
     helps = {
@@ -347,29 +367,135 @@ def test_copied_pipelines_cli_and_fast_tests_work(scratch_repo: Path) -> None:
         out, err = process.communicate(timeout=300)
         assert process.returncode == 0, err
         assert out.startswith(f"usage: {name.replace('_', '-')}")
-    marks = "not ray and not faults and not gpu and not manifests"
-    fast = {
-        copy.name: subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "pytest",
-                "-q",
-                "-p",
-                "no:cacheprovider",
-                "-m",
-                marks,
-                str(copy / "tests"),
-            ],
+    pytest_command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider"]
+    marks = "not ray and not faults and not memory_cap and not gpu and not manifests"
+    runs = {copy.name: [*pytest_command, "-q", "-m", marks, str(copy / "tests")] for copy in copies}
+    runs["cross-cutting suites"] = [
+        *pytest_command,
+        "-v",  # names each test, with its parameters: the copies' names show they were reached
+        "-m",
+        "not ray and not faults and not memory_cap and not gpu",
+        "-k",
+        NOT_IN_SCRATCH,
+        *CROSS_CUTTING,
+    ]
+    started = {
+        name: subprocess.Popen(
+            command,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
             env=env,
             cwd=scratch_repo,
         )
-        for copy in copies
-    }  # side by side too: each copy's fast tests are one process, mostly on one core
-    for name, process in fast.items():
+        for name, command in runs.items()
+    }  # side by side too: each is one process, mostly on one core
+    outputs = {}
+    for name, process in started.items():
         out, _ = process.communicate(timeout=900)
         assert process.returncode == 0, f"{name}:\n{out[-3000:]}"
         assert " passed" in out, f"{name}: no test ran\n{out[-3000:]}"
+        outputs[name] = out
+    # The copies' names reached the cross-cutting suites' parametrised tests, and passed there.
+    for copy in copies:
+        assert f"[{copy.name}] PASSED" in outputs["cross-cutting suites"], copy.name
+
+
+def ci_sessions_markers() -> dict[str, str]:
+    """The pytest selections of the sessions the README's test command runs (noxfile.py)."""
+    tree = ast.parse((ROOT / "noxfile.py").read_text())
+    constants = {
+        node.targets[0].id: node.value.value
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        and isinstance(node.targets[0], ast.Name)
+        and node.targets[0].id.endswith("_MARKERS")
+        and isinstance(node.value, ast.Constant)
+    }
+    sessions = readme_test_command().removeprefix("nox -s ").split()
+    return {
+        s: constants[f"{s.upper()}_MARKERS"]
+        for s in sessions
+        if f"{s.upper()}_MARKERS" in constants
+    }
+
+
+@pytest.fixture(scope="module")
+def collected(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, object]]:
+    """Every test of the repository as pytest collects it: node id and markers."""
+    target = tmp_path_factory.mktemp("collected") / "items.json"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "--collect-only",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "raytrain_testkit.collected",
+        ],
+        cwd=ROOT,
+        env={**os.environ, "RAYTRAIN_COLLECTED": str(target)},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return json.loads(target.read_text())
+
+
+def selected_by_ci(item: dict[str, object], markers: dict[str, str]) -> list[str]:
+    """The CI sessions whose `-m` selection takes the test (manifests: tests/test_manifests.py)."""
+    from _pytest.mark.expression import Expression
+
+    names = set(item["markers"])  # type: ignore[arg-type]
+    sessions = []
+    for session, expression in markers.items():
+        if session == "manifests" and not str(item["nodeid"]).startswith("tests/test_manifests.py"):
+            continue
+        if Expression.compile(expression).evaluate(lambda name, names=names: name in names):
+            sessions.append(session)
+    return sessions
+
+
+def test_the_ci_command_runs_every_test_but_the_gpu_ones(
+    collected: list[dict[str, object]],
+) -> None:
+    """No tier outside CI: every collected test is selected by exactly one session of the README's
+    test command (`nox -s lint tests manifests faults`), the GPU ones aside (they run, and skip,
+    where there is no GPU)."""
+    markers = ci_sessions_markers()
+    assert set(markers) == {"tests", "manifests", "faults"}, markers
+    assert len(collected) > 300
+    outside = [item["nodeid"] for item in collected if not selected_by_ci(item, markers)]
+    assert not outside, f"tests no CI session runs: {outside}"
+    twice = [item["nodeid"] for item in collected if len(selected_by_ci(item, markers)) > 1]
+    assert not twice, f"tests two CI sessions run: {twice}"
+
+
+def test_every_fault_docs_faults_md_promises_names_a_test_ci_runs(
+    collected: list[dict[str, object]],
+) -> None:
+    """docs/faults.md, row by row: each row of its table names at least one test
+    (`file.py::test_name`), and each named test exists and is run by the CI command, not skipped
+    there for a lack of GPU."""
+    markers = ci_sessions_markers()
+    by_name: dict[tuple[str, str], list[dict[str, object]]] = {}
+    for item in collected:
+        path, _, name = str(item["nodeid"]).partition("::")
+        by_name.setdefault((Path(path).name, name.split("[")[0]), []).append(item)
+    text = (ROOT / "docs" / "faults.md").read_text()
+    table = text.split("| --- |", 1)[1].split("\n\n", 1)[0]
+    rows = [line for line in table.splitlines() if line.startswith("| ")]
+    assert len(rows) >= 10
+    for row in rows:
+        named = re.findall(r"`(test_\w+\.py)::(test_\w+)`", row)
+        assert named, f"a row of docs/faults.md names no test: {row[:120]}"
+        for file, test in named:
+            items = by_name.get((file, test))
+            assert items, f"docs/faults.md names {file}::{test}, which does not exist"
+            for item in items:
+                assert "gpu" not in item["markers"], f"{file}::{test} needs a GPU: CI skips it"
+                assert selected_by_ci(item, markers), f"{file}::{test} is not run by CI"

@@ -285,7 +285,7 @@ are `{new.distribution} prepare | train | …` (`--help` on each).
 ### Run the tests
 
 ```bash
-nox -s lint tests manifests
+nox -s lint tests manifests faults
 ```
 
 `packages/common` is a copy: to take a newer one, replace the folder and run the tests. Outside nox,
@@ -417,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
             write_standalone(args.origin, args.name, out, today)
             tidy([out])
             print(
-                f"wrote the standalone project {out}: cd there, then `nox -s lint tests manifests`"
+                f"wrote the standalone project {out}: cd there, then `nox -s lint tests manifests faults`"
             )
         else:
             written = add_to_repo(args.origin, args.name, today)

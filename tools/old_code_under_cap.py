@@ -1,6 +1,6 @@
 """Run an earlier commit's pipeline command on a memory-capped node: the check that a cap which the
 current code trains under really binds for the code it replaced (root; cgroup v1, as
-`nox -s memory_cap`).
+`nox -s faults`, or `memory_cap` alone).
 
     python tools/old_code_under_cap.py --commit 9abfd0d^ --cap-mb 3175 -- \\
         python -m hf_finetune train --data-dir DATA --storage-path RUNS --storage-is-shared ...

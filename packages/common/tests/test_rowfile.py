@@ -87,21 +87,74 @@ def test_built_once_per_node_and_again_for_a_new_split(tmp_path: Path) -> None:
     np.testing.assert_array_equal(again.take(np.arange(len(expected))), expected)
 
 
-def test_a_read_only_split_is_cached_on_the_node(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    split = tmp_path / "data" / "train"
-    expected = write_split(split, [120])
-    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
-    split.chmod(0o555)
+READ_ONLY_CHECK = """
+import sys
+from pathlib import Path
+import numpy as np
+from raytrain_common.rowfile import row_file
+from raytrain_common.storage import resolve_storage
+sys.path.insert(0, sys.argv[3])
+from test_rowfile import token_rows, WIDTH
+split, cache = Path(sys.argv[1]), Path(sys.argv[2])
+blocks = row_file(resolve_storage(split), "blocks", ["input_ids"], token_rows, "int32-v1")
+assert blocks.path.is_relative_to(cache), blocks.path
+np.save(sys.stdout.buffer, blocks.take(np.arange(120)))
+"""
+
+
+def as_unprivileged_user() -> list[str]:
+    """The command prefix that runs a process as `nobody` when this one is root (CI's user, who
+    writes into read-only folders): setpriv drops the uid, the groups and every capability."""
+    if os.geteuid() != 0:
+        return []
+    nobody = "65534"
+    return [
+        "setpriv",
+        f"--reuid={nobody}",
+        f"--regid={nobody}",
+        "--clear-groups",
+        "--inh-caps=-all",
+        "--bounding-set=-all",
+    ]
+
+
+def test_a_read_only_split_is_cached_on_the_node() -> None:
+    """A split in a folder its reader cannot write (a read-only volume, another user's files): the
+    row file is built in the node's cache folder (CACHE_ENV) instead, with the same rows. Run as an
+    unprivileged user, also when the tests run as root."""
+    import io
+    import shutil
+    import tempfile
+
+    # Not under pytest's tmp_path: root's is closed to other users.
+    root = Path(tempfile.mkdtemp(prefix="read-only-split-"))
     try:
-        if os.access(split, os.W_OK):
-            pytest.skip("this user writes into read-only folders (root)")
-        blocks = tokens(split)
+        split, cache = root / "data" / "train", root / "cache"
+        expected = write_split(split, [120])
+        cache.mkdir()
+        if os.geteuid() == 0:
+            for path in [root, *root.rglob("*")]:
+                os.chown(path, 65534, 65534)
+        split.chmod(0o555)
+        done = subprocess.run(
+            [
+                *as_unprivileged_user(),
+                sys.executable,
+                "-c",
+                READ_ONLY_CHECK,
+                str(split),
+                str(cache),
+                str(Path(__file__).parent),
+            ],
+            capture_output=True,
+            env={**os.environ, CACHE_ENV: str(cache)},
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr.decode()[-3000:]
+        np.testing.assert_array_equal(np.load(io.BytesIO(done.stdout)), expected)
     finally:
         split.chmod(0o755)
-    assert blocks.path.is_relative_to(tmp_path / "cache")
-    np.testing.assert_array_equal(blocks.take(np.arange(120)), expected)
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def test_a_truncated_row_file_is_refused_naming_what_to_delete(tmp_path: Path) -> None:

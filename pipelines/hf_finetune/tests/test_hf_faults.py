@@ -63,7 +63,6 @@ def progress_step(run_dir: Path) -> int:
         return 0
 
 
-@pytest.mark.slow
 def test_a_preempted_node_makes_the_trainer_save_at_once_and_the_run_resumes_there(
     vader_sdist: Path, minilm: str, tmp_path: Path
 ) -> None:

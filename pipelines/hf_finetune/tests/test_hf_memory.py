@@ -1,16 +1,18 @@
-"""A large CSV fine-tuned on a node whose memory is capped below what holding its training split
-would take (`nox -s memory_cap`: a cgroup v1 limit on the node, as a pod's limit; root needed).
+"""A large training split fine-tuned on a node whose memory is capped below what holding it would
+take (`nox -s faults` or `memory_cap`: a cgroup v1 limit on the node, as a pod's limit; root
+needed).
 
 Calibrated as the llm and mnist tests are: a run on the first 4,096 training rows, on the same node
 without a cap, gives the baseline (the most memory the node held that the kernel cannot reclaim:
-Ray's node processes, two workers with torch, MiniLM and the Trainer). The whole training split
-(VADER's sentences in a seeded order, repeated to 1,000,000 CSV rows, each marked with its copy:
-800,000 training rows) is then trained under a cap at that baseline plus half the split's token
-rows (int32, as the row file holds them: 394 MiB, so a 197 MiB margin, well above the ~50-100 MiB
-a worker varies from run to run), page cache included. hf-finetune 0.6 turned the split into
-Python lists on every worker (~250 bytes a row for these sentences, ~400 MB over the two workers
-here, twice what the cap leaves); a worker now reads each batch's rows from the node-local row
-file and keeps 8 bytes a row (label and length) and the sampler's order (8 more).
+Ray's node processes, two workers with torch, MiniLM and the Trainer). The training split is
+VADER's prepared once (18,963 rows) and its Parquet parts repeated COPIES times (`repeat_split`,
+seconds, where tokenising a CSV of that size would take minutes of `prepare` this test does not
+examine): 796,446 rows. It is trained under a cap at that baseline plus half the split's token rows
+(int32, as the row file holds them: ~390 MiB, so a ~195 MiB margin, well above the ~50-100 MiB a
+worker varies from run to run), page cache included. hf-finetune 0.6 turned the split into Python
+lists on every worker (~250 bytes a row for these sentences, ~400 MB over the two workers here,
+twice what the cap leaves); a worker now reads each batch's rows from the node-local row file and
+keeps 8 bytes a row (label and length) and the sampler's order (8 more).
 
 A full epoch of 800,000 sentences takes days on two CPU workers, so both runs stop at step 64
 (`--stop-at-step`, which evaluates and checkpoints), with the warm-up off so that those steps learn
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +32,7 @@ import pytest
 
 from hf_finetune.bench_data import write_dataset
 from hf_finetune.data import read_vader
+from raytrain_common.pretokenize import STATS_FILE
 from raytrain_testkit.memory_cap import unavailable
 from raytrain_testkit.multinode import Driver, train_capped_after_baseline
 
@@ -37,19 +41,19 @@ pytestmark = [
     pytest.mark.skipif(unavailable() is not None, reason=f"{unavailable()}"),
 ]
 
-CSV_ROWS = 1_000_000
+COPIES = 42  # VADER's 18,963 training rows, 42 times: 796,446
 BASELINE_ROWS = 4096
 STEPS = 64
 MAX_LENGTH = 128  # the cpu preset's: a row file row is 1 + 128 int32
 
 
 def prepare_csv(vader_sdist: Path, root: Path) -> Path:
-    """The CSV prepared by the CLI in a process and a local cluster of its own (not under the cap:
-    the cap is on training)."""
+    """VADER's sentences as a CSV, prepared by the CLI in a process and a local cluster of its own
+    (not under the cap: the cap is on training)."""
     vader = read_vader(vader_sdist)
     sentences = list(zip(vader["text"].to_pylist(), vader["label"].to_pylist(), strict=True))
-    source, data_dir = root / "reviews.csv", root / "data"
-    write_dataset(sentences, CSV_ROWS, source)
+    source, data_dir = root / "reviews.csv", root / "data-1x"
+    write_dataset(sentences, len(sentences), source)
     subprocess.run(
         [
             sys.executable,
@@ -67,6 +71,25 @@ def prepare_csv(vader_sdist: Path, root: Path) -> Path:
         env={key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"},
     )
     return data_dir
+
+
+def repeat_split(data_dir: Path, copies: int, root: Path) -> Path:
+    """A copy of the prepared folder whose training split is its Parquet parts `copies` times
+    over (each copy under a name of its own), its row counts recorded in dataset.json as prepare
+    records them."""
+    repeated = root / f"data-{copies}x"
+    shutil.copytree(data_dir, repeated)
+    parts = sorted((data_dir / "train").glob("*.parquet"))
+    for copy in range(1, copies):
+        for part in parts:
+            shutil.copyfile(part, repeated / "train" / f"copy{copy:03d}-{part.name}")
+    info = json.loads((data_dir / "dataset.json").read_text())
+    info["rows"]["train"] *= copies
+    stats = info["token_stats"]["train"]
+    stats |= {"rows": stats["rows"] * copies, "truncated_rows": stats["truncated_rows"] * copies}
+    (repeated / "train" / STATS_FILE).write_text(json.dumps(stats))
+    (repeated / "dataset.json").write_text(json.dumps(info, indent=2))
+    return repeated
 
 
 def train(data_dir: Path, root: Path, name: str, address: str, *extra: str) -> tuple[int, str]:
@@ -103,7 +126,7 @@ def train(data_dir: Path, root: Path, name: str, address: str, *extra: str) -> t
 def test_a_large_csv_fine_tunes_on_a_node_capped_below_its_baseline_plus_its_training_split(
     vader_sdist: Path, tmp_path: Path
 ) -> None:
-    data_dir = prepare_csv(vader_sdist, tmp_path)
+    data_dir = repeat_split(prepare_csv(vader_sdist, tmp_path), COPIES, tmp_path)
     info = json.loads((data_dir / "dataset.json").read_text())
     train_rows = info["rows"]["train"]
     split_mb = train_rows * (1 + MAX_LENGTH) * 4 / 2**20

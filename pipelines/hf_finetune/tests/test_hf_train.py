@@ -70,7 +70,6 @@ def read_trainer_history(summary: dict[str, Any]) -> list[dict[str, Any]]:
     return state["log_history"]
 
 
-@pytest.mark.slow
 def test_two_workers_learn_survive_a_lost_worker_and_the_checkpoint_predicts(
     ray_cluster: None, vader_dir: StoragePath, tmp_path: Path
 ) -> None:
@@ -150,7 +149,6 @@ def test_two_workers_learn_survive_a_lost_worker_and_the_checkpoint_predicts(
     assert written["test"]["test_accuracy"] == result["test_accuracy"]
 
 
-@pytest.mark.slow
 def test_a_users_csv_trains_with_flags_alone(
     ray_cluster: None,
     tmp_path: Path,
@@ -221,7 +219,6 @@ def test_bad_settings_fail_before_training(
     assert "is a folder without config.json" in capsys.readouterr().err
 
 
-@pytest.mark.slow
 def test_a_run_stopped_mid_epoch_resumes_with_the_steps_it_had_not_taken(
     ray_cluster: None, vader_dir: StoragePath, tmp_path: Path
 ) -> None:

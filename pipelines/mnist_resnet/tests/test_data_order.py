@@ -260,7 +260,6 @@ def test_a_phone_photo_stored_sideways_is_read_upright(tmp_path: Path) -> None:
     assert np.abs(sideways.astype(int) - original).mean() > 40  # what ignoring the tag gives
 
 
-@pytest.mark.slow
 @pytest.mark.ray
 def test_a_class_sorted_image_tree_on_s3_trains_to_high_test_accuracy_without_a_copy(
     small_config: Callable[..., Any],

@@ -71,7 +71,6 @@ def finished_trials(trials: Path) -> dict[str, str]:
     }
 
 
-@pytest.mark.slow
 def test_a_sweep_stops_lagging_trials_resumes_after_a_kill_and_its_best_command_trains(
     mnist_dir: StoragePath, ray_address: str, tmp_path: Path
 ) -> None:

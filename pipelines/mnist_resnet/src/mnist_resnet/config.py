@@ -129,6 +129,12 @@ class TrainConfig(RayTrainSettings, DataLocation):
         "Ray node labels, key=value[,key=value], e.g. ray.io/node-group=ingest (CPU-only nodes), "
         "so the training nodes' CPUs feed their GPUs. None: wherever the cluster has CPUs.",
     )
+    ingest_wait_s: float = option(
+        600.0,
+        "With --ingest-node-labels: how long training waits for its data while no node with "
+        "those labels is alive (all lost, none yet replaced) before the run stops, its "
+        "checkpoints kept, with the command that continues it.",
+    )
     augment: str = option(
         "auto",
         "Random augmentation in Ray Data, new every epoch: photo (ImageNet's recipe: a random "
@@ -171,7 +177,12 @@ class TrainConfig(RayTrainSettings, DataLocation):
         check_batch_splits_for_every_worker_count(
             self.global_batch_size, self, self.grad_accum_steps
         )
-        positive = {"epochs": self.epochs, "lr": self.lr, "log_every_steps": self.log_every_steps}
+        positive = {
+            "epochs": self.epochs,
+            "lr": self.lr,
+            "log_every_steps": self.log_every_steps,
+            "ingest_wait_s": self.ingest_wait_s,
+        }
         if self.stop_at_step is not None:
             positive["stop_at_step"] = self.stop_at_step
         for name, value in positive.items():

@@ -46,6 +46,7 @@ from mnist_resnet.ingest import (
     check_same_dataset,
     epoch_seed,
 )
+from mnist_resnet.ingest_watch import IngestNodeWatch, check_cpus_for_ingest
 from mnist_resnet.metrics_logger import THROUGHPUT_SKIP_STEPS, EpochTotals, MetricsLogger
 from mnist_resnet.run_state import WorkerContext, steps_per_epoch, training_rows
 from mnist_resnet.summary import write_run_outputs
@@ -262,6 +263,8 @@ def run(config: TrainConfig, callbacks: Sequence[UserCallback] = ()) -> dict[str
     if info.image_root:  # the files themselves, which every node's decode tasks read
         inputs["the image tree (prepare --source)"] = resolve_storage(info.image_root)
     start_ray_for_run(config, storage, inputs)
+    ingest_labels = node_labels(config.ingest_node_labels, "--ingest-node-labels")
+    check_cpus_for_ingest(ingest_labels, config.needed_resources()["CPU"])
     tracked = open_for_config(config, storage, pipeline="mnist_resnet", version=__version__)
 
     # Ray Data reads, shuffles and decodes the images on the cluster's CPUs (ingest.py). Ray calls
@@ -281,9 +284,7 @@ def run(config: TrainConfig, callbacks: Sequence[UserCallback] = ()) -> dict[str
         train_loop_per_worker,
         datasets={TRAIN: data.train, REST_OF_EPOCH: data.rest_of_epoch, VAL: data.val},
         # Decode and augment on the nodes --ingest-node-labels selects (Ray 2.60's labels).
-        dataset_config=EvenTrainingEveryValidationRow(
-            node_labels(config.ingest_node_labels, "--ingest-node-labels")
-        ),
+        dataset_config=EvenTrainingEveryValidationRow(ingest_labels),
         train_loop_config={
             "config": dataclasses.asdict(config),
             "dataset": dataclasses.asdict(info),
@@ -303,7 +304,12 @@ def run(config: TrainConfig, callbacks: Sequence[UserCallback] = ()) -> dict[str
         *(config.run_name, config.num_workers, config.epochs, run_dir),
     )
     with failed_on_error(tracked):
-        result = fit(trainer, config.storage_path)
+        # Says in this log when an ingest node is lost, and stops a run left without any.
+        with IngestNodeWatch(ingest_labels, config.ingest_wait_s, run_dir) as ingest_watch:
+            try:
+                result = fit(trainer, config.storage_path)
+            finally:
+                ingest_watch.check()
         summary = write_run_outputs(run_dir, result, config, info, steps, started)
     finish_for_summary(tracked, run_dir, summary)
     return summary
