@@ -339,7 +339,8 @@ CROSS_CUTTING = [
     "tests/test_manifests.py",
 ]
 NOT_IN_SCRATCH = (
-    "not copied and not entrypoint_succeeds and not submission_without and not doctor_manifest"
+    "not copied and not entrypoint_succeeds and not submission_without and not doctor_manifest "
+    "and not every_test_but_the_gpu and not docs_faults_md"  # a collection of the whole repo: ~30 s
 )
 
 
