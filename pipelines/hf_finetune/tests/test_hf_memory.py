@@ -16,7 +16,8 @@ keeps 8 bytes a row (label and length) and the sampler's order (8 more).
 
 A full epoch of 800,000 sentences takes days on two CPU workers, so both runs stop at step 64
 (`--stop-at-step`, which evaluates and checkpoints), with the warm-up off so that those steps learn
-at the peak rate; the bar is the lost-worker test's (64 steps of 32 sentences).
+at the peak rate; the bar is well above the majority class (0.54), below what 64 steps of 32
+sentences reach (0.71-0.80).
 """
 
 from __future__ import annotations
@@ -142,4 +143,6 @@ def test_a_large_csv_fine_tunes_on_a_node_capped_below_its_baseline_plus_its_tra
     summary = json.loads((tmp_path / "capped" / "summary.json").read_text())
     assert summary["steps_done"] == STEPS
     assert summary["dataset"]["rows"]["train"] == train_rows
-    assert summary["best"]["val_accuracy"] >= 0.72
+    # Learned under the cap: 64 steps give 0.71-0.80 on these 384 validation rows (CI saw 0.708
+    # once); always answering the majority class gives 0.54.
+    assert summary["best"]["val_accuracy"] >= 0.65
