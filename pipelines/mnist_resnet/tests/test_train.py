@@ -42,6 +42,13 @@ pytestmark = pytest.mark.ray
 STEPS_PER_EPOCH = 32  # 4096 rows at a global batch of 128
 
 
+def rows_trained(run_dir: Path, epoch: int, rows: int) -> np.ndarray:
+    """How many times each of `rows` rows was trained on in `epoch`, from --record-row-ids'
+    files."""
+    files = sorted((run_dir / "row_ids" / f"epoch-{epoch}").glob("*.npy"))
+    return np.bincount(np.concatenate([np.load(file) for file in files]), minlength=rows)
+
+
 CHECKPOINT_EVERY = 8
 MID_EPOCH_CHECKPOINT = STEPS_PER_EPOCH + CHECKPOINT_EVERY  # step 40: 8 steps into epoch 2
 
@@ -109,12 +116,7 @@ def test_two_workers_learn_survive_a_worker_killed_mid_epoch_choose_on_validatio
         restart["cause"] == "worker failure" and restart["resumed_at_step"] == MID_EPOCH_CHECKPOINT
     )
     for epoch in (1, 2, 3):  # 4,096 rows: 32 global batches of 128, none left over
-        counts = np.bincount(
-            np.concatenate(
-                [np.load(f) for f in (run_dir / "row_ids" / f"epoch-{epoch}").glob("*.npy")]
-            ),
-            minlength=4096,
-        )
+        counts = rows_trained(run_dir, epoch, 4096)
         assert counts.min() == counts.max() == 1, (epoch, np.bincount(counts))
     # MLflow: the restarted group logs into the same MLflow run; the steps of epoch 2 it redid
     # are not logged twice, so every step appears once, in order.
@@ -397,13 +399,6 @@ def uninterrupted_run(
     return storage, run(small_config(storage, mnist_dir, run_name="whole", **UNINTERRUPTED))
 
 
-def rows_trained(run_dir: Path, epoch: int) -> np.ndarray:
-    """How many times each row id was trained on in `epoch`, from --record-row-ids' files."""
-    files = sorted((run_dir / "row_ids" / f"epoch-{epoch}").glob("*.npy"))
-    ids = np.concatenate([np.load(file) for file in files])
-    return np.bincount(ids, minlength=UNINTERRUPTED["limit_train_rows"])
-
-
 def test_a_run_stopped_mid_epoch_resumes_on_another_worker_count_training_each_row_once(
     small_config: Callable[..., Any],
     uninterrupted_run: tuple[Path, dict[str, Any]],
@@ -434,7 +429,7 @@ def test_a_run_stopped_mid_epoch_resumes_on_another_worker_count_training_each_r
     # Exactly once: 2,088 rows, 16 global batches of 128 an epoch, 40 left over.
     left_over = []
     for epoch in (1, 2):
-        counts = rows_trained(tmp_path / "cut", epoch)
+        counts = rows_trained(tmp_path / "cut", epoch, UNINTERRUPTED["limit_train_rows"])
         assert counts.max() == 1 and counts.sum() == 16 * 128, (epoch, np.bincount(counts))
         left_over.append(set(np.flatnonzero(counts == 0)))
     assert len(left_over[0]) == len(left_over[1]) == 40
