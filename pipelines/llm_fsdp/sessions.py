@@ -79,3 +79,12 @@ def bench_order(session: nox.Session) -> None:
     `order.py` against drawing the whole permutation (`python -m llm_fsdp.bench_order`)."""
     python = stack_python(session)
     run_in_stack(session, python, "-m", f"{PACKAGE}.bench_order", *session.posargs)
+
+
+@nox.session(name="bench_tokens", venv_backend="none")
+def bench_tokens(session: nox.Session) -> None:
+    """A step's token reads from S3 (a loopback server) by ranged requests, inline and read ahead,
+    against the local file's `preadv`: bytes, requests and ms per step (`python -m
+    llm_fsdp.bench_tokens`)."""
+    python = stack_python(session)
+    run_in_stack(session, python, "-m", f"{PACKAGE}.bench_tokens", *session.posargs)

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -39,3 +40,16 @@ def shakespeare_dir(
         download_dir=root / "download",
     )
     return data_dir
+
+
+@pytest.fixture
+def s3_prefix() -> Iterator[str]:
+    """`s3://corpus/?endpoint_override=…`: the root of a bucket on a real S3 protocol server (moto)
+    on loopback, in a process of its own (raytrain_testkit.s3), which every Ray process reaches
+    through pyarrow's S3 (with the credentials the root conftest gives every process); paths go
+    after `corpus/` (`join_uri`)."""
+    pytest.importorskip("moto.server")
+    from raytrain_testkit.s3 import s3_server
+
+    with s3_server(buckets=["corpus"]) as server:
+        yield server.uri("corpus")

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow.fs as pafs
 import pytest
 import torch
 
@@ -20,7 +21,7 @@ from llm_fsdp.model import ModelError, resolve_model
 from llm_fsdp.train import run
 from raytrain_common.configs import ConfigError
 from raytrain_common.metrics import read_metrics_csv
-from raytrain_common.storage import StoragePath, resolve_storage
+from raytrain_common.storage import StoragePath, join_uri, resolve_storage
 from raytrain_testkit.tracked_runs import metric_history
 from raytrain_testkit.vocabulary import METRIC_COLUMNS, summary_problems, unknown_names
 
@@ -54,7 +55,7 @@ def losses_by_step(run_dir: Path) -> dict[int, float]:
 
 
 def test_fsdp_learns_resumes_exactly_on_one_worker_and_exports(
-    ray_cluster: None, shakespeare_dir: StoragePath, tmp_path: Path
+    ray_cluster: None, shakespeare_dir: StoragePath, s3_prefix: str, tmp_path: Path
 ) -> None:
     whole = run(small_config(tmp_path, shakespeare_dir, run_name="whole"))
     assert whole["steps_done"] == 20
@@ -79,14 +80,19 @@ def test_fsdp_learns_resumes_exactly_on_one_worker_and_exports(
 
     # Stopped at step 10 on 2 workers, then continued on 1: DCP reshards the checkpoint, and the
     # data order and schedule depend on the step alone, so steps 11-20 repeat the whole run's.
+    # Both read the data folder from object storage (an S3 protocol server on loopback), by ranged
+    # requests with no copy on the node, where the whole run read it in place from a folder: the
+    # same losses step for step say the same rows were read.
     # Compiled blocks (the GPU presets' --compile, here on the CPU) give the eager run's losses.
     # The stopped run uploads its checkpoints in the background (--async-upload): the one it
     # stopped at is complete in storage when the run returns.
+    on_s3 = resolve_storage(join_uri(s3_prefix, "data"))
+    pafs.copy_files(shakespeare_dir.path, on_s3.path, destination_filesystem=on_s3.filesystem)
     compiled = {"run_name": "resumed", "compile": True, "tracking": "mlflow"}
     stopped = run(
         small_config(
             tmp_path,
-            shakespeare_dir,
+            on_s3,
             stop_at_step=10,
             checkpoint_every_steps=5,
             async_upload=True,
@@ -94,7 +100,7 @@ def test_fsdp_learns_resumes_exactly_on_one_worker_and_exports(
         )
     )
     assert stopped["checkpoint_stall_s"] is not None  # checkpoints at 5 and 10: one stall known
-    resumed = run(small_config(tmp_path, shakespeare_dir, num_workers=1, **compiled))
+    resumed = run(small_config(tmp_path, on_s3, num_workers=1, **compiled))
     assert resumed["steps_done"] == 20
     assert resumed["restarts"][-1]["resumed_at_step"] == 10
     expected, got = losses_by_step(tmp_path / "whole"), losses_by_step(tmp_path / "resumed")

@@ -1,11 +1,9 @@
 """The packed token file: uint16 when the vocabulary fits and int32 when it does not, the header
-checked on open (a truncated copy, another preparation's file, a file of another tool), and a split
-on object storage copied once per node while a folder is read in place."""
+checked on open (a truncated copy, another preparation's file, a file of another tool), a folder
+read in place, and a split on object storage read by ranged requests, with no copy on the node."""
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -14,12 +12,14 @@ import pytest
 from llm_fsdp.tokens import (
     HEADER_BYTES,
     TOKEN_FILE,
+    ReadAhead,
+    RemoteFile,
     TokenBlocks,
     TokenFileError,
     TokenFileWriter,
     open_token_file,
 )
-from raytrain_common.storage import resolve_storage
+from raytrain_common.storage import join_uri, resolve_storage
 
 BLOCK = 9
 
@@ -84,39 +84,51 @@ def test_a_folder_of_another_version_names_prepare(tmp_path: Path) -> None:
         open_token_file(resolve_storage(tmp_path / "train"), BLOCK, 300)
 
 
-@pytest.fixture
-def bucket(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    moto_server = pytest.importorskip("moto.server")
-    import boto3
-
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    _, port = server.get_host_and_port()
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    boto3.client(
-        "s3", endpoint_url=f"http://127.0.0.1:{port}", region_name="us-east-1"
-    ).create_bucket(Bucket="corpus")
-    yield f"s3://corpus/data/train?endpoint_override=127.0.0.1:{port}&scheme=http&region=us-east-1"
-    server.stop()
-
-
-def test_a_local_folder_is_read_in_place_and_object_storage_is_copied_once_per_node(
-    tmp_path: Path, bucket: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+def test_a_folder_is_read_in_place_and_object_storage_by_ranges_without_a_copy(
+    tmp_path: Path, s3_prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The same blocks from a folder and from an S3 protocol server on loopback; on S3, a take
+    transfers the header once (on open) and then only the blocks asked for, one request per run
+    of adjacent blocks (a copy of the file would transfer all of it), and nothing is written to
+    the node; the next step's blocks are read while this one trains (ReadAhead)."""
     local = tmp_path / "train"
     local.mkdir()
-    write_documents(local / TOKEN_FILE, documents_of(300, count=30), 300)
+    write_documents(local / TOKEN_FILE, documents_of(300, count=200), 300)
     in_place = open_token_file(resolve_storage(local), BLOCK, 300)
     assert in_place.path == local / TOKEN_FILE  # no copy
 
     monkeypatch.setenv("RAYTRAIN_ROW_CACHE", str(tmp_path / "cache"))
-    remote = resolve_storage(bucket)
-    remote.join(TOKEN_FILE).write_bytes((local / TOKEN_FILE).read_bytes())
-    with caplog.at_level(logging.INFO, logger="llm_fsdp.tokens"):
-        first = open_token_file(remote, BLOCK, 300)
-        again = open_token_file(remote, BLOCK, 300)
-    copies = [r for r in caplog.records if "to this node's cache" in r.getMessage()]
-    assert len(copies) == 1 and "GB" in copies[0].getMessage()  # its size, said before it starts
-    assert first.path == again.path and first.path.is_relative_to(tmp_path / "cache")
-    assert np.array_equal(first.take(np.arange(len(first))), in_place.take(np.arange(len(first))))
+    remote_dir = resolve_storage(join_uri(s3_prefix, "data", "train"))
+    remote_dir.join(TOKEN_FILE).write_bytes((local / TOKEN_FILE).read_bytes())
+    remote = open_token_file(remote_dir, BLOCK, 300)
+    assert isinstance(remote.file, RemoteFile) and len(remote) == len(in_place) > 300
+    assert remote.file.bytes_read == HEADER_BYTES  # the header, checked on open
+    wanted = np.array([7, 300, 8, 9, 120, 7])  # 7-9 adjacent, 7 twice: three runs
+    assert np.array_equal(remote.take(wanted), in_place.take(wanted))
+    assert remote.file.requests == 1 + 3
+    assert remote.file.bytes_read == HEADER_BYTES + 5 * remote.row_bytes  # 5 distinct blocks
+    everything = np.arange(len(in_place))
+    assert np.array_equal(remote.take(everything), in_place.take(everything))
+    assert not (tmp_path / "cache").exists()  # nothing written on the node
+
+    ahead = ReadAhead(remote)
+    steps = [[np.array([3, 1]), np.array([40])], [np.array([2]), np.array([0, 41])]]
+    assert all(
+        np.array_equal(got, in_place.take(part))
+        for got, part in zip(ahead.take(steps[0], steps[1]), steps[0], strict=True)
+    )
+    requests = remote.file.requests
+    ahead.pending[1].result()  # type: ignore[index]  # step 2's read, started by step 1's take
+    assert remote.file.requests > requests  # read before it is asked for
+    requests = remote.file.requests
+    assert all(
+        np.array_equal(got, in_place.take(part))
+        for got, part in zip(ahead.take(steps[1], None), steps[1], strict=True)
+    )
+    assert remote.file.requests == requests  # served from the read ahead
+    ahead.close()
+
+    truncated = resolve_storage(join_uri(s3_prefix, "data", "truncated"))
+    truncated.join(TOKEN_FILE).write_bytes((local / TOKEN_FILE).read_bytes()[:-5])
+    with pytest.raises(TokenFileError, match=r"truncated copy"):
+        open_token_file(truncated, BLOCK, 300)

@@ -13,26 +13,28 @@ against what the dataset expects (block length, vocabulary), so a file of anothe
 truncated copy or a file of another tool fails at once, naming the fix.
 
 Where training reads it: in place wherever the split's folder is a path (a local disk or a shared
-mount: NFS, FSx, a PVC), with no copy; from object storage (S3, GCS) through a node-local cache of
-the whole file, downloaded once per node with its size logged first (`raytrain_common.rowfile`'s
-cache folder and lock).
+mount: NFS, FSx, a PVC), with no copy; on object storage (S3, GCS) by ranged reads of the blocks a
+step asks for (one request per run of adjacent blocks, the requests of a step side by side), with
+no copy on the node either: a step of 8 blocks of 2,049 uint16 tokens transfers 32 KiB, where a
+node-local copy of a 1 T-token file would be 2 TB before the first step. `ReadAhead` (below)
+fetches the next step's blocks while this one trains.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import shutil
 import struct
+import threading
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from raytrain_common.rowfile import cache_folder, locked, own_suffix, private_folder
+from raytrain_common.rowfile import own_suffix
 from raytrain_common.storage import StoragePath
-
-log = logging.getLogger(__name__)
 
 TOKEN_FILE = "tokens.bin"
 MAGIC = b"LLMTOKS\x00"
@@ -41,6 +43,8 @@ HEADER = struct.Struct("<8sIIQQQ")
 HEADER_BYTES = 64
 UINT16_VOCAB = 1 << 16
 COPY_CHUNK_BYTES = 64 << 20
+RUN_BYTES = 8 << 20  # the most one read asks for (a long run of adjacent blocks is cut up)
+REMOTE_READS_IN_FLIGHT = 16  # ranged requests to object storage at once, per `take`
 
 
 class TokenFileError(ValueError):
@@ -107,30 +111,99 @@ class TokenFileWriter:
         self.partial.unlink(missing_ok=True)
 
 
-class TokenBlocks:
-    """The blocks of a token file, read by index with `os.preadv`: a process holds the blocks it
-    asked for, never the split. `take` returns int32 rows whatever the file's token type."""
+class LocalFile:
+    """A token file on a path (a local disk or a shared mount), read with `os.preadv` in place."""
 
     def __init__(self, path: Path) -> None:
-        self.path = path
+        self.name = str(path)
         self.fd: int | None = os.open(path, os.O_RDONLY)
-        header = os.pread(self.fd, HEADER.size, 0)
-        if len(header) < HEADER.size or header[:8] != MAGIC:
+        self.size = os.fstat(self.fd).st_size
+
+    def read_into(self, buffer: np.ndarray, offset: int) -> int:
+        if self.fd is None:
+            raise ValueError(f"{self.name} is closed")
+        return os.preadv(self.fd, [buffer], offset)
+
+    def read_many(self, reads: list[tuple[np.ndarray, int]]) -> list[int]:
+        """`read_into` for each (buffer, offset), one after another: a local read takes
+        microseconds."""
+        return [self.read_into(buffer, offset) for buffer, offset in reads]
+
+    def close(self) -> None:
+        fd, self.fd = self.fd, None
+        if fd is not None:
+            os.close(fd)
+
+
+class RemoteFile:
+    """A token file on object storage (S3, GCS), read by byte range: each read is one ranged GET
+    through pyarrow's file system (`read_at`, which is safe to call from several threads), so a
+    node holds and transfers the blocks a step asks for, never a copy of the file."""
+
+    def __init__(self, source: StoragePath) -> None:
+        self.name = source.uri
+        try:
+            self.file: Any = source.filesystem.open_input_file(source.path)
+        except FileNotFoundError as error:
+            raise TokenFileError(
+                f"no {TOKEN_FILE} at {source.uri}: rerun `llm-fsdp prepare`"
+            ) from error
+        self.size = self.file.size()
+        self.pool = ThreadPoolExecutor(REMOTE_READS_IN_FLIGHT, thread_name_prefix="token-reads")
+        self.bytes_read = 0  # what this process fetched, for the benchmark and the tests
+        self.requests = 0
+        self.counting = threading.Lock()  # reads run in several threads
+
+    def read_into(self, buffer: np.ndarray, offset: int) -> int:
+        data = self.file.read_at(buffer.nbytes, offset)
+        with self.counting:
+            self.bytes_read += len(data)
+            self.requests += 1
+        buffer.view(np.uint8).reshape(-1)[: len(data)] = np.frombuffer(data, dtype=np.uint8)
+        return len(data)
+
+    def read_many(self, reads: list[tuple[np.ndarray, int]]) -> list[int]:
+        """`read_into` for each (buffer, offset), side by side: each request to object storage
+        waits milliseconds for its answer, and the waits overlap."""
+        if len(reads) == 1:
+            return [self.read_into(*reads[0])]
+        return list(self.pool.map(lambda read: self.read_into(*read), reads))
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.file.close()
+
+
+class TokenBlocks:
+    """The blocks of a token file, read by index: a process holds the blocks it asked for, never
+    the split. A path is read in place (`LocalFile`); object storage by ranged reads
+    (`RemoteFile`), adjacent blocks in one request and the requests of a call side by side.
+    `take` returns int32 rows whatever the file's token type."""
+
+    def __init__(self, source: Path | StoragePath) -> None:
+        self.file: LocalFile | RemoteFile = (
+            LocalFile(source) if isinstance(source, Path) else RemoteFile(source)
+        )
+        self.path = source
+        header = np.zeros(HEADER_BYTES, dtype=np.uint8)
+        read = self.file.read_into(header, 0)
+        if read < HEADER.size or header.tobytes()[:8] != MAGIC:
             self.close()
             raise TokenFileError(
-                f"{path} is no token file of llm-fsdp (no {MAGIC!r} header): rerun `llm-fsdp "
-                "prepare --force` for this data folder"
+                f"{self.file.name} is no token file of llm-fsdp (no {MAGIC!r} header): rerun "
+                "`llm-fsdp prepare --force` for this data folder"
             )
-        _, version, itemsize, self.block_len, self.blocks, self.vocab_size = HEADER.unpack(header)
-        size = os.fstat(self.fd).st_size
+        fields = HEADER.unpack(header.tobytes()[: HEADER.size])
+        _, version, itemsize, self.block_len, self.blocks, self.vocab_size = fields
+        size = self.file.size
         expected = HEADER_BYTES + self.blocks * self.block_len * itemsize
         if version != VERSION or itemsize not in (2, 4) or size != expected:
             self.close()
             raise TokenFileError(
-                f"{path}: version {version}, {itemsize}-byte tokens, {size:,} bytes where the "
-                f"header's {self.blocks:,} blocks of {self.block_len} need {expected:,} (a "
-                "truncated copy, or another version's file): copy it again, or rerun `llm-fsdp "
-                "prepare --force`"
+                f"{self.file.name}: version {version}, {itemsize}-byte tokens, {size:,} bytes "
+                f"where the header's {self.blocks:,} blocks of {self.block_len} need "
+                f"{expected:,} (a truncated copy, or another version's file): copy it again, or "
+                "rerun `llm-fsdp prepare --force`"
             )
         self.dtype = np.dtype(np.uint16) if itemsize == 2 else np.dtype(np.int32)
         self.row_bytes = self.block_len * itemsize
@@ -139,9 +212,9 @@ class TokenBlocks:
         return self.blocks
 
     def close(self) -> None:
-        fd, self.fd = getattr(self, "fd", None), None
-        if fd is not None:
-            os.close(fd)
+        file = getattr(self, "file", None)
+        if file is not None:
+            file.close()
 
     def __del__(self) -> None:
         self.close()
@@ -167,17 +240,29 @@ class TokenBlocks:
         return self
 
     def take(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
-        """Blocks `indices`, in that order, as int32 (len(indices), block_len)."""
-        if self.fd is None:
-            raise ValueError(f"{self.path} is closed")
-        out = np.empty((len(indices), self.block_len), dtype=self.dtype)
-        for position, row in enumerate(indices):
-            if not 0 <= row < self.blocks:
-                raise IndexError(f"block {row} of {self.blocks} in {self.path}")
-            read = os.preadv(self.fd, [out[position]], HEADER_BYTES + int(row) * self.row_bytes)
-            if read != self.row_bytes:
-                raise OSError(f"{self.path}: short read at block {row} (truncated? copy it again)")
-        return out.astype(np.int32, copy=False)
+        """Blocks `indices`, in that order, as int32 (len(indices), block_len). Each run of
+        adjacent blocks is one read (a block asked for twice is read once); on object storage the
+        reads of a call go side by side."""
+        indices = np.asarray(indices, dtype=np.int64)
+        if indices.size and (indices.min() < 0 or indices.max() >= self.blocks):
+            raise IndexError(
+                f"blocks {indices.min()}..{indices.max()} of {self.blocks} in {self.path}"
+            )
+        wanted, inverse = np.unique(indices, return_inverse=True)
+        runs = block_runs(wanted, max(1, RUN_BYTES // self.row_bytes))
+        parts = [np.empty((count, self.block_len), dtype=self.dtype) for _, count in runs]
+        offsets = [HEADER_BYTES + first * self.row_bytes for first, _ in runs]
+        for part, offset, read in zip(
+            parts, offsets, self.file.read_many(list(zip(parts, offsets, strict=True))), strict=True
+        ):
+            if read != part.nbytes:
+                block = (offset - HEADER_BYTES) // self.row_bytes
+                raise OSError(
+                    f"{self.file.name}: short read at block {block} (truncated? copy it again)"
+                )
+        if not parts:
+            return np.empty((0, self.block_len), dtype=np.int32)
+        return np.concatenate(parts)[inverse.reshape(-1)].astype(np.int32, copy=False)
 
     def read_all(self, chunk_blocks: int = 65_536) -> Iterator[np.ndarray]:
         """Every block in order, a chunk at a time."""
@@ -185,9 +270,53 @@ class TokenBlocks:
             yield self.take(np.arange(start, min(start + chunk_blocks, self.blocks)))
 
 
+class ReadAhead:
+    """Reads the blocks a step will need in a thread while the step before trains, so a step does
+    not wait for storage (object storage answers each request in tens of milliseconds).
+    `take(now, following)` returns the blocks of `now` (arrays of block indices), read ahead when
+    the previous call named them, and starts reading `following`."""
+
+    def __init__(self, blocks: TokenBlocks) -> None:
+        self.blocks = blocks
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="token-read-ahead")
+        self.pending: tuple[list[bytes], Future[list[np.ndarray]]] | None = None
+
+    def take(self, now: list[np.ndarray], following: list[np.ndarray] | None) -> list[np.ndarray]:
+        pending, self.pending = self.pending, None
+        if pending is not None and pending[0] == [part.tobytes() for part in now]:
+            rows = pending[1].result()
+        else:
+            rows = self.read(now)
+        if following is not None:
+            key = [part.tobytes() for part in following]
+            self.pending = (key, self.pool.submit(self.read, following))
+        return rows
+
+    def read(self, parts: list[np.ndarray]) -> list[np.ndarray]:
+        """The blocks of every part in one `take` (one set of requests), split back."""
+        rows = self.blocks.take(np.concatenate(parts))
+        return np.split(rows, np.cumsum([len(part) for part in parts])[:-1])
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def block_runs(sorted_blocks: np.ndarray, longest: int) -> list[tuple[int, int]]:
+    """(first, count) of each run of consecutive block numbers in `sorted_blocks` (distinct,
+    ascending), none longer than `longest`."""
+    if not len(sorted_blocks):
+        return []
+    starts = np.flatnonzero(np.diff(sorted_blocks) != 1) + 1
+    runs = []
+    for run in np.split(sorted_blocks, starts):
+        for offset in range(0, len(run), longest):
+            runs.append((int(run[offset]), min(longest, len(run) - offset)))
+    return runs
+
+
 def open_token_file(split_dir: StoragePath, block_len: int, vocab_size: int) -> TokenBlocks:
-    """The split's token file, read in place when the folder is a path (local disk or a shared
-    mount); from object storage, a node-local copy, downloaded once per node."""
+    """The split's token file, read in place: by offset when the folder is a path (local disk or a
+    shared mount), by ranged reads on object storage (no copy on the node)."""
     source = split_dir.join(TOKEN_FILE)
     if split_dir.is_local:
         if not source.exists():
@@ -196,41 +325,4 @@ def open_token_file(split_dir: StoragePath, block_len: int, vocab_size: int) -> 
                 "0.10 or earlier; rerun `llm-fsdp prepare --force`"
             )
         return TokenBlocks(Path(source.path)).check(block_len, vocab_size)
-    return TokenBlocks(cached_copy(source)).check(block_len, vocab_size)
-
-
-def cached_copy(source: StoragePath) -> Path:
-    """`source` (on object storage) in this node's cache, downloaded once per node under a lock;
-    the copy is named by the source's size and time, so a re-prepared file is fetched anew."""
-    [info] = source.filesystem.get_file_info([source.path])
-    if info.size is None or info.size < 0:
-        raise TokenFileError(f"no {TOKEN_FILE} at {source.uri}: rerun `llm-fsdp prepare`")
-    folder = cache_folder(source)
-    folder.mkdir(parents=True, exist_ok=True)
-    target = folder / f"tokens-{info.size}-{info.mtime_ns or 0}.bin"
-    locks = private_folder(
-        Path(os.environ.get("TMPDIR", "/tmp")) / f"llm-token-locks-{os.getuid()}"
-    )
-    with locked(locks / f"{target.name}.lock"):
-        if not target.exists():
-            log.info(
-                "copying %s (%.2f GB) to this node's cache %s: object storage is read once per "
-                "node",
-                source.uri,
-                info.size / 1e9,
-                target,
-            )
-            partial = target.with_name(f"{target.name}.{own_suffix()}")
-            try:
-                with (
-                    source.filesystem.open_input_stream(source.path) as stream,
-                    open(partial, "wb") as out,
-                ):
-                    while chunk := stream.read(COPY_CHUNK_BYTES):
-                        out.write(chunk)
-                    out.flush()
-                    os.fsync(out.fileno())
-                os.replace(partial, target)
-            finally:
-                partial.unlink(missing_ok=True)
-    return target
+    return TokenBlocks(source).check(block_len, vocab_size)

@@ -45,7 +45,7 @@ from llm_fsdp.order import global_batch_indices, micro_batches
 from llm_fsdp.parallelize import UnsupportedModelError, check_parallelizable, parallelize
 from llm_fsdp.summary import SCORE, write_run_outputs
 from llm_fsdp.task import build_model
-from llm_fsdp.tokens import TokenBlocks
+from llm_fsdp.tokens import ReadAhead, TokenBlocks
 from llm_fsdp.validator import Validator
 from raytrain_common.checkpoint import resume_checkpoint
 from raytrain_common.configs import (
@@ -110,10 +110,52 @@ def take_blocks(
     if isinstance(source, torch.Tensor):
         index = torch.from_numpy(indices).pin_memory().to(device, non_blocking=True)
         return source.index_select(0, index)
-    rows = torch.from_numpy(source.take(indices)).long()
+    return to_device(source.take(indices), device)
+
+
+def to_device(rows: np.ndarray, device: torch.device) -> torch.Tensor:
+    batch = torch.from_numpy(rows).long()
     if device.type == "cuda":
-        return rows.pin_memory().to(device, non_blocking=True)
-    return rows
+        return batch.pin_memory().to(device, non_blocking=True)
+    return batch
+
+
+class StepBatches:
+    """This rank's micro-batches of each step, on the device. Step s's rows are a pure function of
+    (seed, s), cut the same way on any worker count; so, from a token file, the next step's rows
+    are read while this step trains (`ReadAhead`: on object storage each request waits tens of
+    milliseconds), and from a split staged on the GPU they are cut there."""
+
+    def __init__(
+        self,
+        source: TokenBlocks | torch.Tensor,
+        config: TrainConfig,
+        rank_of_world: tuple[int, int],
+        device: torch.device,
+        last_step: int,
+    ) -> None:
+        self.source, self.config, self.device, self.last_step = source, config, device, last_step
+        self.rank, self.world = rank_of_world
+        self.ahead = ReadAhead(source) if isinstance(source, TokenBlocks) else None
+
+    def rows(self, step: int) -> list[np.ndarray]:
+        """Block indices of this rank's micro-batches of step `step` (1-based)."""
+        config = self.config
+        rows = global_batch_indices(
+            step - 1, config.global_batch_size, len(self.source), config.seed
+        )
+        return micro_batches(rows, self.rank, self.world, config.grad_accum_steps)
+
+    def __call__(self, step: int) -> list[torch.Tensor]:
+        if self.ahead is None:
+            return [take_blocks(self.source, part, self.device) for part in self.rows(step)]
+        following = self.rows(step + 1) if step < self.last_step else None
+        rows = self.ahead.take(self.rows(step), following)
+        return [to_device(part, self.device) for part in rows]
+
+    def close(self) -> None:
+        if self.ahead is not None:
+            self.ahead.close()
 
 
 def train_step(
@@ -211,7 +253,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     micro = per_worker_batch_size(config.global_batch_size, world, config.grad_accum_steps)
     spec = ModelSpec(**loop_config["model"])
     model, optimizer = build_sharded_model(spec, info, config, device, world)
-    # The token files, read in place: a step reads its rows at their offsets (tokens.py).
+    # The token files, read in place: a step reads its rows at their offsets, on object storage by
+    # ranged requests (tokens.py); never a copy of the split.
     data_dir = resolve_storage(config.resolved_data_dir())
     train_blocks = stage_blocks(split_blocks(data_dir, "train", info), device)
     run_dir = resolve_storage(config.storage_path).join(config.run_name)
@@ -227,16 +270,10 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     if run.step == 0:  # the untrained model's loss: the curves' first point
         run.history.append({"step": 0, **validator.validate(0)})
     checkpointer.report_again_if_lost(run)
+    batches_of = StepBatches(train_blocks, config, (rank, world), device, last_step)
     try:
         for step in range(run.step + 1, last_step + 1):
-            # Step s's rows: a pure function of (seed, s), cut the same way on any worker count.
-            rows = global_batch_indices(
-                step - 1, config.global_batch_size, len(train_blocks), config.seed
-            )
-            batches = [
-                take_blocks(train_blocks, part, device)
-                for part in micro_batches(rows, rank, world, config.grad_accum_steps)
-            ]
+            batches = batches_of(step)  # this rank's rows of the step; the next step's read ahead
             loss_sum, grad_norm = train_step(model, optimizer, batches, config, step)
             run.step = step
             logger.step_end(run, loss_sum, grad_norm)
@@ -245,6 +282,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                 if checkpointer.step_end(run):
                     break
     finally:
+        batches_of.close()
         logger.close()
 
 
