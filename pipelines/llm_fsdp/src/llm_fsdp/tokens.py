@@ -15,7 +15,7 @@ truncated copy or a file of another tool fails at once, naming the fix.
 Where training reads it: in place wherever the split's folder is a path (a local disk or a shared
 mount: NFS, FSx, a PVC), with no copy; on object storage (S3, GCS) by ranged reads of the blocks a
 step asks for (one request per run of adjacent blocks, the requests of a step side by side), with
-no copy on the node either: a step of 8 blocks of 2,049 uint16 tokens transfers 32 KiB, where a
+no copy on the node either: a rank's 16 blocks of 2,049 uint16 tokens transfer 64 KiB, where a
 node-local copy of a 1 T-token file would be 2 TB before the first step. `ReadAhead` (below)
 fetches the next step's blocks while this one trains.
 """
@@ -44,7 +44,7 @@ HEADER_BYTES = 64
 UINT16_VOCAB = 1 << 16
 COPY_CHUNK_BYTES = 64 << 20
 RUN_BYTES = 8 << 20  # the most one read asks for (a long run of adjacent blocks is cut up)
-REMOTE_READS_IN_FLIGHT = 16  # ranged requests to object storage at once, per `take`
+REMOTE_READS_IN_FLIGHT = 16  # ranged requests to object storage at once, per open file
 
 
 class TokenFileError(ValueError):

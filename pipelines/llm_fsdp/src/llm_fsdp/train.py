@@ -137,6 +137,7 @@ class StepBatches:
         self.source, self.config, self.device, self.last_step = source, config, device, last_step
         self.rank, self.world = rank_of_world
         self.ahead = ReadAhead(source) if isinstance(source, TokenBlocks) else None
+        self.planned: tuple[int, list[np.ndarray]] | None = None  # the step read ahead, its rows
 
     def rows(self, step: int) -> list[np.ndarray]:
         """Block indices of this rank's micro-batches of step `step` (1-based)."""
@@ -149,8 +150,11 @@ class StepBatches:
     def __call__(self, step: int) -> list[torch.Tensor]:
         if self.ahead is None:
             return [take_blocks(self.source, part, self.device) for part in self.rows(step)]
-        following = self.rows(step + 1) if step < self.last_step else None
-        rows = self.ahead.take(self.rows(step), following)
+        planned, self.planned = self.planned, None
+        now = planned[1] if planned is not None and planned[0] == step else self.rows(step)
+        if step < self.last_step:
+            self.planned = (step + 1, self.rows(step + 1))  # each step's rows are drawn once
+        rows = self.ahead.take(now, self.planned[1] if self.planned else None)
         return [to_device(part, self.device) for part in rows]
 
     def close(self) -> None:
