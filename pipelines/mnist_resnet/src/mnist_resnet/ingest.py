@@ -11,22 +11,29 @@ CPU-only nodes those tasks run there: the nodes --ingest-node-labels selects (Ra
 deploy/rayjob/mnist_resnet.yaml).
 
 Data order, a fresh one every epoch, whatever order the source was written in (an image tree
-read class by class, a CSV sorted by date):
-- An image tree's rows are (row, id, path, label), ~100 bytes: `random_shuffle`, reseeded every
-  epoch (RandomSeedConfig with `reseed_after_execution`), draws a uniform permutation of them before
-  any file is read. Its cost per epoch is one all-to-all pass over those rows through the object
-  store: ~130 MB at 1.28 M images (ImageNet: seconds, spread over the cluster) and ~10 GB at 100 M
-  (spilled to disk past the object store: minutes, against the hours such an epoch trains). The
-  files are then read once an epoch, in the order they are trained on. A file-level shuffle of the
-  tree (`FileShuffleConfig` on `read_images`) would do the same for one-image files, but it plans
-  the whole file list in the driver's memory.
-- Pixel rows (MNIST and IDX sources: the images are in the Parquet) would carry every pixel
-  through such a shuffle, so the object store would hold the whole split at once. `prepare` wrote
-  them in a seeded random order (each file a uniform sample of the split), so a fresh order needs
-  only a fresh file order (`read_parquet(shuffle=FileShuffleConfig(...))`, reseeded every epoch;
-  `randomize_block_order` would first read every block) and a local shuffle buffer of
-  LOCAL_SHUFFLE_ROWS in each worker (`iter_torch_batches(local_shuffle_buffer_size=...)`, seeded
-  by the epoch): memory of a few blocks whatever the split's size.
+read class by class, a CSV sorted by date). `prepare` wrote every split's rows in a seeded uniform
+permutation, ROWS_PER_FILE to a Parquet file, so each file is a uniform sample of the split; an
+epoch needs only a fresh order of files and a fresh order within what streams, never a pass over
+the whole split before the first batch:
+- The files are read in a fresh order every epoch (`read_parquet(shuffle=FileShuffleConfig(...))`,
+  reseeded every execution; `randomize_block_order` would first read every block).
+- An image tree's rows (row, id, path, label), ~100 bytes each, are then permuted in windows of
+  MIX_ROWS (8 files' worth, ~8 MB) before any image is read: Ray Data draws a random key per row
+  (`expressions.random`, reseeded every execution) and one task sorts each window by it
+  (`mix_window`). The first batch waits for one window, not for the split; per epoch each row is
+  read once (~130 MB of rows at 1.28 M images, ~10 GB at 100 M, streamed) and sorted within its
+  window. How close to a uniform permutation: a split of up to MIX_ROWS rows is one window, a
+  uniform permutation; past that, a row's position is uniform over the epoch (its file's place is)
+  and each batch is a uniform draw from its window, whose files are each a uniform sample of the
+  split, so a batch's class mix is a uniform permutation's. What differs: rows of one file
+  (10,000) always train within the same window of an epoch, beside 7 other files drawn afresh
+  each epoch (of 128 files at 1.28 M images, of 10,000 at 100 M). An all-to-all `random_shuffle`
+  of the list (mnist-resnet 0.15 and before) was exact, but held the whole list in the object
+  store before the first image was read: ~10 GB at 100 M images, over the RayJob's ingest pods.
+- Pixel rows (MNIST and the IDX sources: the images are in the Parquet) are large, so they are
+  mixed after decoding, in a local shuffle buffer of LOCAL_SHUFFLE_ROWS in each worker
+  (`iter_torch_batches(local_shuffle_buffer_size=...)`, seeded by the epoch): memory of a few
+  blocks whatever the split's size.
 
 Exactly once per epoch: the epoch trains floor(N / global batch) full global batches; the equal
 split (`streaming_split(equal=True)`, DataConfig's default) gives every worker the same number of
@@ -55,8 +62,9 @@ import ray.train
 import ray.train.torch
 import torch
 import torch.distributed as dist
-from ray.data import ExecutionOptions, FileShuffleConfig, RandomSeedConfig
+from ray.data import ExecutionOptions, FileShuffleConfig
 from ray.data.collate_fn import NumpyBatchCollateFn
+from ray.data.expressions import random as random_column
 from ray.train import DataConfig
 
 from mnist_resnet.data import DATASET_FILE, DatasetInfo, Split, split_folder
@@ -64,6 +72,7 @@ from mnist_resnet.transforms import (
     augment,
     bits_set,
     drop_trained,
+    mix_window,
     pixels_from_bytes,
     pixels_from_files,
 )
@@ -80,6 +89,8 @@ VAL = "val"
 POSITION_FILE = "epoch_rows.npz"  # beside state.pt in every checkpoint: the epoch and its bitmap
 LOCAL_SHUFFLE_ROWS = 4096  # pixel rows mixed in each worker's buffer (3 MiB of MNIST)
 DECODE_BATCH = 256  # rows per Ray Data decode task batch: a few MB of pixels at the largest side
+MIX_ROWS = 80_000  # an image tree's rows permuted together: 8 of prepare's files, ~8 MB
+MIX_KEY = "_mix"  # the random column a window is sorted by, dropped by mix_window
 
 
 class DataShardError(RuntimeError):
@@ -111,6 +122,7 @@ class ImageData:
     limit_train_rows: int | None = None
     limit_val_rows: int | None = None
     progress_bars: bool = False  # Ray Data's bars on the console (--verbose)
+    mix_rows: int = MIX_ROWS  # an image tree's rows permuted together each epoch
 
     def rows(
         self, split: str, limit: int | None, file_order: FileShuffleConfig | None = None
@@ -161,16 +173,19 @@ class ImageData:
 
     def shuffled(self, epoch: int, trained: np.ndarray | None = None) -> ray.data.Dataset:
         """The training rows (less those in the bitmap `trained`) in a fresh order every execution
-        (every epoch), seeded by the run's seed and the epoch it starts at, so a rerun does not
-        replay the first run's orders; then decoded and augmented."""
+        (every epoch: files, then an image tree's rows in windows; see the module's docstring),
+        seeded by the run's seed and the epoch it starts at, so a rerun does not replay the first
+        run's orders; then decoded and augmented."""
         seed = epoch_seed(self.seed, epoch)
-        tree = bool(self.info.get("image_root"))
-        file_order = None if tree else FileShuffleConfig(seed, reseed_after_execution=True)
+        file_order = FileShuffleConfig(seed, reseed_after_execution=True)
         rows = self.rows(TRAIN, self.limit_train_rows, file_order)
         if trained is not None:
             rows = rows.map_batches(drop_trained, fn_kwargs={"trained": trained})
-        if tree:
-            rows = rows.random_shuffle(seed=RandomSeedConfig(seed, reseed_after_execution=True))
+        if self.info.get("image_root"):
+            keyed = rows.with_column(MIX_KEY, random_column(seed=seed, reseed_after_execution=True))
+            rows = keyed.map_batches(
+                mix_window, batch_size=self.mix_rows, fn_kwargs={"key": MIX_KEY}
+            )
         decoded = self.decoded(rows, training=True)
         if self.augment in ("crop", "crop-flip"):  # "photo" crops while decoding
             pad = max(1, self.info["height"] // 8)
@@ -183,7 +198,7 @@ class ImageData:
     @property
     def local_shuffle_rows(self) -> int | None:
         """The local shuffle buffer a worker reads pixel rows through (None for an image tree,
-        whose rows were shuffled whole, and whose decoded images are large)."""
+        whose rows were mixed before decoding, and whose decoded images are large)."""
         return None if self.info.get("image_root") else LOCAL_SHUFFLE_ROWS
 
     def train(self) -> ray.data.Dataset:

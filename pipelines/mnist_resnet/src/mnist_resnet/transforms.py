@@ -41,7 +41,16 @@ def to_nchw(images: np.ndarray) -> np.ndarray:
 def pixels_from_bytes(
     batch: dict[str, np.ndarray], height: int, width: int, channels: int
 ) -> dict[str, np.ndarray]:
-    """Raw pixel rows (MNIST, IDX sources) → uint8 (n, C, H, W)."""
+    """Raw pixel rows (MNIST, IDX sources) → uint8 (n, C, H, W); an error naming the sizes when a
+    row is not height × width × channels bytes (inspect_dataset checks only the extremes)."""
+    expected = height * width * channels
+    lengths = {len(image) for image in batch["image"]}
+    if lengths - {expected}:
+        raise ValueError(
+            f"pixel rows of {sorted(lengths)} bytes among rows {batch['row'][:3]}...; expected "
+            f"{height}×{width}×{channels} = {expected} bytes each (dataset.json): the prepared "
+            "Parquet was changed since `mnist-resnet prepare`; run it again with --force"
+        )
     flat = np.frombuffer(b"".join(batch["image"]), dtype=np.uint8)
     images = to_nchw(flat.reshape(len(batch["row"]), height, width, channels))
     return {
@@ -185,3 +194,10 @@ def drop_trained(batch: dict[str, np.ndarray], trained: np.ndarray) -> dict[str,
     """The rows of `batch` whose positions (`row`) are not set in the bitmap `trained`."""
     keep = ~bits_set(trained, batch["row"])
     return {name: column[keep] for name, column in batch.items()}
+
+
+def mix_window(batch: dict[str, np.ndarray], key: str) -> dict[str, np.ndarray]:
+    """The rows of one window in the order of their random `key` column (drawn by Ray Data,
+    reseeded every execution), the key dropped: a uniform permutation of the window."""
+    order = np.argsort(batch[key], kind="stable")
+    return {name: column[order] for name, column in batch.items() if name != key}
