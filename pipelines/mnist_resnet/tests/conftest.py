@@ -49,6 +49,20 @@ def small_config() -> Callable[..., TrainConfig]:
     return cpu_config_for_tests
 
 
+@pytest.fixture(scope="session")
+def whole_data_config() -> Callable[..., TrainConfig]:
+    """The test preset on every row of a small prepared dataset (no --limit-*-rows), batches of
+    64: for the image trees the tests write."""
+
+    def config(storage: Path, data_dir: StoragePath, **changes: Any) -> TrainConfig:
+        whole = {"limit_train_rows": None, "limit_val_rows": None, "limit_test_rows": None}
+        return cpu_config_for_tests(
+            storage, data_dir, **{"global_batch_size": 64, **whole, **changes}
+        )
+
+    return config
+
+
 @pytest.fixture
 def write_idx() -> Callable[[Path, np.ndarray], None]:
     return write_idx_file

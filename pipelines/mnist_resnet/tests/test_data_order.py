@@ -285,7 +285,7 @@ def test_a_phone_photo_stored_sideways_is_read_upright(tmp_path: Path) -> None:
 
 @pytest.mark.ray
 def test_a_class_sorted_image_tree_on_s3_trains_to_high_test_accuracy_without_a_copy(
-    small_config: Callable[..., Any],
+    whole_data_config: Callable[..., Any],
     ray_cluster: None,
     s3_bucket: tuple[Any, str],
     tmp_path: Path,
@@ -322,17 +322,7 @@ def test_a_class_sorted_image_tree_on_s3_trains_to_high_test_accuracy_without_a_
     assert (data_dir / "bad_files.csv").read_text().splitlines() == ["file,reason"]
     assert sum(p.stat().st_size for p in data_dir.rglob("*.parquet")) < 200_000  # lists, no pixels
 
-    config = small_config(
-        tmp_path,
-        resolve_storage(data_dir),
-        run_name="sorted",
-        epochs=3,
-        global_batch_size=64,
-        lr=0.05,
-        limit_train_rows=None,
-        limit_val_rows=None,
-        limit_test_rows=None,
-    )
+    config = whole_data_config(tmp_path, resolve_storage(data_dir), run_name="sorted", epochs=3)
     summary = run(config)
     assert summary["test"]["test_rows"] == 1000
     assert summary["test"]["test_accuracy"] >= 0.95  # majority class ~0.11; shuffled: ~0.97

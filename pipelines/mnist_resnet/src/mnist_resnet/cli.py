@@ -129,6 +129,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
             validation_fraction=config.validation_fraction,
             seed=config.seed,
             max_bad_fraction=config.max_bad_fraction,
+            shards=config.shards,
         )
     shape = f"{info.height}×{info.width}" + ("" if info.channels == 1 else f"×{info.channels}")
     names = info.class_names or []

@@ -61,6 +61,13 @@ class PrepareConfig(DataLocation, ConsoleSettings):
         "tree (a wrong folder or a broken copy, more likely). 0.05 suits a scraped collection.",
     )
     force: bool = option(False, "Rewrite a dataset prepared before.")
+    shards: bool = option(
+        False,
+        "Copy an image tree's files, encoded as they are (no decoding), into the prepared Parquet "
+        "files, 1,000 images each, so training reads one object per shard and never the tree: "
+        "for many small files on S3/GCS (one request per image otherwise), or a tree that will "
+        "not stay where it is.",
+    )
 
 
 @dataclass(kw_only=True)

@@ -78,6 +78,19 @@ class DatasetInfo:
     format: int = 1  # FORMAT since rows carry stable ids; 1 and 2: earlier versions
     fingerprint: str = ""  # of every split's (id, label) rows: what a checkpoint was trained on
     bad_files: int = 0  # files of an image tree left out by prepare's check (bad_files.csv)
+    shards: bool = False  # rows hold each image's file, encoded as it was (prepare --shards)
+
+    @property
+    def content(self) -> str:
+        """What a row holds of its image: `path` (an image tree's file, read where it is),
+        `encoded` (that file's bytes, in a shard) or `image` (raw pixels: MNIST, IDX)."""
+        return "encoded" if self.shards else "path" if self.image_root else "image"
+
+    @property
+    def decodes_files(self) -> bool:
+        """Training decodes each image from its original file every epoch (a tree or its
+        shards), so any --image-size needs no new prepare."""
+        return self.content != "image"
 
     def class_name(self, label: int) -> str:
         return self.class_names[label] if self.class_names else str(label)
@@ -146,15 +159,16 @@ def check_parquet_file(file: StoragePath, info: DatasetInfo) -> int:
             f"{file} has labels {labels[0]}..{labels[1]}, outside 0..{info.num_classes - 1} "
             f"(num_classes={info.num_classes} in {DATASET_FILE})"
         )
-    if not info.image_root:
+    if info.content == "image":
         check_pixel_lengths(file, metadata, info)
     return int(metadata.num_rows)
 
 
 def check_columns(file: StoragePath, schema: pa.Schema, info: DatasetInfo) -> None:
-    content = "path" if info.image_root else "image"
+    content = info.content
     expected = {"row": pa.types.is_integer, "id": pa.types.is_integer, "label": pa.types.is_integer}
-    expected[content] = pa.types.is_string if info.image_root else pa.types.is_binary
+    expected[content] = pa.types.is_string if content == "path" else pa.types.is_binary
+    kind = "string" if content == "path" else "binary"
     missing = set(expected) - set(schema.names)
     if missing:
         raise DataError(
@@ -167,7 +181,7 @@ def check_columns(file: StoragePath, schema: pa.Schema, info: DatasetInfo) -> No
         raise DataError(
             f"{file}: column(s) {wrong} have type(s) "
             f"{[str(schema.field(name).type) for name in wrong]}; expected integer row, id "
-            f"and label, and {'string' if info.image_root else 'binary'} {content}"
+            f"and label, and {kind} {content}"
         )
 
 

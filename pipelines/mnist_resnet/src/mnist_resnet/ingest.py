@@ -78,6 +78,7 @@ from mnist_resnet.transforms import (
     mix_window,
     pixels_from_bytes,
     pixels_from_files,
+    pixels_from_shards,
 )
 from raytrain_common.checkpoint import newest_complete_checkpoint
 from raytrain_common.storage import StoragePath, resolve_storage
@@ -93,6 +94,7 @@ POSITION_FILE = "epoch_rows.npz"  # beside state.pt in every checkpoint: the epo
 LOCAL_SHUFFLE_ROWS = 4096  # pixel rows mixed in each worker's buffer (3 MiB of MNIST)
 DECODE_BATCH = 256  # rows per Ray Data decode task batch: a few MB of pixels at the largest side
 MIX_ROWS = 80_000  # an image tree's rows permuted together: 8 of prepare's files, ~8 MB
+SHARD_MIX_ROWS = 4_000  # shard rows (an encoded image each) permuted together: 4 shards
 MIX_KEY = "_mix"  # the random column a window is sorted by, dropped by mix_window
 
 
@@ -146,24 +148,23 @@ class ImageData:
 
     def decoded(self, rows: ray.data.Dataset, training: bool = False) -> ray.data.Dataset:
         """Rows → {row, label, image: uint8 (C, H, W), decode_node}, decoded in Ray Data tasks;
-        an image tree's training rows also carry `error`, why a file was skipped (TrainingBatch),
-        and are cropped by the photo recipe when it is the run's augmentation."""
-        info = self.info
-        if info.get("image_root"):
-            photo = training and self.augment == "photo"
-            files = {"root_uri": info["image_root"], "side": info["height"]}
-            return rows.map_batches(
-                pixels_from_files,
-                batch_size=DECODE_BATCH,
-                fn_kwargs={
-                    **files,
-                    "channels": info["channels"],
-                    "error_column": training,
-                    "crop_scale": self.crop_scale if photo else None,
-                },
-            )
-        pixels = {"height": info["height"], "width": info["width"], "channels": info["channels"]}
-        return rows.map_batches(pixels_from_bytes, batch_size=DECODE_BATCH, fn_kwargs=pixels)
+        an image tree's or its shards' training rows also carry `error`, why a file was skipped
+        (TrainingBatch), and are cropped by the photo recipe when it is the run's augmentation."""
+        info = DatasetInfo(**self.info)
+        if info.content == "image":
+            pixels = {"height": info.height, "width": info.width, "channels": info.channels}
+            return rows.map_batches(pixels_from_bytes, batch_size=DECODE_BATCH, fn_kwargs=pixels)
+        photo = training and self.augment == "photo"
+        options: dict[str, Any] = {
+            "side": info.height,
+            "channels": info.channels,
+            "error_column": training,
+            "crop_scale": self.crop_scale if photo else None,
+        }
+        if info.content == "encoded":
+            return rows.map_batches(pixels_from_shards, batch_size=DECODE_BATCH, fn_kwargs=options)
+        options["root_uri"] = info.image_root
+        return rows.map_batches(pixels_from_files, batch_size=DECODE_BATCH, fn_kwargs=options)
 
     def position(self) -> tuple[int, np.ndarray | None]:
         """(epoch in progress, bitmap of its rows trained) of the run's newest checkpoint;
@@ -184,11 +185,11 @@ class ImageData:
         rows = self.rows(TRAIN, self.limit_train_rows, file_order)
         if trained is not None:
             rows = rows.map_batches(drop_trained, fn_kwargs={"trained": trained})
-        if self.info.get("image_root"):
+        content = DatasetInfo(**self.info).content
+        if content != "image":  # path or encoded rows: mixed before decoding
+            window = self.mix_rows if content == "path" else SHARD_MIX_ROWS
             keyed = rows.with_column(MIX_KEY, random_column(seed=seed, reseed_after_execution=True))
-            rows = keyed.map_batches(
-                mix_window, batch_size=self.mix_rows, fn_kwargs={"key": MIX_KEY}
-            )
+            rows = keyed.map_batches(mix_window, batch_size=window, fn_kwargs={"key": MIX_KEY})
         decoded = self.decoded(rows, training=True)
         if self.augment in ("crop", "crop-flip"):  # "photo" crops while decoding
             pad = max(1, self.info["height"] // 8)
@@ -200,9 +201,9 @@ class ImageData:
 
     @property
     def local_shuffle_rows(self) -> int | None:
-        """The local shuffle buffer a worker reads pixel rows through (None for an image tree,
-        whose rows were mixed before decoding, and whose decoded images are large)."""
-        return None if self.info.get("image_root") else LOCAL_SHUFFLE_ROWS
+        """The local shuffle buffer a worker reads pixel rows through (None for an image tree and
+        its shards, whose rows were mixed before decoding, and whose decoded images are large)."""
+        return None if DatasetInfo(**self.info).decodes_files else LOCAL_SHUFFLE_ROWS
 
     def train(self) -> ray.data.Dataset:
         """The training split, in a fresh order every epoch."""

@@ -354,18 +354,27 @@ def prepare(
     validation_fraction: float = 0.1,
     seed: int = 0,
     max_bad_fraction: float = 0.01,
+    shards: bool = False,
 ) -> DatasetInfo:
     """Write the source's train, validation (carved when it has none) and test splits as Parquet.
+    With `shards`, an image tree's files are copied, encoded as they are, into the splits' Parquet
+    files (SHARD_ROWS images each), so training reads one object per shard, not per image.
     An image tree (local, NFS, s3://, gs://) is listed, not copied, and every file of it decoded
     once by Ray Data tasks: the ones that fail are left out and listed in bad_files.csv (refused
     above `max_bad_fraction`); training decodes the rest (prepare_tree.py). An IDX folder is
     memory-mapped; MNIST itself (the wheel, torchvision) is read whole: its size is fixed."""
     check_prepare_options(image_size, test_fraction, validation_fraction, max_bad_fraction)
-    existing = prepared_already(data_dir, source, image_size, force)
+    tree = image_tree.is_image_tree(source)
+    if shards and not tree:
+        raise DataError(
+            f"--shards writes an image tree's files as shards; {source!r} is not an image tree "
+            "(MNIST and IDX sources are written as pixel rows, already one read per file)"
+        )
+    existing = prepared_already(data_dir, source, image_size, force, shards)
     if existing is not None:
         return existing
     check_output_folder(data_dir, DATASET_FILE)  # the user's own files: refused before any work
-    if image_tree.is_image_tree(source):
+    if tree:
         return prepare_image_tree(
             source,
             data_dir,
@@ -373,6 +382,7 @@ def prepare(
             fractions=(test_fraction, validation_fraction),
             seed=seed,
             max_bad_fraction=max_bad_fraction,
+            shards=shards,
         )
     loaded = load_source(source, download_root)
     train, test, val = loaded.train, loaded.test, loaded.val
@@ -416,10 +426,12 @@ def prepare_image_tree(
     fractions: tuple[float, float],
     seed: int,
     max_bad_fraction: float,
+    shards: bool = False,
 ) -> DatasetInfo:
     """An image tree prepared streamed (prepare_tree.py): checked and refused before anything is
     written, then carved, ordered and written a file at a time, so neither this process nor any
-    task holds the tree's file list."""
+    task holds the tree's file list. With `shards`, Ray tasks copy each file's rows' images into
+    it (prepare_tree.ShardWriter)."""
     tree = prepare_tree.check_tree(source, seed, max_bad_fraction)
     summary = tree.summary
     modes = dict(sorted(summary.modes.items()))
@@ -445,12 +457,21 @@ def prepare_image_tree(
     unmark_remote(data_dir)
     with staged_folder(data_dir, DATASET_FILE) as staging:
         folders = {name: fresh_folder(staging, name) for name in SPLITS}
-        writer = prepare_tree.write_tree_splits(
-            tree,
-            carve_plan,
-            lambda split, index, table: write_part(folders[split], index, table),
-            ROWS_PER_FILE,
-        )
+        shard_writer = prepare_tree.ShardWriter(tree.root.uri) if shards else None
+
+        def write(split: str, index: int, table: pa.Table) -> None:
+            if shard_writer is None:
+                write_part(folders[split], index, table)
+            else:
+                shard_writer.submit(table, folders[split].join(f"part-{index:03d}.parquet"))
+
+        rows_per_file = prepare_tree.SHARD_ROWS if shards else ROWS_PER_FILE
+        writer = prepare_tree.write_tree_splits(tree, carve_plan, write, rows_per_file)
+        if shard_writer is not None:
+            notes["shards"] = (
+                f"{shard_writer.finish() / 2**20:.1f} MiB of {tree.root.uri}'s files in shards "
+                f"of {rows_per_file} images, encoded as they were"
+            )
         if dict(writer.rows) != sizes:
             raise DataError(f"prepare wrote {dict(writer.rows)} rows, not the {sizes} planned")
         bad_rows = prepare_tree.bad_files_rows(tree.listed, tree.root.uri, summary.bad)
@@ -471,10 +492,11 @@ def prepare_image_tree(
             channels=channels,
             class_names=tree.class_names,
             notes=notes,
-            image_root=tree.root.uri,
+            image_root=None if shards else tree.root.uri,
             format=FORMAT,
             fingerprint=prepare_tree.tree_fingerprint(source_id, side, channels, writer),
             bad_files=summary.bad,
+            shards=shards,
         )
         staging.join(DATASET_FILE).write_text(json.dumps(asdict(info), indent=2) + "\n")
     return info
@@ -512,10 +534,11 @@ def check_prepare_options(
 
 
 def prepared_already(
-    data_dir: StoragePath, source: str, image_size: int | None, force: bool
+    data_dir: StoragePath, source: str, image_size: int | None, force: bool, shards: bool = False
 ) -> DatasetInfo | None:
-    """The dataset in `data_dir` when it was prepared from `source` at this size (and no --force);
-    a refusal when it holds another preparation; None when there is none, or --force rewrites."""
+    """The dataset in `data_dir` when it was prepared from `source` at this size, as shards or not
+    as asked (and no --force); a refusal when it holds another preparation; None when there is
+    none, or --force rewrites."""
     marker = data_dir.join(DATASET_FILE)
     if not marker.exists() or force:
         return None
@@ -525,14 +548,16 @@ def prepared_already(
             f"{data_dir} was prepared by an earlier version "
             "(without stable row ids): pass --force to prepare it again"
         )
-    if info.source == _source_id(source) and image_size in (None, info.height):
+    same = info.source == _source_id(source) and image_size in (None, info.height)
+    if same and info.shards == shards:
         log.info("%s is already prepared from %s; nothing to do", data_dir, info.source)
         return info
+    held = "shards" if info.shards else "data"
+    asked = f"{_source_id(source)!r}" + (f" at {image_size}×{image_size}" if image_size else "")
     raise DataError(
-        f"{data_dir} already holds data prepared from {info.source!r} at {info.height}×"
-        f"{info.width}, not {_source_id(source)!r}"
-        + (f" at {image_size}×{image_size}" if image_size else "")
-        + ": pass --force to replace it, or choose another --data-dir"
+        f"{data_dir} already holds {held} prepared from {info.source!r} at {info.height}×"
+        f"{info.width}, not {'shards of ' if shards else ''}{asked}"
+        ": pass --force to replace it, or choose another --data-dir"
     )
 
 

@@ -54,6 +54,7 @@ LIST_PAGE = 4096
 IMAGE, OTHER, BAD_NAME = "image", "other", "bad-name"  # a listed file's kind
 ORDER_KEY = b"row-order"  # with the seed: the hash the rows of a split are ordered by
 MAX_CLASSES = 1000  # class folders a tree may have (and the largest label + 1 of an IDX source)
+SHARD_ROWS = 1_000  # images a shard holds (prepare --shards): ~100 MB of ImageNet's JPEGs
 STATS_SAMPLE = 2048  # training images decoded for the mean and std (±0.5 % of the full split's)
 
 
@@ -615,3 +616,70 @@ def tree_fingerprint(source: str, side: int, channels: int, writer: SplitWriter)
     digest.update(json.dumps([source, side, channels, "rows by seeded path hash"]).encode())
     digest.update(writer.digest.digest())
     return digest.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------
+# prepare --shards: the files copied, encoded as they are, into the splits' Parquet files
+# ---------------------------------------------------------------------------------------------
+
+
+def write_shard(rows: pa.Table, root_uri: str, target_uri: str) -> int:
+    """One shard, in a Ray task: its rows' files fetched (16 at once) and written with their bytes
+    as they are (no decoding: a JPEG stays a JPEG), beside row, id and label; its bytes."""
+    import functools
+
+    import pyarrow.parquet as pq
+
+    from mnist_resnet.transforms import fetch, image_root
+    from raytrain_common.storage import resolve_storage, write_atomic
+
+    root = image_root(root_uri)
+    paths = rows.column("path").to_pylist()
+    encoded = []
+    for path, stream in zip(paths, fetch(root, paths), strict=True):
+        if isinstance(stream, OSError):
+            raise DataError(
+                f"{posixpath.join(root.uri, path)} cannot be read for its shard ({stream}): it "
+                "changed since prepare checked it; run prepare again"
+            )
+        encoded.append(stream.getvalue())
+    table = pa.table(
+        {
+            "row": rows.column("row"),
+            "id": rows.column("id"),
+            "encoded": pa.array(encoded, pa.binary()),
+            "label": rows.column("label"),
+        }
+    )
+    write_atomic(resolve_storage(target_uri), functools.partial(pq.write_table, table))
+    return sum(len(data) for data in encoded)
+
+
+class ShardWriter:
+    """Submits `write_shard` as Ray tasks spread over the cluster, at most two per CPU at once (the
+    driver holds their references and one shard's rows each, whatever the tree's size)."""
+
+    def __init__(self, root_uri: str) -> None:
+        import ray
+
+        self.root_uri = root_uri
+        self.task = ray.remote(write_shard)
+        self.limit = max(2, 2 * int(ray.cluster_resources().get("CPU", 1)))
+        self.pending: list[Any] = []
+        self.bytes = 0
+
+    def submit(self, rows: pa.Table, target: StoragePath) -> None:
+        import ray
+
+        while len(self.pending) >= self.limit:
+            done, self.pending = ray.wait(self.pending, num_returns=1)
+            self.bytes += sum(ray.get(done))
+        self.pending.append(self.task.remote(rows, self.root_uri, target.uri))
+
+    def finish(self) -> int:
+        """Waits for every shard; the bytes written."""
+        import ray
+
+        self.bytes += sum(ray.get(self.pending))
+        self.pending = []
+        return self.bytes

@@ -236,7 +236,7 @@ def decoded_side(info: DatasetInfo, image_size: int | None) -> DatasetInfo:
     """The dataset as this run decodes it: an RGB image tree at --image-size when given (its files
     are decoded from the originals every epoch, so any side needs no new prepare); the checkpoint
     records it, so validation, test and predict decode at the side the model trained on."""
-    if image_size is None or not info.image_root or info.channels != 3:
+    if image_size is None or not info.decodes_files or info.channels != 3:
         return info
     return dataclasses.replace(info, height=image_size, width=image_size)
 
@@ -274,7 +274,7 @@ def run(config: TrainConfig, callbacks: Sequence[UserCallback] = ()) -> dict[str
         info=dataclasses.asdict(info),
         run_dir=run_dir.uri,
         seed=config.seed,
-        augment=config.resolved_augment(info.image_root is not None, info.channels),
+        augment=config.resolved_augment(info.decodes_files, info.channels),
         crop_scale=config.crop_scale,
         limit_train_rows=config.limit_train_rows,
         limit_val_rows=config.limit_val_rows,

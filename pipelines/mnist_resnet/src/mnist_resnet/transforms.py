@@ -89,11 +89,6 @@ def fetch(root: StoragePath, paths: list[str]) -> list[io.BytesIO | OSError]:
         return list(pool.map(functools.partial(read_file, root), paths))
 
 
-def failure(root: StoragePath, path: str, error: BaseException) -> str:
-    """What bad_files.csv and the training log say of a file: where it is and why it failed."""
-    return f"{posixpath.join(root.uri, path)} ({type(error).__name__}: {error})"
-
-
 def check_files(batch: dict[str, np.ndarray], root_uri: str) -> dict[str, np.ndarray]:
     """prepare's check of every file of a tree, in Ray Data tasks across the cluster: each image
     file (`kind` "image") read and decoded whole (images.check_image); the batch comes back with
@@ -126,7 +121,37 @@ def pixels_from_files(
     crop_scale: float | None = None,
 ) -> dict[str, np.ndarray]:
     """An image tree's (path) rows → uint8 (n, C, side, side), the files fetched in parallel and
-    decoded here, in the Ray Data task.
+    decoded here, in the Ray Data task (`decode_rows`)."""
+    root = image_root(root_uri)
+    paths = [str(path) for path in batch["path"]]
+    where = [posixpath.join(root.uri, path) for path in paths]
+    return decode_rows(batch, fetch(root, paths), where, side, channels, error_column, crop_scale)
+
+
+def pixels_from_shards(
+    batch: dict[str, np.ndarray],
+    side: int,
+    channels: int,
+    error_column: bool = False,
+    crop_scale: float | None = None,
+) -> dict[str, np.ndarray]:
+    """Shard rows (each image's file, encoded as it was: prepare --shards) → uint8 (n, C, side,
+    side), decoded here, in the Ray Data task (`decode_rows`)."""
+    streams: list[io.BytesIO | OSError] = [io.BytesIO(data) for data in batch["encoded"]]
+    where = [f"the image with id {int(image_id)}" for image_id in batch["id"]]
+    return decode_rows(batch, streams, where, side, channels, error_column, crop_scale)
+
+
+def decode_rows(
+    batch: dict[str, np.ndarray],
+    streams: list[io.BytesIO | OSError],
+    where: list[str],
+    side: int,
+    channels: int,
+    error_column: bool,
+    crop_scale: float | None,
+) -> dict[str, np.ndarray]:
+    """Each row's image decoded from its stream (`where` names it in errors).
 
     A file that fails (changed or removed since `prepare` checked it) never stops the run: its row
     keeps its place with blank pixels and the label SKIPPED_LABEL, which the loss and the metrics
@@ -137,12 +162,9 @@ def pixels_from_files(
     from mnist_resnet.images import RandomResizedCrop, load_image
 
     crop = None if crop_scale is None else RandomResizedCrop(min_scale=crop_scale)
-
-    root = image_root(root_uri)
-    paths = [str(path) for path in batch["path"]]
     labels = np.array(batch["label"], dtype=np.int64, copy=True)
     decoded, errors = [], []
-    for index, (path, stream) in enumerate(zip(paths, fetch(root, paths), strict=True)):
+    for index, (name, stream) in enumerate(zip(where, streams, strict=True)):
         try:
             if isinstance(stream, OSError):
                 raise stream
@@ -151,13 +173,14 @@ def pixels_from_files(
         except (OSError, ValueError, SyntaxError) as error:  # PIL's decoders raise all three
             decoded.append(np.zeros((side, side, channels)[: 3 if channels == 3 else 2], np.uint8))
             labels[index] = SKIPPED_LABEL
-            errors.append(failure(root, path, error))
-    images = to_nchw(np.stack(decoded).reshape(len(paths), side, side, channels))
+            errors.append(f"{name} ({type(error).__name__}: {error})")
+    count = len(where)
+    images = to_nchw(np.stack(decoded).reshape(count, side, side, channels))
     columns = {
         "row": batch["row"],
         "label": labels,
         "image": images,
-        "decode_node": np.full(len(paths), node_tag(), dtype=np.int64),
+        "decode_node": np.full(count, node_tag(), dtype=np.int64),
     }
     if error_column:
         columns["error"] = np.array(errors, dtype=object)
