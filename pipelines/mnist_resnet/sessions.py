@@ -66,6 +66,15 @@ def bench_order(session: nox.Session) -> None:
     run_in_stack(session, python, "-m", f"{PACKAGE}.bench_epoch_order", *session.posargs)
 
 
+@nox.session(name="bench_images", venv_backend="none")
+def bench_images(session: nox.Session) -> None:
+    """A synthetic JPEG tree at 1×, 4× and 16× 80,000 files, in place and as shards: prepare's
+    time and driver memory, train's first step and memory, ratios to 1×
+    (`python -m mnist_resnet.bench_images`; ~15 minutes and 6 GB of disk here)."""
+    python = stack_python(session)
+    run_in_stack(session, python, "-m", f"{PACKAGE}.bench_images", *session.posargs)
+
+
 @nox.session(name=SWEEP_SESSION, venv_backend="none")
 def sweep(session: nox.Session) -> None:
     """Ray Tune with ASHA over lr, batch size, warm-up and weight decay at a CPU size (~8 minutes

@@ -3,9 +3,10 @@
 `get_dataset_shard(...).iter_torch_batches`.
 
 A prepared split is Parquet of small rows, `row` (0..N-1, the position), `id` (stable: a file's path
-hash), `label`, and either `image` (raw pixels: MNIST and the IDX sources) or `path` (an image
-tree's file, relative to the tree, which stays where it is: a local disk, NFS, S3 or GCS). Each
-epoch, Ray Data tasks read those rows, shuffle them, read and decode the files (resize, crop),
+hash), `label`, and either `image` (raw pixels: MNIST and the IDX sources), `path` (an image
+tree's file, relative to the tree, which stays where it is: a local disk, NFS, S3 or GCS) or
+`encoded` (that file's bytes as they are, with `prepare --shards`). Each
+epoch, Ray Data tasks read those rows in a fresh order, read and decode the files (resize, crop),
 augment, and stream the pixels to the workers; no node holds a copy of the split. On a cluster with
 CPU-only nodes those tasks run there: the nodes --ingest-node-labels selects (Ray's node labels; see
 deploy/rayjob/mnist_resnet.yaml).
@@ -33,6 +34,9 @@ the whole split before the first batch:
   all-to-all `random_shuffle` of the list (mnist-resnet 0.15 and before) was exact, but held the
   whole list in the object store before the first image was read: ~10 GB at 100 M images, over
   the RayJob's ingest pods.
+- Shard rows (`prepare --shards`: each image's file, encoded, in the Parquet) are mixed the same
+  way in windows of SHARD_MIX_ROWS (4 shards of 1,000 images: ~400 MB of ImageNet's JPEGs), then
+  decoded (`pixels_from_shards`): a shard is read whole once an epoch, one request on S3.
 - Pixel rows (MNIST and the IDX sources: the images are in the Parquet) are large, so they are
   mixed after decoding, in a local shuffle buffer of LOCAL_SHUFFLE_ROWS in each worker
   (`iter_torch_batches(local_shuffle_buffer_size=...)`, seeded by the epoch): memory of a few

@@ -110,7 +110,6 @@ def write_run_outputs(
         # Files that failed to decode in training (changed or removed since prepare), each epoch's
         # count as in metrics.csv; the ranks' logs name them. prepare's own: dataset.bad_files.
         "skipped_files": [int(row.get("skipped_files", 0)) for row in history],
-        "worker_peak_rss_mb": state.get("worker_peak_rss_mb"),
         "peak_memory_gb": max(
             (r["peak_memory_gb"] for r in history if "peak_memory_gb" in r), default=None
         ),
@@ -131,6 +130,7 @@ def run_progress(state: dict[str, Any], steps: int) -> dict[str, Any]:
         "stopped_mid_epoch": state.get("position") is not None,
         "startup_s": state.get("startup_s"),
         "first_batch_s": state.get("first_batch_s"),
+        "worker_peak_rss_mb": state.get("worker_peak_rss_mb"),  # stopped runs' too
         **FaultLog(**state.get("faults", {})).summary(),
     }
 
