@@ -89,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-images-") as temporary:
         root = Path(args.folder or temporary)
         tree = root / "tree"
+        if tree.exists():  # its files would count at every scale
+            parser.error(f"{tree} exists: give a new or empty --folder")
         written = 0
         for scale in scales:  # the tree grows in place: the files of 1× are among 4×'s
             files = scale * args.base
