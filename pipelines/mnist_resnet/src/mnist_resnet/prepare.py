@@ -275,15 +275,15 @@ def pixel_table(split: Split, rows: np.ndarray) -> pa.Table:
     )
 
 
-def split_tables(split: Split, seed: int, rows_per_file: int = ROWS_PER_FILE) -> Iterator[pa.Table]:
+def split_tables(split: Split, seed: int) -> Iterator[pa.Table]:
     """The split's rows in a seeded random order (a sorted source's first rows would be one
     class; training's fresh order every epoch relies on each file being a uniform sample, see
     ingest.py), a file's worth at a time: `row` counts in that order (the position training's
     bitmaps and --limit-*-rows use), `id` is the row's stable identity (the source's own row
     number)."""
     order = np.random.default_rng([seed, len(split.labels)]).permutation(len(split.labels))
-    for start in range(0, len(order), rows_per_file):
-        part = split.take(order[start : start + rows_per_file])
+    for start in range(0, len(order), ROWS_PER_FILE):
+        part = split.take(order[start : start + ROWS_PER_FILE])
         yield pixel_table(part, pa.array(np.arange(start, start + len(part.labels)), pa.int64()))
 
 

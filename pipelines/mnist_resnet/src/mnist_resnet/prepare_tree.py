@@ -35,7 +35,6 @@ import posixpath
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -411,10 +410,6 @@ def bad_files_csv(rows: Iterator[tuple[str, str]]) -> Callable[[Any], None]:
         stream.write(text.getvalue().encode("utf-8"))
 
     return write
-
-
-def local_or_uri(source: str) -> str:
-    return source if "://" in source else str(Path(source).expanduser().resolve())
 
 
 # ---------------------------------------------------------------------------------------------
