@@ -309,8 +309,15 @@ def test_a_tree_prepared_as_shards_on_s3_trains_without_it_and_resumes_on_anothe
     assert stored == originals  # every file's bytes as they were: no decoding, no copy missing
     tree.rename(tmp_path / "moved")  # training must not read the tree
 
+    # lr 0.02, not the preset's 0.05: 32 steps from scratch at 0.05 ended anywhere in 0.41–0.73
+    # (three seeds and one CI run); at 0.02, 0.82–0.86.
     config = whole_data_config(
-        tmp_path, resolve_storage(data_dir), run_name="shards", epochs=2, record_row_ids=True
+        tmp_path,
+        resolve_storage(data_dir),
+        run_name="shards",
+        epochs=2,
+        lr=0.02,
+        record_row_ids=True,
     )
     steps = info.train_rows // 64
     stopped = run(dataclasses.replace(config, stop_at_step=steps + steps // 2))
@@ -321,4 +328,4 @@ def test_a_tree_prepared_as_shards_on_s3_trains_without_it_and_resumes_on_anothe
         trained = rows_trained(tmp_path / "shards", epoch)
         assert len(trained) == len(set(trained)) == steps * 64
     assert resumed["test"]["test_rows"] == 300
-    assert resumed["test"]["test_accuracy"] >= 0.5
+    assert resumed["test"]["test_accuracy"] >= 0.7
