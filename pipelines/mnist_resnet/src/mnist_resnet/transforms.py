@@ -7,12 +7,11 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import io
-import posixpath
 
 import numpy as np
 import ray
 
-from raytrain_common.storage import StoragePath, resolve_storage
+from raytrain_common.storage import StoragePath, join_uri, resolve_storage
 
 READ_THREADS = 16  # files fetched at once inside one decode task (object storage is latency-bound)
 # The label of a row whose file could not be decoded in training: PyTorch's ignore_index, so the
@@ -124,7 +123,7 @@ def pixels_from_files(
     decoded here, in the Ray Data task (`decode_rows`)."""
     root = image_root(root_uri)
     paths = [str(path) for path in batch["path"]]
-    where = [posixpath.join(root.uri, path) for path in paths]
+    where = [join_uri(root.uri, path) for path in paths]
     return decode_rows(batch, fetch(root, paths), where, side, channels, error_column, crop_scale)
 
 
