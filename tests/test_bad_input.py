@@ -234,6 +234,31 @@ CASES = [
         r"mine holds files but no dataset\.json, so it is not an output of this command",
     ),
     Case(
+        "forced onto a folder of someone else's with a dataset.json",
+        "mnist-resnet",
+        lambda r: [
+            "prepare",
+            "--force",
+            "--data-dir",
+            str(text(r / "theirs" / "dataset.json", '{"name": "their dataset"}').parent),
+            *storage(r),
+        ],
+        r"theirs holds a dataset\.json this command did not write, so it is not an output of "
+        r"this command \(--force replaces only its own\)",
+    ),
+    Case(
+        "a folder holding only hidden files",
+        "mnist-resnet",
+        lambda r: [
+            "prepare",
+            "--data-dir",
+            str(text(r / "repo" / ".git" / "HEAD", "ref: refs/heads/main").parents[1]),
+            *storage(r),
+        ],
+        r"repo holds hidden files only but no dataset\.json, so it is not an output of this "
+        r"command: choose a new or empty folder",
+    ),
+    Case(
         "corrupt Parquet",
         "mnist-resnet",
         lambda r: ["train", "--data-dir", str(corrupt_mnist_data(r)), *storage(r)],

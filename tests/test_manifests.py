@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import functools
 import gzip
+import ipaddress
 import json
 import os
 import re
@@ -253,7 +254,7 @@ def test_the_cluster_runs_with_token_auth(name: str) -> None:
     assert cluster["authOptions"]["mode"] == "token"
     assert tuple(map(int, cluster["rayVersion"].split(".")[:2])) >= (2, 52)
     policy = network_policies()[name]["spec"]
-    assert policy["policyTypes"] == ["Ingress"]
+    assert policy["policyTypes"] == ["Ingress", "Egress"]
     for template in pod_templates(document).values():
         if template is not document["spec"]["submitterPodTemplate"]:
             assert selects(policy["podSelector"], template["metadata"]["labels"]), template
@@ -300,10 +301,17 @@ def expression_holds(operator: str, value: str | None, values: list[str] | None)
     return value is None
 
 
-def peer_admits(peer: dict[str, Any], source: Source, policy_namespace: str) -> bool:
-    """One `from` entry: a podSelector alone means the policy's own namespace; with a
-    namespaceSelector, both must hold ({} is every namespace)."""
-    assert "ipBlock" not in peer, "this evaluator reads pod and namespace selectors only"
+def peer_admits(peer: dict[str, Any], source: Source | str, policy_namespace: str) -> bool:
+    """One `from` / `to` entry: a podSelector alone means the policy's own namespace; with a
+    namespaceSelector, both must hold ({} is every namespace). An address outside the cluster's
+    pods (`source` a str) is matched by an ipBlock only (its cidr, less its `except`)."""
+    if isinstance(source, str) or "ipBlock" in peer:
+        block = peer.get("ipBlock")
+        if block is None or not isinstance(source, str):
+            return False  # (a pod's own address in an ipBlock: not modelled, not used here)
+        address = ipaddress.ip_address(source)
+        excluded = any(address in ipaddress.ip_network(cidr) for cidr in block.get("except", []))
+        return address in ipaddress.ip_network(block["cidr"]) and not excluded
     if "namespaceSelector" in peer:
         if not selects(peer["namespaceSelector"], source.namespace_labels_or_default()):
             return False
@@ -312,19 +320,29 @@ def peer_admits(peer: dict[str, Any], source: Source, policy_namespace: str) -> 
     return selects(peer.get("podSelector", {}), source.labels)
 
 
-def admits(policy: dict[str, Any], source: Source, port: int, namespace: str = "team") -> bool:
-    """Whether the Ingress policy (applied in `namespace`) lets `source` reach a selected pod on TCP
-    `port`: some rule admits both the peer (no `from`: every peer) and the port (no `ports`:
-    all)."""
+def admits(
+    policy: dict[str, Any],
+    peer: Source | str,
+    port: int,
+    namespace: str = "team",
+    direction: str = "Ingress",
+    protocol: str = "TCP",
+) -> bool:
+    """Whether the policy (applied in `namespace`) lets `peer` reach a selected pod on `port`
+    (Ingress), or a selected pod reach `peer` there (Egress; `peer` an address outside the
+    cluster's pods, or a pod): some rule admits both the peer (no `from` / `to`: every peer) and
+    the port (no `ports`: all). A direction the policy does not list is not restricted."""
     spec = policy["spec"]
-    assert "Ingress" in spec["policyTypes"]
-    for rule in spec.get("ingress", []):
-        peers = rule.get("from")
-        if peers and not any(peer_admits(peer, source, namespace) for peer in peers):
+    if direction not in spec["policyTypes"]:
+        return True
+    key, peers_key = ("ingress", "from") if direction == "Ingress" else ("egress", "to")
+    for rule in spec.get(key, []):
+        peers = rule.get(peers_key)
+        if peers and not any(peer_admits(entry, peer, namespace) for entry in peers):
             continue
         ports = rule.get("ports")
         if ports and not any(
-            p.get("protocol", "TCP") == "TCP"
+            p.get("protocol", "TCP") == protocol
             and (p["port"] == port or p["port"] <= port <= p.get("endPort", p["port"]))
             for p in ports
         ):
@@ -365,6 +383,11 @@ def policy_cases(job: str) -> list[tuple[str, Source, set[int]]]:
             Source({"batch.kubernetes.io/job-name": "other"}, "team"),
             set(),
         ),
+        (
+            "the operator's label in another namespace",
+            Source(operator, "elsewhere"),
+            set(),
+        ),
         ("a pod of the namespace", Source({"app": "notebook"}, "team"), set()),
         ("a pod of another namespace", Source({"app": "notebook"}, "elsewhere"), set()),
         ("a copy of our label in another namespace", Source(ours, "elsewhere"), set()),
@@ -394,9 +417,95 @@ def test_the_network_policy_admits_the_job_its_submitter_and_the_operator_and_no
     assert not wrong, wrong
 
 
+DNS = {("UDP", 53), ("TCP", 53)}
+S3_ADDRESS, MLFLOW = "52.216.8.10", Source({"app.kubernetes.io/name": "mlflow"}, "mlflow")
+
+
+def egress_cases(job: str) -> list[tuple[str, Source | str, set[tuple[str, int]]]]:
+    """(what the job's pods connect to, the pod or address, the (protocol, port)s they must reach:
+    every other one of EGRESS_PORTS is refused)."""
+    every = set(EGRESS_PORTS)  # between the job's own pods, every port
+    dns = Source({"k8s-app": "kube-dns"}, "kube-system")
+    return [
+        ("the job's head or worker", Source({"raytrain-pipelines/rayjob": job}, "team"), every),
+        ("the cluster's DNS", dns, DNS),
+        ("a DNS look-alike in the job's namespace", Source({"k8s-app": "kube-dns"}, "team"), set()),
+        ("another job's pod", Source({"raytrain-pipelines/rayjob": "other-job"}, "team"), set()),
+        ("a pod of another namespace", Source({"app": "notebook"}, "elsewhere"), set()),
+        ("the Kubernetes API", "10.96.0.1", set()),
+        ("the internet", "93.184.216.34", set()),
+        ("object storage (not named in the base)", S3_ADDRESS, set()),
+        ("an MLflow server (not named in the base)", MLFLOW, set()),
+    ]
+
+
+EGRESS_PORTS = sorted({("TCP", port) for port in (*RAY_PORTS, 443, 5000)} | DNS)
+
+
+def wrong_egress(policy: dict[str, Any], cases: list[Any]) -> list[str]:
+    return [
+        f"{what} on {protocol} {port}: {'refused' if should else 'admitted'}"
+        for what, peer, allowed in cases
+        for protocol, port in EGRESS_PORTS
+        if admits(policy, peer, port, direction="Egress", protocol=protocol)
+        != (should := (protocol, port) in allowed)
+    ]
+
+
+@pytest.mark.parametrize("name", RAYJOB_FILES)
+def test_the_network_policy_lets_the_job_reach_its_own_pods_and_dns_and_nothing_else(
+    name: str,
+) -> None:
+    """Egress: the job's pods reach each other on every port and the cluster's DNS on 53; the
+    Kubernetes API, the internet, object storage, MLflow and every other pod are refused until an
+    overlay names them."""
+    policy = network_policies()[name]
+    job = rayjobs()[name]["metadata"]["name"]
+    wrong = wrong_egress(policy, egress_cases(job))
+    assert not wrong, wrong
+
+
+def test_the_example_overlay_names_object_storage_mlflow_and_an_operator_namespace() -> None:
+    """The example overlay's additions to a job's policy take effect and open nothing else: S3's
+    addresses on 443, the MLflow server on 5000, the operator from my-operators."""
+    overlay = load(OVERLAYS / "example" / "kustomization.yaml")[0]
+    [name] = [
+        p["target"]["name"] for p in overlay["patches"] if p["target"]["kind"] == "NetworkPolicy"
+    ]
+    policy = next(
+        doc
+        for doc in kustomize(OVERLAYS / "example")
+        if doc["kind"] == "NetworkPolicy" and doc["metadata"]["name"] == name
+    )
+    job = policy["spec"]["podSelector"]["matchLabels"]["raytrain-pipelines/rayjob"]
+    cases = [case for case in egress_cases(job) if case[1] not in (S3_ADDRESS, MLFLOW)] + [
+        ("object storage (named)", S3_ADDRESS, {("TCP", 443)}),
+        ("the MLflow server (named)", MLFLOW, {("TCP", 5000)}),
+    ]
+    wrong = wrong_egress(policy, cases)
+    assert not wrong, wrong
+    operator = Source({"app.kubernetes.io/component": "kuberay-operator"}, "my-operators")
+    assert admits(policy, operator, DASHBOARD) and not admits(policy, operator, 6379)
+    base = next(p for p in network_policies().values() if p["metadata"]["name"] == name)
+    assert not admits(base, operator, DASHBOARD)
+
+
+@pytest.mark.parametrize("name", RAYJOB_FILES)
+def test_no_node_and_no_job_process_reports_usage_statistics(name: str) -> None:
+    """RAY_USAGE_STATS_ENABLED=0 in every head and worker container (what `ray start` reads) and
+    in the job's runtime environment (its driver and workers)."""
+    document = rayjobs()[name]
+    for role, _, container in containers(document):
+        env = {item["name"]: item.get("value") for item in container.get("env", [])}
+        assert env.get("RAY_USAGE_STATS_ENABLED") == "0", (role, container["name"])
+    runtime = yaml.safe_load(document["spec"]["runtimeEnvYAML"])
+    assert runtime["env_vars"]["RAY_USAGE_STATS_ENABLED"] == "0"
+
+
 def test_the_policy_evaluator_reads_selectors_as_kubernetes_does() -> None:
     """The evaluator itself: a podSelector alone stays in the policy's namespace, an empty
-    namespaceSelector opens every namespace, ports narrow a rule, and no ingress admits nothing."""
+    namespaceSelector opens every namespace, ports narrow a rule, no ingress admits nothing; an
+    ipBlock admits its addresses less its except, for the protocol named."""
     allow = {"matchLabels": {"a": "1"}}
     only_pods = {
         "spec": {"policyTypes": ["Ingress"], "ingress": [{"from": [{"podSelector": allow}]}]}
@@ -417,6 +526,19 @@ def test_the_policy_evaluator_reads_selectors_as_kubernetes_does() -> None:
     assert not admits(nothing, here, 80) and admits(everyone, Source({}, "x"), 9)
     expression = {"matchExpressions": [{"key": "a", "operator": "In", "values": ["1", "2"]}]}
     assert selects(expression, {"a": "2"}) and not selects(expression, {"a": "3"})
+    # Egress: an ipBlock with its except, the protocol, a pod against an ipBlock, an open direction.
+    block = {"cidr": "10.0.0.0/8", "except": ["10.1.0.0/16"]}
+    out = {
+        "spec": {
+            "policyTypes": ["Egress"],
+            "egress": [{"to": [{"ipBlock": block}], "ports": [{"protocol": "UDP", "port": 53}]}],
+        }
+    }
+    assert admits(out, "10.2.3.4", 53, direction="Egress", protocol="UDP")
+    assert not admits(out, "10.1.2.3", 53, direction="Egress", protocol="UDP")
+    assert not admits(out, "10.2.3.4", 53, direction="Egress", protocol="TCP")
+    assert not admits(out, Source({}, "team"), 53, direction="Egress", protocol="UDP")
+    assert admits(only_pods, "1.2.3.4", 5, direction="Egress")
 
 
 @pytest.mark.parametrize("name", RAYJOB_FILES)
@@ -654,7 +776,14 @@ def test_storage_path_is_the_shared_volume_on_head_and_workers(name: str) -> Non
 
 def test_the_image_installs_what_the_entrypoints_run() -> None:
     dockerfile = (ROOT / "deploy" / "Dockerfile").read_text()
-    assert re.search(r"^FROM rayproject/ray:2\.60\.0-py3\d+-gpu$", dockerfile, re.M)
+    assert re.search(r"^ARG BASE_IMAGE=rayproject/ray:2\.60\.0-py3\d+-gpu$", dockerfile, re.M)
+    assert re.search(r"^FROM \$\{BASE_IMAGE\}$", dockerfile, re.M)
+    installs = re.findall(
+        r"pip install --no-cache-dir (?:--no-deps )?\\\n(.*?)(?:&&|\n\n)", dockerfile, re.S
+    )
+    named = [word for block in installs for word in block.split() if word not in ("\\",)]
+    unpinned = [word for word in named if not re.fullmatch(r"[A-Za-z0-9_.\-\[\],]+==[\w.]+", word)]
+    assert named and not unpinned, f"every package the image installs is pinned: {unpinned}"
     assert "COPY --chown=ray:users pipelines /opt/raytrain/pipelines" in dockerfile
     assert "/opt/raytrain/pipelines/*/" in dockerfile  # every pipeline, a copied one too
     assert "/opt/raytrain/packages/common" in dockerfile

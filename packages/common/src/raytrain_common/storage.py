@@ -325,18 +325,43 @@ def restart_marked_folder(folder: StoragePath, marker: str) -> StoragePath:
     return marker_path
 
 
-def check_output_folder(target: StoragePath, marker: str) -> None:
-    """Refuse a folder of the user's own files (no `marker`) as an output, before any work is
-    done."""
-    if target.is_dir() and target.walk_files() and not target.join(marker).exists():
+def check_output_folder(
+    target: StoragePath, marker: str, is_ours: Callable[[StoragePath], bool] | None = None
+) -> None:
+    """Refuse a folder of the user's own files as an output, before any work is done: one without
+    `marker` that holds any file (a hidden one too: `.git`, `.env`), or one whose `marker` this
+    command did not write (`is_ours` says, given the marker's path)."""
+    if not target.is_dir():
+        return
+    marker_path = target.join(marker)
+    if marker_path.exists():
+        if is_ours is None or is_ours(marker_path):
+            return
         raise StorageError(
-            f"{target.uri} holds files but no {marker}, so it is not an output of this command: "
-            "choose a new or empty folder to write to"
+            f"{target.uri} holds a {marker} this command did not write, so it is not an output of "
+            "this command (--force replaces only its own): choose a new or empty folder to write to"
+        )
+    selector = pafs.FileSelector(target.path, allow_not_found=True, recursive=True)
+    held = [
+        info.path
+        for info in target.filesystem.get_file_info(selector)
+        if info.type == pafs.FileType.File
+    ]
+    if held:
+        hidden = all(
+            any(part.startswith(".") for part in posixpath.relpath(path, target.path).split("/"))
+            for path in held
+        )
+        raise StorageError(
+            f"{target.uri} holds {'hidden files only' if hidden else 'files'} but no {marker}, so "
+            "it is not an output of this command: choose a new or empty folder to write to"
         )
 
 
 @contextlib.contextmanager
-def staged_folder(target: StoragePath, marker: str) -> Iterator[StoragePath]:
+def staged_folder(
+    target: StoragePath, marker: str, is_ours: Callable[[StoragePath], bool] | None = None
+) -> Iterator[StoragePath]:
     """A folder to write a whole output into, which becomes `target` only if the block completes.
 
     `target` may be absent, empty, or an earlier output (it holds `marker`); a folder of anything
@@ -347,7 +372,7 @@ def staged_folder(target: StoragePath, marker: str) -> Iterator[StoragePath]:
     user's folder as it was. Object stores have no rename: there the writes go to `target` itself,
     and the marker file its writer puts last is what tells a complete output from a partial one.
     """
-    check_output_folder(target, marker)
+    check_output_folder(target, marker, is_ours)
     if not target.is_local:
         yield target
         return

@@ -401,7 +401,8 @@ def prepare(
     existing = prepared_already(data_dir, source, image_size, force, shards)
     if existing is not None:
         return existing
-    check_output_folder(data_dir, DATASET_FILE)  # the user's own files: refused before any work
+    # The user's own files, or a dataset.json of someone else's: refused before any work.
+    check_output_folder(data_dir, DATASET_FILE, written_by_prepare)
     if tree:
         return prepare_image_tree(
             source,
@@ -427,7 +428,7 @@ def prepare(
     num_classes = checked_class_count(splits)
     mean, std = pixel_stats(train).mean_std()
     unmark_remote(data_dir)
-    with staged_folder(data_dir, DATASET_FILE) as staging:
+    with staged_folder(data_dir, DATASET_FILE, written_by_prepare) as staging:
         for name, split in splits.items():
             write_split(fresh_folder(staging, name), split_tables(split, seed))
         info = DatasetInfo(
@@ -491,7 +492,7 @@ def prepare_image_tree(
         **carve_plan.notes,
     }
     unmark_remote(data_dir)
-    with staged_folder(data_dir, DATASET_FILE) as staging:
+    with staged_folder(data_dir, DATASET_FILE, written_by_prepare) as staging:
         folders = {name: fresh_folder(staging, name) for name in SPLITS}
         shard_writer: prepare_tree.ShardWriter | prepare_shards.SourceShardWriter | None = None
         if shard_source is not None:
@@ -546,6 +547,16 @@ def prepare_image_tree(
     return info
 
 
+def written_by_prepare(marker: StoragePath) -> bool:
+    """Whether a data folder's dataset.json is this pipeline's (any version): a JSON object with
+    DatasetInfo's fields and no others. --force replaces such a folder and nothing else."""
+    try:
+        fields = json.loads(marker.read_text())
+        return isinstance(fields, dict) and isinstance(DatasetInfo(**fields).num_classes, int)
+    except (ValueError, TypeError, UnicodeDecodeError):
+        return False
+
+
 def unmark_remote(data_dir: StoragePath) -> None:
     """On an object store (no rename) the output is rewritten in place: its marker goes first, so
     it is unmarked until complete."""
@@ -584,8 +595,8 @@ def prepared_already(
     as asked (and no --force); a refusal when it holds another preparation; None when there is
     none, or --force rewrites."""
     marker = data_dir.join(DATASET_FILE)
-    if not marker.exists() or force:
-        return None
+    if not marker.exists() or force or not written_by_prepare(marker):
+        return None  # (someone else's dataset.json: check_output_folder refuses it)
     info = DatasetInfo(**json.loads(marker.read_text()))
     if info.format != FORMAT:
         raise DataError(
