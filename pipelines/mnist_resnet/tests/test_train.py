@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -594,3 +597,98 @@ def test_a_full_storage_fails_the_run_at_once_naming_the_path(
     assert str(volume) in message and "is full (no space left on device)" in message, message
     # Not retried as an outage (that message counts its attempts and blames the network).
     assert "attempts" not in message and "endpoint, credentials and network" not in message
+
+
+def ray_processes_under(folder: str) -> list[str]:
+    """The command lines of live processes that belong to the Ray cluster whose temp folder is
+    `folder` (every Ray process names its session folder there)."""
+    import psutil
+
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        command = " ".join(process.info["cmdline"] or [])
+        if folder in command:
+            found.append(command[:200])
+    return found
+
+
+def interrupt_when(
+    command: list[str], env: dict[str, str], ready: Callable[[str], bool], signum: int, log: Path
+) -> tuple[int, str]:
+    """Run `command`, wait until `ready(its stderr so far)`, send `signum` (SIGINT to its process
+    group, as a terminal's Ctrl-C does; anything else to the process, as Kubernetes does), and
+    return its exit status and stderr."""
+    with log.open("w") as err:
+        process = subprocess.Popen(
+            command, env=env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True
+        )
+        deadline = time.monotonic() + 240
+        while not ready(log.read_text()) and time.monotonic() < deadline:
+            assert process.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.5)
+        assert ready(log.read_text()), log.read_text()[-3000:]
+        if signum == signal.SIGINT:
+            os.killpg(process.pid, signal.SIGINT)
+        else:
+            process.send_signal(signum)
+        status = process.wait(timeout=120)
+    return status, log.read_text()
+
+
+def test_ctrl_c_and_sigterm_end_a_run_in_one_line_naming_its_checkpoint_and_how_to_continue(
+    mnist_dir: StoragePath, tmp_path: Path
+) -> None:
+    """`mnist-resnet train` on a cluster of its own, stopped by Ctrl-C once its first checkpoint
+    is written: exit status 130, one last line naming that checkpoint and the command that
+    continues, and no process of its Ray cluster left. That command resumes from there and,
+    stopped by SIGTERM (what Kubernetes sends), ends the same way with 143."""
+    ray_tmp = tempfile.mkdtemp(prefix="rt-", dir="/tmp")  # short: Ray's socket paths live in it
+    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
+    env["RAY_TMPDIR"] = ray_tmp
+    runs = tmp_path / "runs"
+    program = str(Path(sys.executable).parent / "mnist-resnet")
+    args = ["train", "--storage-path", str(runs), "--data-dir", mnist_dir.uri, "--epochs", "6"]
+    args += ["--limit-train-rows", "1024", "--limit-val-rows", "256", "--limit-test-rows", "256"]
+    args += ["--global-batch-size", "128", "--tracking", "none"]
+    try:
+
+        def checkpointed(_: str) -> bool:
+            return newest_complete_checkpoint(resolve_storage(runs / "mnist_resnet")) is not None
+
+        status, err = interrupt_when(
+            [program, *args], env, checkpointed, signal.SIGINT, tmp_path / "first.log"
+        )
+        last = err.strip().splitlines()[-1]
+        assert status == 130, err[-3000:]
+        said = re.fullmatch(
+            r"mnist-resnet train: interrupted \(Ctrl-C\); it resumes from (\S+)\. To continue: "
+            r"(mnist-resnet train .*)",
+            last,
+        )
+        assert said, err[-3000:]
+        assert Path(said[1]).name.startswith("checkpoint_") and Path(said[1]).is_dir()
+        assert shlex.split(said[2]) == ["mnist-resnet", *args]
+        deadline = time.monotonic() + 30
+        while ray_processes_under(ray_tmp) and time.monotonic() < deadline:
+            time.sleep(1)
+        assert not ray_processes_under(ray_tmp), ray_processes_under(ray_tmp)
+
+        status, err = interrupt_when(
+            [program, *shlex.split(said[2])[1:]],
+            env,
+            lambda text: "resuming at step" in text,
+            signal.SIGTERM,
+            tmp_path / "second.log",
+        )
+        assert status == 143, err[-3000:]
+        last = err.strip().splitlines()[-1]
+        assert last.startswith("mnist-resnet train: interrupted (SIGTERM); it resumes from "), last
+        assert last.endswith(f". To continue: {said[2]}"), last
+        deadline = time.monotonic() + 30
+        while ray_processes_under(ray_tmp) and time.monotonic() < deadline:
+            time.sleep(1)
+        assert not ray_processes_under(ray_tmp), ray_processes_under(ray_tmp)
+    finally:
+        if ray_processes_under(ray_tmp):  # a failed test leaves no cluster behind either
+            subprocess.run(["pkill", "-f", ray_tmp], check=False)
+        shutil.rmtree(ray_tmp, ignore_errors=True)

@@ -8,12 +8,15 @@ override.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import shlex
+import signal
 import sys
 import traceback
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal, TypeVar
 
 Config = TypeVar("Config")
@@ -242,3 +245,71 @@ def report_unwritable_storage(
         flush=True,
     )
     return True
+
+
+_RECEIVED: dict[str, int] = {}  # the signal `interruptible`'s handler last received
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM (what Kubernetes sends a pod it stops), raised in the main thread as Ctrl-C is."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def interruptible() -> Iterator[None]:
+    """While a command runs, SIGTERM stops it as Ctrl-C does (`Interrupted`), so both end through
+    `report_interrupted`; the previous handler is back afterwards (a test session's, say)."""
+
+    def stop(signum: int, frame: types.FrameType | None) -> None:
+        # Kept aside too: an interrupt raised inside ray.get comes back out of Ray's C++ core as a
+        # plain KeyboardInterrupt.
+        _RECEIVED["signum"] = signum
+        raise Interrupted(signum)
+
+    stop.raytrain_interrupt = True  # type: ignore[attr-defined]  # ray_start.init_ray keeps it
+    _RECEIVED.clear()
+    try:
+        previous = signal.signal(signal.SIGTERM, stop)
+    except ValueError:  # not the main thread: SIGTERM keeps its handler
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def report_interrupted(
+    program: str,
+    argv: Sequence[str],
+    error: KeyboardInterrupt,
+    resume_point: Callable[[], str | None] | None = None,
+    *,
+    caller_holds_ray: bool = False,
+) -> int:
+    """A command stopped by Ctrl-C or SIGTERM: Ray disconnected first (a local cluster this process
+    started is shut down with every process of it), then one line saying what stopped it, where
+    the run resumes (`resume_point`: the newest complete checkpoint, or None before the first)
+    and the command that continues it; the exit status a shell gives a process that signal ends
+    (130 for Ctrl-C, 143 for SIGTERM)."""
+    signum = error.signum if isinstance(error, Interrupted) else _RECEIVED.get("signum", 2)
+    end_ray_before_error_line(caller_holds_ray=caller_holds_ray)
+    what = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+    said = f"{program}: interrupted ({what})"
+    if resume_point is not None:
+        try:
+            checkpoint = resume_point()
+        except Exception as unreadable:  # the storage itself may be what went away
+            checkpoint = f"(the run folder cannot be read: {unreadable})"
+        said += (
+            f"; it resumes from {checkpoint}"
+            if checkpoint
+            else "; no checkpoint was written yet, so it starts again from the beginning"
+        )
+    command = shlex.join([program.split()[0], *argv])
+    again = "To continue" if resume_point is not None else "Run it again"
+    print(f"{said}. {again}: {command}", file=sys.stderr, flush=True)
+    return 128 + int(signum)

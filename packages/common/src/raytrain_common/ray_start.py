@@ -8,11 +8,14 @@ a run that could never be scheduled fails with a message instead of hanging.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
 import re
+import signal
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import ray
@@ -48,10 +51,18 @@ KNOWN_HARMLESS_LINES = (
         r"^(Requesting resources|Attempting to start training worker group|"
         r"Started training worker group|Setting up process group for|- \(ip=)"
     ),
-    # Ray Data's split coordinator narrating each execution of a dataset (every epoch), at INFO.
+    # Ray Data's split coordinator narrating each execution of a dataset (every epoch), at INFO,
+    # and its Parquet reader's sizing estimates (the train controller plans each dataset).
     re.compile(
         r"^(Starting execution of Dataset|Execution plan of Dataset|Progress bars disabled"
-        r"|.*Dataset \S+ execution finished in)"
+        r"|.*Dataset \S+ execution finished in"
+        r"|Estimated parquet (encoding ratio|reader batch size))"
+    ),
+    # Ray Train's controller finding the run's own snapshot on a rerun, at INFO: the run's own
+    # "resuming at step N" line says it, and the advice to delete the folder does not apply.
+    re.compile(
+        r"^(A run snapshot was found in storage folder|This snapshot contains a list of "
+        r"checkpoints|If you meant to start a brand new training job)"
     ),
 )
 
@@ -77,10 +88,30 @@ def init_ray(train_cpus: float, *, data_cpus: float = DATA_CPUS) -> bool:
         return not os.environ.get("RAY_ADDRESS")
     address = os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address, logging_level=logging.WARNING)
+        with sigterm_kept():
+            ray.init(address=address, logging_level=logging.WARNING)
         quiet_ray_output(_CONSOLE["verbose"])
         log.info("joined Ray cluster at %s: %s", address, _describe(ray.cluster_resources()))
         return False
+    with sigterm_kept():
+        return _start_local_ray(train_cpus, data_cpus)
+
+
+@contextlib.contextmanager
+def sigterm_kept() -> Iterator[None]:
+    """Keep a command's SIGTERM handler (cli.interruptible) across `ray.init`, which sets its own
+    (sys.exit), so SIGTERM still ends the command as Ctrl-C does, in one line."""
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        yield
+    finally:
+        if getattr(before, "raytrain_interrupt", False):
+            with contextlib.suppress(ValueError):  # not the main thread
+                signal.signal(signal.SIGTERM, before)
+
+
+def _start_local_ray(train_cpus: float, data_cpus: float) -> bool:
+    """A new local cluster sized as init_ray says."""
     cores = os.cpu_count() or 1
     num_cpus = math.ceil(max(cores, train_cpus) + data_cpus)
     # "local", not None: with None, Ray joins whatever cluster /tmp/ray/ray_current_cluster names

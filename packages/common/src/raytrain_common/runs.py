@@ -4,6 +4,7 @@ in the pipelines."""
 
 from __future__ import annotations
 
+import signal
 from typing import Any, Protocol
 
 import ray.train
@@ -11,6 +12,7 @@ from ray.train import Result
 from ray.train.torch import TorchTrainer
 
 from raytrain_common.checkpoint import raise_storage_error_of
+from raytrain_common.cli import Interrupted
 from raytrain_common.storage import StoragePath, check_writable, resolve_storage
 
 
@@ -36,12 +38,18 @@ def locate_run(config: LocatedRun) -> tuple[StoragePath, StoragePath]:
 
 def fit(trainer: TorchTrainer, storage_path: str) -> Result:
     """`trainer.fit()`; a run that failed because its storage went away ends in one line naming the
-    storage and the fix (StorageError), any other failure as Ray raised it."""
+    storage and the fix (StorageError), any other failure as Ray raised it. Ctrl-C during it is
+    Ray Train's: its SIGINT handler aborts the controller and workers, then exits the process
+    (SystemExit); that comes back as the KeyboardInterrupt it was, for the command to report."""
     try:
         return trainer.fit()
     except ray.train.TrainingFailedError as error:
         raise_storage_error_of(error, storage_path)
         raise
+    except SystemExit as aborted:
+        if aborted.code == signal.SIGTERM:  # ray.init's own SIGTERM handler: sys.exit(15)
+            raise Interrupted(signal.SIGTERM) from aborted
+        raise KeyboardInterrupt("Ray Train aborted the run on SIGINT") from aborted
 
 
 def summary_header(

@@ -29,7 +29,9 @@ from raytrain_common.cli import (
     add_config_options,
     config_from_args,
     end_ray_before_error_line,
+    interruptible,
     ray_is_connected,
+    report_interrupted,
     report_known_failure,
     report_unwritable_storage,
 )
@@ -95,10 +97,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     caller_holds_ray = ray_is_connected()
     try:
-        return COMMANDS[args.command](args)
+        with interruptible():  # SIGTERM (Kubernetes stopping the pod) ends as Ctrl-C does
+            return COMMANDS[args.command](args)
+    except KeyboardInterrupt as error:
+        # A rerun of the same command continues a run from its newest checkpoint.
+        return report_interrupted(
+            f"hf-finetune {args.command}", argv, error, caller_holds_ray=caller_holds_ray
+        )
     except USER_ERRORS as error:
         end_ray_before_error_line(caller_holds_ray=caller_holds_ray)
         print(f"hf-finetune {args.command}: error: {error}", file=sys.stderr)

@@ -9,6 +9,7 @@ import logging
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from mnist_resnet import __version__
@@ -28,7 +29,9 @@ from raytrain_common.cli import (
     add_config_options,
     config_from_args,
     end_ray_before_error_line,
+    interruptible,
     ray_is_connected,
+    report_interrupted,
     report_known_failure,
     report_unwritable_storage,
 )
@@ -90,10 +93,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     caller_holds_ray = ray_is_connected()
     try:
-        return COMMANDS[args.command](args)
+        with interruptible():  # SIGTERM (Kubernetes stopping the pod) ends as Ctrl-C does
+            return COMMANDS[args.command](args)
+    except KeyboardInterrupt as error:
+        return report_interrupted(
+            f"mnist-resnet {args.command}",
+            argv,
+            error,
+            resume_point(args) if args.command == "train" else None,
+            caller_holds_ray=caller_holds_ray,
+        )
     except USER_ERRORS as error:
         end_ray_before_error_line(caller_holds_ray=caller_holds_ray)
         cause = getattr(error, "cause", None)  # raised in a Ray task: its own line, no traceback
@@ -114,6 +127,20 @@ def main(argv: list[str] | None = None) -> int:
         ):
             raise
         return 1
+
+
+def resume_point(args: argparse.Namespace) -> Callable[[], str | None]:
+    """The newest complete checkpoint of the run `train` was given, which a rerun resumes from."""
+
+    def newest() -> str | None:
+        from raytrain_common.checkpoint import newest_complete_checkpoint
+
+        config = config_from_args(args, TrainConfig, PRESETS)
+        run_dir = resolve_storage(config.storage_path).join(config.run_name)
+        checkpoint = newest_complete_checkpoint(run_dir)
+        return run_dir.uri_for(checkpoint.path) if checkpoint else None
+
+    return newest
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
