@@ -145,10 +145,15 @@ def test_a_corpus_trains_on_a_node_capped_below_its_baseline_plus_its_training_s
     large = repeat_split(small, COPIES, tmp_path)
     tokens = json.loads((large / "dataset.json").read_text())["packing"]["train"]["tokens"]
     split_mb = (large / "train" / TOKEN_FILE).stat().st_size / 2**20  # as training reads it
+    # Two baseline runs, the larger peak counts: one run's peak varied by more than the margin
+    # (a fresh-clone CI run at c1b6104 capped at 2,808 MiB from a 2,573 MiB baseline, and the
+    # capped run, which held at most 2,756 MiB, had 2 OOM kills), as hf's did before.
+    baselines = iter(["baseline", "baseline-again"])
     result = train_capped_after_baseline(
-        lambda address: train(small, tmp_path, "baseline", address),
+        lambda address: train(small, tmp_path, next(baselines), address),
         lambda address: train(large, tmp_path, "capped", address),
         margin_mb=split_mb / 2,
+        baseline_runs=2,
     )
     print(result.report(f"training split {split_mb:.0f} MiB ({tokens:,} tokens)"))
     assert result.exit_code == 0 and result.oom_kills == 0, result.log

@@ -65,7 +65,7 @@ CLASS_MEMBER = "cls"  # a WebDataset sample's class: a member `<key>.cls` holdin
 def shard_format(root: StoragePath) -> str | None:
     """WEBDATASET or PARQUET when the source's top (or its train/ folder) holds such files, else
     None (an image tree, an IDX folder, a file); both kinds at once are refused."""
-    if not root.exists():
+    if not root.is_dir():
         return None
     folders, files = entries(root)
     train = next((name for name in folders if name.lower() == "train"), None)

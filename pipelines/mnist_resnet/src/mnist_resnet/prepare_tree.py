@@ -567,10 +567,10 @@ def plan_carve(tree: CheckedTree, test_fraction: float, val_fraction: float, see
     else:
         counts = summary.count("train")
         sizes = {"test": sum(summary.count("test").values())}
-        notes["test_split"] = f"the tree's own {layout.folder_names['test']}/ folder"
+        notes["test_split"] = f"the source's own {layout.folder_names['test']}/ folder"
         if "val" in layout.classes:
             sizes["val"] = sum(summary.count("val").values())
-            notes["val_split"] = f"the tree's own {layout.folder_names['val']}/ folder"
+            notes["val_split"] = f"the source's own {layout.folder_names['val']}/ folder"
         else:
             vals = held_out_counts(counts, val_fraction)
             held_out = {f"train/{name}": [0, vals[name]] for name in counts}
