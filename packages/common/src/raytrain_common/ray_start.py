@@ -93,8 +93,21 @@ def init_ray(train_cpus: float, *, data_cpus: float = DATA_CPUS) -> bool:
         quiet_ray_output(_CONSOLE["verbose"])
         log.info("joined Ray cluster at %s: %s", address, _describe(ray.cluster_resources()))
         return False
+    cores = os.cpu_count() or 1
+    num_cpus = math.ceil(max(cores, train_cpus) + data_cpus)
+    # "local", not None: with None, Ray joins whatever cluster /tmp/ray/ray_current_cluster names
+    # (the last `ray start` or test cluster, even one long dead) and then refuses num_cpus.
+    # A cluster of your own is joined through RAY_ADDRESS (its address, or "auto").
     with sigterm_kept():
-        return _start_local_ray(train_cpus, data_cpus)
+        ray.init(
+            address="local",
+            num_cpus=num_cpus,
+            runtime_env={"env_vars": dict(RUN_ENV)},
+            logging_level=logging.WARNING,
+        )
+    quiet_ray_output(_CONSOLE["verbose"])
+    log.info("started a local Ray cluster: %s", _describe(ray.cluster_resources()))
+    return True
 
 
 @contextlib.contextmanager
@@ -108,24 +121,6 @@ def sigterm_kept() -> Iterator[None]:
         if getattr(before, "raytrain_interrupt", False):
             with contextlib.suppress(ValueError):  # not the main thread
                 signal.signal(signal.SIGTERM, before)
-
-
-def _start_local_ray(train_cpus: float, data_cpus: float) -> bool:
-    """A new local cluster sized as init_ray says."""
-    cores = os.cpu_count() or 1
-    num_cpus = math.ceil(max(cores, train_cpus) + data_cpus)
-    # "local", not None: with None, Ray joins whatever cluster /tmp/ray/ray_current_cluster names
-    # (the last `ray start` or test cluster, even one long dead) and then refuses num_cpus.
-    # A cluster of your own is joined through RAY_ADDRESS (its address, or "auto").
-    ray.init(
-        address="local",
-        num_cpus=num_cpus,
-        runtime_env={"env_vars": dict(RUN_ENV)},
-        logging_level=logging.WARNING,
-    )
-    quiet_ray_output(_CONSOLE["verbose"])
-    log.info("started a local Ray cluster: %s", _describe(ray.cluster_resources()))
-    return True
 
 
 def start_ray_for_run(

@@ -12,7 +12,6 @@ from ray.train import Result
 from ray.train.torch import TorchTrainer
 
 from raytrain_common.checkpoint import raise_storage_error_of
-from raytrain_common.cli import Interrupted
 from raytrain_common.storage import StoragePath, check_writable, resolve_storage
 
 
@@ -47,8 +46,8 @@ def fit(trainer: TorchTrainer, storage_path: str) -> Result:
         raise_storage_error_of(error, storage_path)
         raise
     except SystemExit as aborted:
-        if aborted.code == signal.SIGTERM:  # ray.init's own SIGTERM handler: sys.exit(15)
-            raise Interrupted(signal.SIGTERM) from aborted
+        if aborted.code == signal.SIGTERM:  # ray.init's SIGTERM handler, outside a command
+            raise
         raise KeyboardInterrupt("Ray Train aborted the run on SIGINT") from aborted
 
 

@@ -551,10 +551,10 @@ def written_by_prepare(marker: StoragePath) -> bool:
     """Whether a data folder's dataset.json is this pipeline's (any version): a JSON object with
     DatasetInfo's fields and no others. --force replaces such a folder and nothing else."""
     try:
-        fields = json.loads(marker.read_text())
-        return isinstance(fields, dict) and isinstance(DatasetInfo(**fields).num_classes, int)
-    except (ValueError, TypeError, UnicodeDecodeError):
+        DatasetInfo(**json.loads(marker.read_text()))
+    except (ValueError, TypeError, UnicodeDecodeError):  # not JSON, not an object, other fields
         return False
+    return True
 
 
 def unmark_remote(data_dir: StoragePath) -> None:

@@ -53,6 +53,7 @@ from mnist_resnet.prepare_tree import (
     refuse_bad_share,
     refuse_unusable,
     seed_key,
+    split_folders,
     summarise_checked,
     walk,
 )
@@ -83,15 +84,7 @@ def shard_format(root: StoragePath) -> str | None:
 def find_shards(root: StoragePath, suffix: str) -> tuple[Layout, list[dict[str, str]]]:
     """The splits (train/, test/ and val/ folders as a tree has them, or "all": carved) and every
     shard file under each, at any depth, in name order."""
-    top, _ = entries(root)
-    by_lower = {name.lower(): name for name in sorted(top, reverse=True)}
-    test_name = next((name for name in image_tree.TEST_FOLDERS if name in by_lower), None)
-    val_name = next((n for n in image_tree.VAL_FOLDERS if n in by_lower and n != test_name), None)
-    roots = {"all": ""}
-    if "train" in by_lower and test_name:
-        roots = {"train": by_lower["train"], "test": by_lower[test_name]}
-        if val_name:
-            roots["val"] = by_lower[val_name]
+    roots = split_folders(root)
     shards = [
         {"split": split, "shard": path}
         for split, prefix in roots.items()

@@ -100,20 +100,25 @@ def entries(folder: StoragePath) -> tuple[list[str], list[str]]:
     return folders, [name for name, is_dir in visible if not is_dir]
 
 
-def find_layout(root: StoragePath) -> Layout:
-    """The tree's splits and class folders, from its top two levels; an error naming the folder
-    when images lie loose where class folders belong."""
+def split_folders(root: StoragePath) -> dict[str, str]:
+    """The source's splits → their folder: train/ and test/ (val/ too) when it has them, any case,
+    else {"all": ""} (the whole source, carved)."""
     top, _ = entries(root)
     by_lower = {name.lower(): name for name in sorted(top, reverse=True)}
     test_name = next((name for name in image_tree.TEST_FOLDERS if name in by_lower), None)
     val_name = next((n for n in image_tree.VAL_FOLDERS if n in by_lower and n != test_name), None)
-    roots = (
-        {"train": by_lower["train"], "test": by_lower[test_name]}
-        if "train" in by_lower and test_name
-        else {"all": ""}
-    )
-    if "train" in roots and val_name:
+    if "train" not in by_lower or not test_name:
+        return {"all": ""}
+    roots = {"train": by_lower["train"], "test": by_lower[test_name]}
+    if val_name:
         roots["val"] = by_lower[val_name]
+    return roots
+
+
+def find_layout(root: StoragePath) -> Layout:
+    """The tree's splits and class folders, from its top two levels; an error naming the folder
+    when images lie loose where class folders belong."""
+    roots = split_folders(root)
     classes = {}
     for split, prefix in roots.items():
         where = root.join(prefix) if prefix else root
