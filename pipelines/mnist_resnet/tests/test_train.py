@@ -36,6 +36,7 @@ from raytrain_common.faults import read_progress
 from raytrain_common.metrics import read_metrics_csv
 from raytrain_common.ray_start import ResourceError
 from raytrain_common.storage import StorageError, StoragePath, resolve_storage
+from raytrain_testkit.console import console_noise
 from raytrain_testkit.tracked_runs import metric_history
 from raytrain_testkit.vocabulary import METRIC_COLUMNS, summary_problems, unknown_names
 
@@ -599,6 +600,12 @@ def test_a_full_storage_fails_the_run_at_once_naming_the_path(
     assert "attempts" not in message and "endpoint, credentials and network" not in message
 
 
+STARTUP_PHASES = (
+    *("imports", "checks", "ray_start", "tracking", "trainer"),  # the driver's
+    *("worker_group", "model_build", "first_batch", "first_step"),  # rank 0's
+)
+
+
 def ray_processes_under(folder: str) -> list[str]:
     """The command lines of live processes that belong to the Ray cluster whose temp folder is
     `folder` (every Ray process names its session folder there)."""
@@ -660,6 +667,7 @@ def test_ctrl_c_and_sigterm_end_a_run_in_one_line_naming_its_checkpoint_and_how_
         )
         last = err.strip().splitlines()[-1]
         assert status == 130, err[-3000:]
+        assert console_noise(err) == []  # Ray's start, the run, the interruption: quiet
         said = re.fullmatch(
             r"mnist-resnet train: interrupted \(Ctrl-C\); it resumes from (\S+)\. To continue: "
             r"(mnist-resnet train .*)",
@@ -668,6 +676,17 @@ def test_ctrl_c_and_sigterm_end_a_run_in_one_line_naming_its_checkpoint_and_how_
         assert said, err[-3000:]
         assert Path(said[1]).name.startswith("checkpoint_") and Path(said[1]).is_dir()
         assert shlex.split(said[2]) == ["mnist-resnet", *args]
+        # Start-up, phase by phase from the process's start (summary.json's startup_phases).
+        first_step = re.search(
+            r"first optimiser step ([\d.]+) s after `train` started \((.*)\)", err
+        )
+        assert first_step, err[-3000:]
+        phases = {
+            name: float(s) for name, s in (part.split() for part in first_step[2].split(", "))
+        }
+        assert list(phases) == [*STARTUP_PHASES], first_step[0]
+        assert abs(sum(phases.values()) - float(first_step[1])) < 0.6, first_step[0]  # 0.1 s each
+        assert phases["imports"] > 0.3, first_step[0]  # Python and torch's import are counted
         deadline = time.monotonic() + 30
         while ray_processes_under(ray_tmp) and time.monotonic() < deadline:
             time.sleep(1)
@@ -681,6 +700,7 @@ def test_ctrl_c_and_sigterm_end_a_run_in_one_line_naming_its_checkpoint_and_how_
             tmp_path / "second.log",
         )
         assert status == 143, err[-3000:]
+        assert console_noise(err) == []
         last = err.strip().splitlines()[-1]
         assert last.startswith("mnist-resnet train: interrupted (SIGTERM); it resumes from "), last
         assert last.endswith(f". To continue: {said[2]}"), last

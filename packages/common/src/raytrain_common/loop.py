@@ -16,10 +16,13 @@ the `step` of metrics.csv and of every report.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import ray.train.collective
 
@@ -237,11 +240,50 @@ class ThroughputMeter:
         return Throughput(items_per_s, seconds / max(steps, 1), steps, mfu)
 
 
-def startup_seconds(launched_at: float, rank: int) -> float:
-    """Seconds from the driver's `run` call (`launched_at`, time.time()) to now, the first optimiser
-    step of this worker group: Ray's start, the worker group, reading the data, building the model.
-    Every pipeline writes it to summary.json as `startup_s`; rank 0 logs it."""
-    seconds = time.time() - launched_at
-    if rank == 0:
-        log.info("first optimiser step %.1f s after `train` started", seconds)
-    return seconds
+def process_started_at() -> float:
+    """When this process started, on time.time()'s scale (from /proc, to 10 ms); now where there
+    is no /proc. A command's start-up is counted from here: Python, its imports and the CLI are
+    part of what a user waits for."""
+    try:
+        after_name = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        started_ticks = int(after_name[19])  # field 22, `starttime`, in clock ticks since boot
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        age = uptime - started_ticks / os.sysconf("SC_CLK_TCK")
+        return time.time() - max(age, 0.0)
+    except (OSError, ValueError, IndexError):
+        return time.time()
+
+
+class StartupClock:
+    """The seconds from a command's start to its first optimiser step, phase by phase.
+
+    `mark(phase)` records when `phase` ended; the driver marks its phases, hands `marks` to the
+    workers in `train_loop_config`, and rank 0 marks the rest. `phases()` is summary.json's
+    `startup_phases` (each phase's seconds, in order) and `total()` its `startup_s`."""
+
+    def __init__(self, marks: dict[str, float] | float | None = None) -> None:
+        """From the driver's `marks`, or starting at a time (time.time()), or now."""
+        if isinstance(marks, dict):
+            self.marks = dict(marks)
+        else:
+            self.marks = {"start": time.time() if marks is None else marks}
+
+    def mark(self, phase: str) -> None:
+        self.marks[phase] = time.time()
+
+    def phases(self) -> dict[str, float]:
+        pairs = itertools.pairwise(self.marks.items())
+        return {phase: round(ended - before, 2) for (_, before), (phase, ended) in pairs}
+
+    def total(self) -> float:
+        times = list(self.marks.values())
+        return times[-1] - times[0]
+
+    def first_step(self, rank: int) -> float:
+        """Marks the first optimiser step and returns `total()`; rank 0 logs it with its phases."""
+        self.mark("first_step")
+        seconds = self.total()
+        if rank == 0:
+            where = ", ".join(f"{phase} {s:.1f}" for phase, s in self.phases().items())
+            log.info("first optimiser step %.1f s after `train` started (%s)", seconds, where)
+        return seconds

@@ -20,6 +20,7 @@ REQUIRED_SUMMARY_KEYS: dict[str, str] = {
     "steps_done": "optimiser steps the run has taken, over all its attempts",
     "epochs_done": "passes over the training split those steps made (fractional mid-epoch)",
     "startup_s": "seconds from `train` starting to the first optimiser step of this command",
+    "startup_phases": "those seconds by phase: imports, ray_start, worker_group, model_build, …",
     "preemptions": "preemption notices acted on (each: step, ranks, deadline)",
     "restarts": "restarts survived (each: resumed_at_step, last_step_before, steps_redone, cause)",
     "steps_redone": "steps trained twice because a restart resumed behind them",

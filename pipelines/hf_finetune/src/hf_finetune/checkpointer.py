@@ -34,7 +34,7 @@ from hf_finetune.config import TrainConfig
 from raytrain_common.checkpoint import write_manifest
 from raytrain_common.faults import FaultLog, read_progress
 from raytrain_common.hardware import workers_peak_rss_mb
-from raytrain_common.loop import END, CheckpointPolicy, ProgressNotes, startup_seconds
+from raytrain_common.loop import END, CheckpointPolicy, ProgressNotes, StartupClock
 from raytrain_common.storage import StoragePath
 
 log = logging.getLogger("hf_finetune")
@@ -47,17 +47,20 @@ class Checkpointer:
     """Decides the checkpoints the Trainer does not make by itself, writes the run's record into
     every checkpoint, and restores that record when the run resumes."""
 
-    def __init__(self, loop_config: dict[str, Any], run_dir: StoragePath) -> None:
+    def __init__(
+        self, loop_config: dict[str, Any], run_dir: StoragePath, clock: StartupClock
+    ) -> None:
         self.config = TrainConfig(**loop_config["config"])
         context = ray.train.get_context()
         self.rank, self.world = context.get_world_rank(), context.get_world_size()
         self.run_dir, self.driver_id = run_dir, loop_config["driver_id"]
-        self.launched_at = loop_config["launched_at"]
+        self.clock = clock
         self.progress = ProgressNotes(
             run_dir, self.driver_id, self.world, self.config.log_every_steps, self.rank
         )
         self.faults = FaultLog()
-        self.startup_s: float | None = None
+        self.startup_s: float | None = None  # from the command's start to the first step
+        self.startup_phases: dict[str, float] | None = None  # those seconds, phase by phase
         self.dtype: str | None = None
         self.policy: CheckpointPolicy | None = None
         self.saved_step: int | None = None
@@ -74,13 +77,13 @@ class Checkpointer:
         if self.config.stop_at_step is not None and step >= self.config.stop_at_step:
             return False
         self.faults = FaultLog(**state["faults"])
-        self.startup_s = state["startup_s"]
+        self.startup_s, self.startup_phases = state["startup_s"], state["startup_phases"]
         if state["epoch"] < self.config.epochs:
             restart = self.faults.record_restart(
                 step, self.run_dir, self.driver_id, checkpoint.path, self.world
             )
             if restart["cause"] == "rerun":  # this command's own start-up is measured anew
-                self.startup_s = None
+                self.startup_s = self.startup_phases = None
         if self.rank == 0:
             log.info("resuming from %s", checkpoint.path)
         return True
@@ -106,7 +109,8 @@ class Checkpointer:
         (evaluate and save now, stop after it)."""
         assert self.policy is not None, "train_begin comes first"
         if self.startup_s is None:
-            self.startup_s = startup_seconds(self.launched_at, self.rank)
+            self.startup_s = self.clock.first_step(self.rank)
+            self.startup_phases = self.clock.phases()
         due = self.policy.due(step, self.faults)
         self.progress.note(step, self.faults, checkpointing=bool(due))
         save_now = bool(due.reasons - {END}) and not epoch_end  # the Trainer saves epoch ends
@@ -128,6 +132,7 @@ class Checkpointer:
             "compute_dtype": self.dtype,
             "faults": dataclasses.asdict(self.faults),
             "startup_s": self.startup_s,
+            "startup_phases": self.startup_phases,
         }
         (folder / RECORD_FILE).write_text(json.dumps(record))
         write_manifest(folder)
@@ -143,6 +148,7 @@ def read_run_record(checkpoint: Checkpoint) -> dict[str, Any]:
         state["compute_dtype"] = record.get("compute_dtype")
         state["faults"] = record.get("faults", {})
         state["startup_s"] = record.get("startup_s")
+        state["startup_phases"] = record.get("startup_phases")
         state["worker_peak_rss_mb"] = record.get("worker_peak_rss_mb")
         return state
 

@@ -36,6 +36,7 @@ from raytrain_common.cli import (
     report_unwritable_storage,
 )
 from raytrain_common.configs import ConfigError
+from raytrain_common.loop import process_started_at
 from raytrain_common.metrics import SUMMARY_FILE
 from raytrain_common.pretokenize import TokenizeError
 from raytrain_common.ray_start import ResourceError, show_ray_output
@@ -148,7 +149,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     from hf_finetune.train import run
 
-    summary = run(config_from_args(args, TrainConfig, PRESETS))
+    summary = run(config_from_args(args, TrainConfig, PRESETS), started_at=process_started_at())
     best = summary["best"]
     print(
         f"best validation F1 {best['val_f1']:.4f} (accuracy {best['val_accuracy']:.4f}) at epoch "

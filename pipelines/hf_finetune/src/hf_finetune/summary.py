@@ -101,6 +101,7 @@ def write_run_outputs(
         "steps_done": state["global_step"],
         "epochs_done": round(state["epoch"], 4),
         "startup_s": state["startup_s"],
+        "startup_phases": state["startup_phases"],
         **FaultLog(**state["faults"]).summary(),
         "compute_dtype": state["compute_dtype"],
         "worker_peak_rss_mb": state["worker_peak_rss_mb"],

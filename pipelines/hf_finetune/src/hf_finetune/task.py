@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 from transformers import AutoModelForSequenceClassification, EvalPrediction, PreTrainedModel
+from transformers.utils import logging as hf_logging
 
 
 def build_model(model: str, labels: Sequence[str]) -> PreTrainedModel:
@@ -31,7 +32,9 @@ def build_model(model: str, labels: Sequence[str]) -> PreTrainedModel:
 
 
 def load_trained(folder: str | os.PathLike[str]) -> PreTrainedModel:
-    """A fine-tuned classifier from a checkpoint's model folder, in eval mode."""
+    """A fine-tuned classifier from a checkpoint's model folder, in eval mode (without
+    transformers' weight-loading bar, a console line per load in evaluate and predict)."""
+    hf_logging.disable_progress_bar()
     return AutoModelForSequenceClassification.from_pretrained(folder).eval()
 
 

@@ -56,6 +56,7 @@ from raytrain_common.configs import (
     build_torch_config,
     per_worker_batch_size,
 )
+from raytrain_common.loop import StartupClock
 from raytrain_common.ray_start import quiet_ray_output, start_ray_for_run
 from raytrain_common.runs import fit, locate_run
 from raytrain_common.storage import resolve_storage
@@ -148,15 +149,18 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     checkpoint if it has one."""
     config = TrainConfig(**loop_config["config"])
     quiet_ray_output(config.verbose)
+    clock = StartupClock(loop_config["startup"])  # the driver's phases; rank 0 adds the rest
+    clock.mark("worker_group")
     info = DatasetInfo(**loop_config["dataset"])
     world = ray.train.get_context().get_world_size()
     train_set, val_set = open_splits(config, info, world)
     tokenizer, model = load_model(config, info, loop_config["model"])
+    clock.mark("model_build")
 
     # Resume from this run's newest complete checkpoint, if any (a restarted worker group, a rerun).
     run_dir = resolve_storage(config.storage_path).join(config.run_name)
     checkpoint = resume_checkpoint(ray.train.get_checkpoint(), run_dir, inside=HF_CHECKPOINT)
-    checkpointer = Checkpointer(loop_config, run_dir)
+    checkpointer = Checkpointer(loop_config, run_dir, clock)
     if not checkpointer.restore(checkpoint):
         return  # already stopped there: a rerun with the same --stop-at-step does nothing
     logger = MetricsLogger(loop_config, config.global_batch_size)
@@ -204,12 +208,17 @@ def check_model_fits_data(model: str, info: DatasetInfo) -> None:
         )
 
 
-def run(config: TrainConfig, callbacks: Sequence[UserCallback] = ()) -> dict[str, Any]:
+def run(
+    config: TrainConfig, callbacks: Sequence[UserCallback] = (), started_at: float | None = None
+) -> dict[str, Any]:
     """Check everything that can be checked, train, then write metrics, curves and summary.json.
 
-    `callbacks` join the run's (a sweep passes Tune's, which forwards every report to Tune).
+    `callbacks` join the run's (a sweep passes Tune's, which forwards every report to Tune);
+    `started_at`: when the command started (time.time()), where its start-up is counted from.
     """
-    started, launched_at = time.perf_counter(), time.time()
+    started = time.perf_counter()
+    clock = StartupClock(started_at)  # summary.json's startup_s, phase by phase
+    clock.mark("imports")  # Python, imports and the command line, when `started_at` is given
     storage, data_dir = locate_run(config)
     info = inspect_dataset(data_dir)
     model = resolve_model(config.model or info.tokenizer)
@@ -225,8 +234,11 @@ def run(config: TrainConfig, callbacks: Sequence[UserCallback] = ()) -> dict[str
     )
 
     warm_tracking_store(config, storage)  # overlaps Ray's start
+    clock.mark("checks")
     start_ray_for_run(config, storage, {"the data folder (--data-dir)": data_dir})
+    clock.mark("ray_start")
     tracked = open_for_config(config, storage, pipeline="hf_finetune", version=__version__)
+    clock.mark("tracking")
 
     trainer = TorchTrainer(
         train_loop_per_worker,
@@ -235,7 +247,7 @@ def run(config: TrainConfig, callbacks: Sequence[UserCallback] = ()) -> dict[str
             "dataset": dataclasses.asdict(info),
             "model": model,
             "driver_id": uuid.uuid4().hex,  # tells a worker restart from a rerun of the command
-            "launched_at": launched_at,
+            "startup": clock.marks,
             "tracked": dataclasses.asdict(tracked) if tracked else None,
         },
         scaling_config=build_scaling_config(config),
@@ -253,6 +265,7 @@ def run(config: TrainConfig, callbacks: Sequence[UserCallback] = ()) -> dict[str
         storage.join(config.run_name),
     )
     run_dir = storage.join(config.run_name)
+    clock.mark("trainer")
     with failed_on_error(tracked):
         result = fit(trainer, config.storage_path)
         summary = write_run_outputs(run_dir, result, config, info, started)

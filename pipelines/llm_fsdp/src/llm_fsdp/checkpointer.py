@@ -94,7 +94,8 @@ class RunState:
     step: int = 0
     history: list[dict[str, float]] = dataclasses.field(default_factory=list)
     faults: FaultLog = dataclasses.field(default_factory=FaultLog)
-    startup_s: float | None = None
+    startup_s: float | None = None  # from the command's start to the first optimiser step
+    startup_phases: dict[str, float] | None = None  # those seconds, phase by phase (StartupClock)
 
     def latest_val(self) -> dict[str, float]:
         return next((row for row in reversed(self.history) if "val_loss" in row), {})
@@ -145,13 +146,14 @@ class Checkpointer:
             history=state["history"],
             faults=FaultLog(**state.get("faults", {})),
             startup_s=state.get("startup_s"),
+            startup_phases=state.get("startup_phases"),
         )
         if not self.policy.already_done(run.step):
             restart = run.faults.record_restart(
                 run.step, self.run_dir, self.driver_id, checkpoint.path, self.world
             )
             if restart["cause"] == "rerun":  # this command's own start-up is measured anew
-                run.startup_s = None
+                run.startup_s = run.startup_phases = None
         if self.rank == 0:
             log.info(
                 "resumed at step %d (written by %d worker(s)) on %d worker(s)",

@@ -33,6 +33,7 @@ from raytrain_common.cli import (
     report_unwritable_storage,
 )
 from raytrain_common.configs import ConfigError
+from raytrain_common.loop import process_started_at
 from raytrain_common.metrics import SUMMARY_FILE
 from raytrain_common.pretokenize import TokenizeError
 from raytrain_common.ray_start import ResourceError, show_ray_output
@@ -163,7 +164,8 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     from llm_fsdp.train import run
 
-    print(describe_run(run(config_from_args(args, TrainConfig, PRESETS))))
+    config = config_from_args(args, TrainConfig, PRESETS)
+    print(describe_run(run(config, started_at=process_started_at())))
     return 0
 
 

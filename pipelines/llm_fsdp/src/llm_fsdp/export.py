@@ -7,11 +7,13 @@ full tensors of a plain model, whatever the number of workers that wrote them.
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from transformers.utils import logging as hf_logging
 
 from llm_fsdp import __version__
 from llm_fsdp.checkpointer import STATE_FILE
@@ -69,8 +71,11 @@ def export(checkpoint: str, output: str, loop_config: dict[str, Any] | None = No
         spec, vocab_size=info["vocab_size"], seq_len=info["seq_len"], eos_id=info["eos_id"]
     )
     state = {"model": model.state_dict()}
-    dcp.load(state, checkpoint_id=str(folder))
+    with warnings.catch_warnings():  # torch warns that one process reads every rank's shards
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load(state, checkpoint_id=str(folder), no_dist=True)
     model.load_state_dict(state["model"])
+    hf_logging.disable_progress_bar()  # transformers' save and load bars: a console line each
     with staged_folder(target, EXPORT_MARKER) as staging:
         model.save_pretrained(staging.path)
         AutoTokenizer.from_pretrained(info["tokenizer"]).save_pretrained(staging.path)
@@ -91,6 +96,7 @@ def generate(
     """Sample a continuation of `prompt` from an exported Hugging Face folder."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    hf_logging.disable_progress_bar()
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
     torch.manual_seed(seed)

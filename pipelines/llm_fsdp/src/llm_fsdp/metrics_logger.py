@@ -20,7 +20,7 @@ from llm_fsdp.data import DatasetInfo
 from llm_fsdp.loss import NextTokenLoss
 from llm_fsdp.task import model_flops_per_token
 from raytrain_common.hardware import peak_bf16_flops, peak_memory_gb
-from raytrain_common.loop import ThroughputMeter, startup_seconds
+from raytrain_common.loop import StartupClock, ThroughputMeter
 from raytrain_common.metrics import eta
 from raytrain_common.tracking import rank_zero_sink
 
@@ -38,10 +38,11 @@ class MetricsLogger:
         optimizer: torch.optim.Optimizer,
         micro: int,
         last_step: int,
+        clock: StartupClock,
     ) -> None:
         self.config = TrainConfig(**loop_config["config"])
         self.seq_len = DatasetInfo(**loop_config["dataset"]).seq_len
-        self.launched_at, self.last_step = loop_config["launched_at"], last_step
+        self.clock, self.last_step = clock, last_step
         self.optimizer = optimizer  # the step's learning rate is in its param groups
         self.device, self.rank = ray.train.torch.get_device(), dist.get_rank()
         self.tokens_per_rank_step = micro * self.config.grad_accum_steps * self.seq_len
@@ -59,7 +60,8 @@ class MetricsLogger:
         self.window_loss += loss_sum
         self.meter.step()
         if run.startup_s is None:
-            run.startup_s = startup_seconds(self.launched_at, self.rank)
+            run.startup_s = self.clock.first_step(self.rank)
+            run.startup_phases = self.clock.phases()
         self.row = {"step": run.step}
         if run.step % self.config.log_every_steps == 0 or run.step == self.last_step:
             self.row |= self.window_row(run.step, grad_norm)

@@ -65,6 +65,7 @@ def write_run_outputs(
         "steps_done": state["step"],
         "epochs_done": round(state["step"] * config.global_batch_size / info.blocks("train"), 4),
         "startup_s": state.get("startup_s"),
+        "startup_phases": state.get("startup_phases"),
         **FaultLog(**state.get("faults", {})).summary(),
         "first": evals[0],
         "final": evals[-1],

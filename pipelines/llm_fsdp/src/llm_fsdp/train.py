@@ -55,6 +55,7 @@ from raytrain_common.configs import (
     build_torch_config,
     per_worker_batch_size,
 )
+from raytrain_common.loop import StartupClock
 from raytrain_common.ray_start import quiet_ray_output, start_ray_for_run
 from raytrain_common.runs import fit, locate_run
 from raytrain_common.storage import resolve_storage
@@ -251,12 +252,15 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     (metrics_logger.py, validator.py, checkpointer.py)."""
     config = TrainConfig(**loop_config["config"])
     quiet_ray_output(config.verbose)
+    clock = StartupClock(loop_config["startup"])  # the driver's phases; rank 0 adds the rest
+    clock.mark("worker_group")
     info = DatasetInfo(**loop_config["dataset"])
     rank, world = dist.get_rank(), dist.get_world_size()
     device = ray.train.torch.get_device()
     micro = per_worker_batch_size(config.global_batch_size, world, config.grad_accum_steps)
     spec = ModelSpec(**loop_config["model"])
     model, optimizer = build_sharded_model(spec, info, config, device, world)
+    clock.mark("model_build")
     # The token files, read in place: a step reads its rows at their offsets, on object storage by
     # ranged requests (tokens.py); never a copy of the split.
     data_dir = resolve_storage(config.resolved_data_dir())
@@ -268,7 +272,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     checkpoint = resume_checkpoint(ray.train.get_checkpoint(), run_dir)
     checkpointer = Checkpointer(model, optimizer, loop_config, run_dir, last_step)
     run = checkpointer.restore(checkpoint)
-    logger = MetricsLogger(loop_config, model, optimizer, micro, last_step)
+    logger = MetricsLogger(loop_config, model, optimizer, micro, last_step, clock)
     val_blocks = split_blocks(data_dir, "validation", info)
     validator = Validator(model, val_blocks, micro, config, last_step)
     if run.step == 0:  # the untrained model's loss: the curves' first point
@@ -325,12 +329,17 @@ def dataset_info(config: TrainConfig) -> DatasetInfo:
         ) from error
 
 
-def run(config: TrainConfig, callbacks: Sequence[UserCallback] = ()) -> dict[str, Any]:
+def run(
+    config: TrainConfig, callbacks: Sequence[UserCallback] = (), started_at: float | None = None
+) -> dict[str, Any]:
     """Check everything that can be checked, train, then write metrics, curves and summary.json.
 
-    `callbacks` join the run's (a sweep passes Tune's, which forwards every report to Tune).
+    `callbacks` join the run's (a sweep passes Tune's, which forwards every report to Tune);
+    `started_at`: when the command started (time.time()), where its start-up is counted from.
     """
-    started, launched_at = time.perf_counter(), time.time()
+    started = time.perf_counter()
+    clock = StartupClock(started_at)  # summary.json's startup_s, phase by phase
+    clock.mark("imports")  # Python, imports and the command line, when `started_at` is given
     storage, data_dir = locate_run(config)
     spec = resolve_model(config.model, storage.path if storage.is_local else "")
     info = dataset_info(config)
@@ -345,8 +354,11 @@ def run(config: TrainConfig, callbacks: Sequence[UserCallback] = ()) -> dict[str
     config.validate()
     config = dataclasses.replace(config, storage_path=storage.uri, data_dir=data_dir.uri)
     warm_tracking_store(config, storage)  # overlaps Ray's start
+    clock.mark("checks")
     start_ray_for_run(config, storage, {"the data folder (--data-dir)": data_dir})
+    clock.mark("ray_start")
     tracked = open_for_config(config, storage, pipeline="llm_fsdp", version=__version__)
+    clock.mark("tracking")
 
     trainer = TorchTrainer(
         train_loop_per_worker,
@@ -355,7 +367,7 @@ def run(config: TrainConfig, callbacks: Sequence[UserCallback] = ()) -> dict[str
             "dataset": dataclasses.asdict(info),
             "model": dataclasses.asdict(spec),
             "driver_id": uuid.uuid4().hex,  # tells a worker restart from a rerun of the command
-            "launched_at": launched_at,
+            "startup": clock.marks,
             "tracked": dataclasses.asdict(tracked) if tracked else None,
         },
         scaling_config=build_scaling_config(config),
@@ -374,6 +386,7 @@ def run(config: TrainConfig, callbacks: Sequence[UserCallback] = ()) -> dict[str
         storage.join(config.run_name),
     )
     run_dir = storage.join(config.run_name)
+    clock.mark("trainer")
     with failed_on_error(tracked):
         result = fit(trainer, config.storage_path)
         summary = write_run_outputs(run_dir, result, config, info, spec, started)

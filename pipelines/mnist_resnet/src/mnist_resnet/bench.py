@@ -7,7 +7,9 @@ with 2 workers, plus plain DDP in processes started by torch.multiprocessing on 
 pipeline (`--previous`, a git commit: its row-file reader, run from a git worktree of that commit).
 On a GPU machine: the `gpu` preset (bf16, batch 512), one worker per GPU, all 60k rows, with MFU,
 peak memory and the share of each step spent waiting for data. Start-up and time to the first
-batch are reported apart.
+batch are reported apart, and first, start-up as a user meets it: `mnist-resnet train` in a fresh
+process (its own local Ray cluster), seconds to its first optimiser step, phase by phase
+(summary.json's `startup_phases`).
 
     python -m mnist_resnet.bench [--preset cpu|gpu] [--rows N] [--epochs N] [--storage-path ./runs]
 """
@@ -239,7 +241,23 @@ def fresh_bench_config(args: argparse.Namespace) -> TrainConfig:
     return config
 
 
+def measure_startup(args: argparse.Namespace) -> dict[str, Any]:
+    """`mnist-resnet train` in a fresh process to its second step: its summary.json (startup_s,
+    startup_phases). Run before anything here starts Ray, so the box is as a user's would be."""
+    name = f"{RUN_NAME}_startup"
+    run_dir = resolve_storage(args.storage_path).join(name)
+    if run_dir.is_dir():  # a fresh run, never a resumed one
+        run_dir.filesystem.delete_dir(run_dir.path)
+    command = [sys.executable, "-m", "mnist_resnet", "train", "--preset", args.preset]
+    command += ["--run-name", name, "--storage-path", args.storage_path, "--stop-at-step", "2"]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} ended with {done.returncode}:\n{done.stderr}")
+    return json.loads(run_dir.join("summary.json").read_text())
+
+
 def measure(args: argparse.Namespace) -> int:
+    startup = measure_startup(args)
     config = fresh_bench_config(args)
     info = inspect_dataset(resolve_storage(config.resolved_data_dir()))
     per_image = training_flops_per_image(info.num_classes, info.height, info.width)
@@ -289,6 +307,11 @@ def measure(args: argparse.Namespace) -> int:
     write_metrics_csv(csv_file, [*rows, {"pipeline": "ratio", "images_per_s": ratio}])
     print_table(rows, args, config, per_image)
     print_ratios(ratio, ray_epoch, summary, baseline, plain_ddp, previous, args)
+    phases = " + ".join(f"{name} {s:.1f}" for name, s in startup["startup_phases"].items())
+    print(
+        f"start-up of `mnist-resnet train` in a fresh process: {startup['startup_s']:.1f} s to "
+        f"the first optimiser step = {phases}"
+    )
     print(f"rows: {args.rows or 'all'}, epoch {args.epochs} measured; written to {csv_file.uri}")
     return 0
 

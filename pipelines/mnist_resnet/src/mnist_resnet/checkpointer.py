@@ -189,5 +189,5 @@ def restore_run(state: dict[str, Any] | None, context: WorkerContext) -> RunStat
     )
     log.info("resuming at step %d (%s)", run.step, restart["cause"])
     if restart["cause"] == "rerun":  # this command's own start-up is measured anew
-        run.startup_s = run.first_batch_s = None
+        run.startup_s = run.first_batch_s = run.startup_phases = None
     return run

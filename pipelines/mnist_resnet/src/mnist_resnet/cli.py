@@ -36,6 +36,7 @@ from raytrain_common.cli import (
     report_unwritable_storage,
 )
 from raytrain_common.configs import ConfigError
+from raytrain_common.loop import process_started_at
 from raytrain_common.metrics import SUMMARY_FILE
 from raytrain_common.ray_start import ResourceError, show_ray_output
 from raytrain_common.storage import StorageError, resolve_storage
@@ -185,7 +186,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     from mnist_resnet.train import run
 
-    summary = run(config_from_args(args, TrainConfig, PRESETS))
+    summary = run(config_from_args(args, TrainConfig, PRESETS), started_at=process_started_at())
     best = summary["best"]
     if summary["restarts"]:
         print(

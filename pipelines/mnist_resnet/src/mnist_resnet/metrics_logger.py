@@ -18,7 +18,7 @@ import torch.distributed as dist
 from mnist_resnet.run_state import EpochPosition, RunState, WorkerContext
 from mnist_resnet.task import usable
 from raytrain_common.hardware import peak_memory_gb
-from raytrain_common.loop import ThroughputMeter, startup_seconds
+from raytrain_common.loop import StartupClock, ThroughputMeter
 from raytrain_common.metrics import METRICS_FILE, eta, write_metrics_csv
 from raytrain_common.tracking import rank_zero_sink
 
@@ -80,10 +80,10 @@ class MetricsLogger:
     throughput meter and its wait for data; rank 0 writes the progress lines, the curve points,
     metrics.csv and the MLflow rows (through the sink, which never blocks a step)."""
 
-    def __init__(self, context: WorkerContext, run: RunState) -> None:
+    def __init__(self, context: WorkerContext, run: RunState, clock: StartupClock) -> None:
         self.config, self.rank, self.run = context.config, context.rank, run
         self.device = ray.train.torch.get_device()
-        self.launched_at = context.loop_config["launched_at"]
+        self.clock = clock
         self.run_dir, self.steps = context.run_dir, context.steps
         self.totals = EpochTotals(self.device, self.rank, run.position)
         self.meter = ThroughputMeter(
@@ -109,7 +109,8 @@ class MetricsLogger:
             if batch is None:
                 return
             if self.run.first_batch_s is None:
-                self.run.first_batch_s = time.time() - self.launched_at
+                self.clock.mark("first_batch")
+                self.run.first_batch_s = self.clock.total()
             self.note_skipped(batch.pop("skipped", []))
             yield batch
 
@@ -136,7 +137,8 @@ class MetricsLogger:
         self.meter.step()
         self.lr = lr
         if run.startup_s is None:
-            run.startup_s = startup_seconds(self.launched_at, self.rank)
+            run.startup_s = self.clock.first_step(self.rank)
+            run.startup_phases = self.clock.phases()
         epoch_end = run.step % self.steps == 0
         if self.rank == 0 and (run.step % self.config.log_every_steps == 0 or epoch_end):
             self.sink.log(self.interval_row(run), run.step)

@@ -159,6 +159,7 @@ def predict(storage_path: str, run_name: str, count: int, output: str | None) ->
     run_dir = resolve_storage(storage_path).join(run_name)
     model, state = load_best_model(run_dir)
     info = DatasetInfo(**state["dataset"])
+    init_ray(train_cpus=1)  # as every command starts Ray: Ray Data's own lines off the console
     head = min(count - count // 4, info.test_rows)
     correct = seen = 0
     # (row, image, label, predicted): rows below `head` all, then mistakes, `count` in all.

@@ -45,7 +45,8 @@ class RunState:
     faults: FaultLog = dataclasses.field(default_factory=FaultLog)
     decoded_on: dict[str, int] = dataclasses.field(default_factory=dict)  # rank 0's batches by node
     compute_dtype: str | None = None
-    startup_s: float | None = None
+    startup_s: float | None = None  # from the command's start to the first optimiser step
+    startup_phases: dict[str, float] | None = None  # those seconds, phase by phase (StartupClock)
     first_batch_s: float | None = None
 
     @property

@@ -129,6 +129,7 @@ def run_progress(state: dict[str, Any], steps: int) -> dict[str, Any]:
         "epochs_done": round(state["step"] / steps, 4),
         "stopped_mid_epoch": state.get("position") is not None,
         "startup_s": state.get("startup_s"),
+        "startup_phases": state.get("startup_phases"),
         "first_batch_s": state.get("first_batch_s"),
         "worker_peak_rss_mb": state.get("worker_peak_rss_mb"),  # stopped runs' too
         **FaultLog(**state.get("faults", {})).summary(),

@@ -60,6 +60,7 @@ from raytrain_common.configs import (
     build_torch_config,
     node_labels,
 )
+from raytrain_common.loop import StartupClock
 from raytrain_common.ray_start import quiet_ray_output, start_ray_for_run
 from raytrain_common.runs import fit, locate_run
 from raytrain_common.storage import resolve_storage
@@ -193,14 +194,17 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     context = WorkerContext.parse(loop_config)  # the typed config, the dataset, the epoch's size
     config, info = context.config, context.info
     quiet_ray_output(config.verbose)
+    clock = StartupClock(loop_config["startup"])  # the driver's phases; rank 0 adds the rest
+    clock.mark("worker_group")
 
     # Resume from this run's newest complete checkpoint, if any (a restarted worker group, a rerun).
     checkpoint = resume_checkpoint(ray.train.get_checkpoint(), context.run_dir)
     state = read_state(checkpoint)
     model, optimizer = build_training(info, config, state)
     run = restore_run(state, context)
+    clock.mark("model_build")
     rows = TrainingRows(context)
-    logger = MetricsLogger(context, run)
+    logger = MetricsLogger(context, run, clock)
     validator = Validator(model, context)
     checkpointer = Checkpointer(model, optimizer, context, rows, logger)
     try:
@@ -241,10 +245,15 @@ def decoded_side(info: DatasetInfo, image_size: int | None) -> DatasetInfo:
     return dataclasses.replace(info, height=image_size, width=image_size)
 
 
-def run(config: TrainConfig, callbacks: Sequence[UserCallback] = ()) -> dict[str, Any]:
+def run(
+    config: TrainConfig, callbacks: Sequence[UserCallback] = (), started_at: float | None = None
+) -> dict[str, Any]:
     """Check everything that can be checked, train, then write curves and summary.json;
-    `callbacks` join the run's (a sweep passes Tune's, which forwards every report to Tune)."""
-    started, launched_at = time.perf_counter(), time.time()
+    `callbacks` join the run's (a sweep passes Tune's, which forwards every report to Tune);
+    `started_at`: when the command started (time.time()), where its start-up is counted from."""
+    started = time.perf_counter()
+    clock = StartupClock(started_at)  # summary.json's startup_s, phase by phase
+    clock.mark("imports")  # Python, imports and the command line, when `started_at` is given
     storage, data_dir = locate_run(config)
     info = decoded_side(inspect_dataset(data_dir), config.image_size)
     train_rows = training_rows(info, config)
@@ -259,13 +268,16 @@ def run(config: TrainConfig, callbacks: Sequence[UserCallback] = ()) -> dict[str
     check_same_dataset(run_dir, dataclasses.asdict(info))  # a resume on edited data: refused
 
     warm_tracking_store(config, storage)  # overlaps Ray's start
+    clock.mark("checks")
     inputs = {"the data folder (--data-dir)": data_dir}
     if info.image_root:  # the files themselves, which every node's decode tasks read
         inputs["the image tree (prepare --source)"] = resolve_storage(info.image_root)
     start_ray_for_run(config, storage, inputs)
     ingest_labels = node_labels(config.ingest_node_labels, "--ingest-node-labels")
     check_cpus_for_ingest(ingest_labels, config.needed_resources()["CPU"])
+    clock.mark("ray_start")
     tracked = open_for_config(config, storage, pipeline="mnist_resnet", version=__version__)
+    clock.mark("tracking")
 
     # Ray Data reads, shuffles and decodes the images on the cluster's CPUs (ingest.py). Ray calls
     # these factories at every worker-group start, so a restart reads the newest checkpoint's place.
@@ -290,7 +302,7 @@ def run(config: TrainConfig, callbacks: Sequence[UserCallback] = ()) -> dict[str
             "dataset": dataclasses.asdict(info),
             "local_shuffle_rows": data.local_shuffle_rows,
             "driver_id": uuid.uuid4().hex,  # tells a worker restart from a rerun of the command
-            "launched_at": launched_at,
+            "startup": clock.marks,
             "tracked": dataclasses.asdict(tracked) if tracked else None,
         },
         scaling_config=build_scaling_config(config),
@@ -299,6 +311,7 @@ def run(config: TrainConfig, callbacks: Sequence[UserCallback] = ()) -> dict[str
         ),
         torch_config=build_torch_config(config),
     )
+    clock.mark("trainer")
     log.info(
         "training %s on %d worker(s) for %d epoch(s); run folder %s",
         *(config.run_name, config.num_workers, config.epochs, run_dir),
