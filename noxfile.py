@@ -124,8 +124,9 @@ def bench_data(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none")
 def manifests(session: nox.Session) -> None:
-    """deploy/: every RayJob and kustomize output against KubeRay's CRD and Kubernetes' schemas, and
-    every entrypoint (at the CPU smoke size) run through the Job Submission API on a local head."""
+    """deploy/: every RayJob and kustomize output against KubeRay's CRD and Kubernetes' schemas,
+    every entrypoint (at the CPU smoke size) run through the Job Submission API on a local head,
+    and the image the RayJobs name built here (podman) with each pipeline run in it as a pod."""
     python = stack_python(session)
     run_in_stack(
         session,
@@ -135,6 +136,7 @@ def manifests(session: nox.Session) -> None:
         "-m",
         MANIFESTS_MARKERS,
         "tests/test_manifests.py",
+        "tests/test_image.py",
         *(session.posargs or ["-q"]),
     )
 

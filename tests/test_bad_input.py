@@ -10,7 +10,11 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import struct
+import subprocess
+import sys
+import tempfile
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -764,3 +768,23 @@ def test_a_full_or_read_only_disk_gets_one_line_naming_the_path_and_nothing_half
     assert status == 2, last
     assert last.startswith("mnist-resnet prepare: error: "), last
     assert str(read_only) in last and "read-only" in last, last
+
+    # HOME on a read-only root file system (a hardened pod): a command that starts its own local
+    # cluster has Ray write its token to ~/.ray. One line names that folder and HOME, not the
+    # storage path (which is writable) as the cause.
+    storage = small_volume("64m")
+    assert mnist_resnet.cli.main(["prepare", "--storage-path", str(storage)]) == 0
+    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
+    ray_tmp = tempfile.mkdtemp(prefix="rt-", dir="/tmp")  # short: Ray's socket paths live in it
+    env |= {"HOME": str(read_only), "RAY_TMPDIR": ray_tmp}
+    env.pop("RAY_AUTH_TOKEN", None)
+    train = [sys.executable, "-m", "mnist_resnet", "train", "--storage-path", str(storage)]
+    try:
+        done = subprocess.run([*train, "--epochs", "1"], env=env, capture_output=True, text=True)
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    last = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert last.startswith(f"mnist-resnet train: error: {read_only}/.ray is read-only"), last
+    assert "outside its storage path" in last and "HOME must be writable" in last, last
+    assert "--storage-path" not in last, last

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import os
 import shlex
 import signal
 import sys
@@ -234,9 +235,24 @@ def report_unwritable_storage(
     while seen is not None and where is None:
         where = getattr(seen, "filename", None)
         seen = seen.__cause__ or seen.__context__
-    where = where or getattr(args, "data_dir", None) or getattr(args, "storage_path", "./runs")
+    ours = [
+        str(getattr(args, name))
+        for name in ("storage_path", "data_dir")
+        if getattr(args, name, None)
+    ]
     end_ray_before_error_line(caller_holds_ray=caller_holds_ray)
     first_line = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+    if where is not None and not any(_is_under(str(where), path) for path in ours):
+        print(  # not the storage: HOME on a read-only root, a temp folder, a cache
+            f"{program}: error: {where} {problem} ({first_line}): the command writes there, "
+            "outside its storage path; make it writable or move it (under a read-only root file "
+            "system, HOME must be writable: Ray keeps its token in ~/.ray when it starts a local "
+            "cluster), then rerun the same command",
+            file=sys.stderr,
+            flush=True,
+        )
+        return True
+    where = where or getattr(args, "data_dir", None) or getattr(args, "storage_path", "./runs")
     print(
         f"{program}: error: the storage at {where} {problem} ({first_line}): free space there or "
         "give another --storage-path / --data-dir, then rerun the same command (a run resumes "
@@ -245,6 +261,13 @@ def report_unwritable_storage(
         flush=True,
     )
     return True
+
+
+def _is_under(path: str, folder: str) -> bool:
+    """Whether a local `path` is `folder` or inside it (a URI folder holds no local path)."""
+    if "://" in folder:
+        return False
+    return os.path.abspath(path).startswith(os.path.abspath(os.path.expanduser(folder)).rstrip("/"))
 
 
 _RECEIVED: dict[str, int] = {}  # the signal `interruptible`'s handler last received

@@ -156,8 +156,10 @@ def pretokenize(
         fn_constructor_args=(tokenizer_json, text_column, max_length, list(keep_columns), eos_id),
         batch_format="pyarrow",
         batch_size=batch_size,
-        # Fractional CPUs: the actors must not take every slot from the read and write tasks.
-        compute=ray.data.ActorPoolStrategy(size=actors),
+        # Fractional CPUs: the actors must not take every slot from the read and write tasks. One
+        # at least, `actors` at most: a small file is one block, and a fixed pool larger than the
+        # blocks warns on the console that it cannot be used.
+        compute=ray.data.ActorPoolStrategy(min_size=1, max_size=actors),
         num_cpus=0.5,
     )
     tokenized.write_parquet(output.path, filesystem=output.filesystem)

@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import re
+import shutil
 import signal
 import time
 from collections.abc import Iterator
@@ -123,11 +124,29 @@ def init_ray(train_cpus: float, *, data_cpus: float = DATA_CPUS) -> bool:
         ray.init(
             address="local",
             num_cpus=num_cpus,
+            object_store_memory=object_store_bytes(),
             logging_level=logging.WARNING,
         )
     quiet_ray_output(_CONSOLE["verbose"])
     log.info("started a local Ray cluster: %s", _describe(ray.cluster_resources()))
     return True
+
+
+def object_store_bytes() -> int | None:
+    """A local cluster's object store where /dev/shm is smaller than Ray's default (30 % of the
+    memory; a container's /dev/shm often is): 80 % of /dev/shm's free space, so the store stays in
+    memory, where Ray would move all of it to /tmp's disk ("This will harm performance"). None
+    (Ray's default) where /dev/shm is large enough, or too small to hold a useful store (Docker's
+    64 MB: there Ray's fallback to /tmp is the better one)."""
+    try:
+        shm_free = shutil.disk_usage("/dev/shm").free
+    except OSError:
+        return None
+    default = 0.3 * ray._private.utils.get_system_memory()  # Ray's own: a cgroup's limit counts
+    if shm_free >= default:
+        return None
+    usable = int(shm_free * 0.8)
+    return usable if usable >= 512 * 2**20 else None
 
 
 @contextlib.contextmanager

@@ -94,6 +94,9 @@ def client(tracking_uri: str) -> Any:
         Path(tracking_uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
     from mlflow.tracking import MlflowClient
 
+    # MLflow narrates creating and migrating a new SQLite store at INFO, on the console.
+    for name in ("mlflow.store.db.utils", "alembic"):
+        logging.getLogger(name).setLevel(logging.WARNING)
     return MlflowClient(tracking_uri=tracking_uri)
 
 

@@ -13,6 +13,7 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 NOISE = (
     # Ray's logging format: "<date> <time>\tINFO <file>.py:<line> -- <message>".
     re.compile(r"\bINFO \S+\.py:\d+ -- "),
+    re.compile(r"\bINFO (mlflow|alembic)\b"),  # MLflow's "<date> <time> INFO mlflow.…: …"
     re.compile(r"\bWARNING authentication_token_setup\.py"),
     re.compile(r"\b\w*(Deprecation|User|Future|Runtime)Warning\b"),
     # Ray Data and Ray Train narration, whichever process streams it.

@@ -1,0 +1,107 @@
+"""The image every RayJob names, built here, and each pipeline run in it as Kubernetes runs a pod.
+
+`tools/build_image.py` builds deploy/Dockerfile, unchanged, on a stand-in for Ray's base image
+(Docker Hub is out of reach here: deploy/standin/Containerfile, Debian's Python 3.11, the `ray`
+user, ray[default,train,data]==2.60.0). Each container then runs as the RayJobs' pods do: uid 1000
+and group 100, a read-only root file system with a writable /tmp, /dev/shm in memory, every
+capability dropped, no privilege escalation, the shared volume at /mnt/runs. podman needs runc and
+two ulimits on this box (crun refuses its hybrid cgroups); Ray warns about that file descriptor
+limit, the one line allowed on the console beyond the commands' own.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from raytrain_testkit.console import console_noise
+
+pytestmark = pytest.mark.manifests
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+
+from build_image import IMAGE, PODMAN, ULIMITS  # noqa: E402  (tools/ is not a package)
+
+POD = [
+    *("--user", "1000:100", "--read-only", "--tmpfs", "/tmp", "--shm-size", "2g"),
+    *("--cap-drop", "ALL", "--security-opt", "no-new-privileges"),
+]
+FD_LIMIT = "File descriptor limit 1024 is too low"  # the ulimit podman needs on this box
+
+
+@pytest.fixture(scope="module")
+def image() -> str:
+    """The project's image, built (or found up to date) by tools/build_image.py."""
+    if shutil.which("podman") is None:
+        pytest.fail(
+            "podman is missing: `apt-get install podman buildah runc debootstrap` (.ci/run does)"
+        )
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "build_image.py")], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return IMAGE
+
+
+def in_pod(image: str, volume: Path, command: str) -> str:
+    """`command` (bash) in a container of `image` run as a RayJob pod; its console, which must
+    carry none of the lines only --verbose may show."""
+    podman = [*PODMAN, "run", "--rm", *ULIMITS, *POD, "-v", f"{volume}:/mnt/runs"]
+    done = subprocess.run(
+        [*podman, image, "bash", "-c", command], capture_output=True, text=True, timeout=600
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-4000:]
+    assert console_noise(output.replace(FD_LIMIT, "")) == [], output[-4000:]
+    return output
+
+
+def test_each_pipeline_runs_in_its_image_as_a_pod_runs_it(image: str, tmp_path: Path) -> None:
+    """--help of the three commands, then prepare and a short train of each pipeline, in
+    containers whose root file system is read-only: the outputs land on the shared volume, owned
+    by uid 1000."""
+    volume = tmp_path / "runs"
+    volume.mkdir()
+    volume.chmod(0o777)  # the pod's uid 1000 writes here; CI runs as root
+    rows = ["text,label"] + [
+        f"the food was {w} today {i},{w}" for i in range(60) for w in ("great", "cold")
+    ]
+    (volume / "reviews.csv").write_text("\n".join(rows) + "\n")
+    corpus = volume / "corpus"
+    corpus.mkdir()
+    for page in sorted([*ROOT.glob("docs/*.md"), *ROOT.glob("pipelines/*/README.md")]):
+        (corpus / f"{page.parent.name}-{page.name}").write_text(page.read_text())
+
+    helps = in_pod(image, volume, "mnist-resnet --help && hf-finetune --help && llm-fsdp --help")
+    for program in ("mnist-resnet", "hf-finetune", "llm-fsdp"):
+        assert f"usage: {program} " in helps
+
+    at = "--storage-path /mnt/runs"
+    in_pod(
+        image,
+        volume,
+        f"mnist-resnet prepare {at} && mnist-resnet train --preset cpu {at} --epochs 1 "
+        "--limit-train-rows 512 --limit-val-rows 256 --limit-test-rows 256 --global-batch-size 128",
+    )
+    in_pod(
+        image,
+        volume,
+        f"hf-finetune prepare {at} --dataset /mnt/runs/reviews.csv && "
+        f"hf-finetune train --preset cpu {at} --epochs 1 --global-batch-size 16",
+    )
+    in_pod(
+        image,
+        volume,
+        f"llm-fsdp prepare {at} --dataset /mnt/runs/corpus --tokenizer bpe:512 --seq-len 64 && "
+        f"llm-fsdp train --preset cpu {at} --max-steps 4 --warmup-steps 1 --eval-every-steps 4",
+    )
+    for run in ("mnist_resnet", "hf_finetune", "llm_fsdp"):
+        summary = volume / run / "summary.json"
+        assert json.loads(summary.read_text())["steps_done"] >= 4, run
+        assert summary.stat().st_uid == 1000, run
