@@ -125,8 +125,9 @@ def bench_data(session: nox.Session) -> None:
 @nox.session(venv_backend="none")
 def manifests(session: nox.Session) -> None:
     """deploy/: every RayJob and kustomize output against KubeRay's CRD and Kubernetes' schemas,
-    every entrypoint (at the CPU smoke size) run through the Job Submission API on a local head,
-    and the image the RayJobs name built here (podman) with each pipeline run in it as a pod."""
+    and the image the RayJobs name built here (podman): each pipeline run in it as a pod, and each
+    RayJob's entrypoint (at the CPU smoke size) on a Ray cluster of its containers, submitted as
+    KubeRay's submitter does."""
     python = stack_python(session)
     run_in_stack(
         session,

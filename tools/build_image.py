@@ -38,7 +38,9 @@ MIRROR = "http://deb.debian.org/debian"
 HOST_CA = "/etc/ssl/certs/ca-certificates.crt"  # Debian's bundle, with any CA the admin added
 HOST_CA_MOUNT = "/run/host-ca-certificates.crt"
 PODMAN = ["podman", "--runtime", "runc"]
-ULIMITS = ["--ulimit", "nofile=1024:1024", "--ulimit", "nproc=1024:1024"]
+# Set, or runc refuses the defaults here; nproc counts every thread of the uid over all containers
+# (Ray starts dozens per process: 1,024 ran out with a 3-node cluster of containers).
+ULIMITS = ["--ulimit", "nofile=20000:20000", "--ulimit", "nproc=32768:32768"]
 
 
 def image_exists(tag: str) -> bool:

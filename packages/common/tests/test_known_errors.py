@@ -78,6 +78,16 @@ def test_a_cause_is_found_under_layers_of_wrapping() -> None:
             "node out of memory",
         ),
         (
+            # A uid's process limit reached by Ray's threads in containers (found in
+            # tests/test_image.py): Ray's dead-worker message lists the OOM killer among its
+            # "common causes", which must not be taken for the cause.
+            "Worker exit detail: Worker unexpectedly exits with a connection error code 2. Some "
+            "common causes include: (1) the process was killed by the OOM killer due to high "
+            'memory usage, (2) ray stop --force was called ...\n  File "ray/_private/state.py",'
+            " in _connect_and_get_accessor\nRuntimeError: Resource temporarily unavailable",
+            "process or thread limit",
+        ),
+        (
             "[Rank 1] Watchdog caught collective operation "
             "timeout: WorkNCCL(SeqNum=5, OpType=ALLREDUCE)",
             "collective timeout",

@@ -57,9 +57,20 @@ KNOWN_ERRORS: tuple[KnownError, ...] = (
         "--pipeline <name> -- <train flags>` forecasts the memory",
     ),
     _known(
+        "process or thread limit",
+        r"can't start new thread|Resource temporarily unavailable|pthread_create failed",
+        "a process could not start a thread or a process: the user's limit on processes and "
+        "threads (RLIMIT_NPROC, `ulimit -u`, counted over every container of the same uid) or "
+        "the pod's pids limit is reached; Ray starts dozens of threads per process",
+        "raise the limit (`ulimit -u`, podman/docker `--ulimit nproc=…`, the kubelet's "
+        "podPidsLimit), or run fewer workers per node",
+    ),
+    _known(
         "node out of memory",
         r"killed due to the node running low on memory|ray\.exceptions\.OutOfMemoryError"
-        r"|killed by (the )?OOM killer|oom[-_ ]kill|Memory on the node .* was .* when",
+        # Not Ray's list of "common causes" that every dead worker's message carries.
+        r"|(?<!the process was )killed by (the )?OOM killer|oom[-_ ]kill"
+        r"|Memory on the node .* was .* when",
         "a worker was killed because its node ran out of host memory (Ray's memory monitor or "
         "the kernel's OOM killer)",
         "give each worker more memory (fewer workers or --cpus-per-worker higher per node, a "
