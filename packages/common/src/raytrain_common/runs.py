@@ -1,15 +1,15 @@
-"""The first and last lines of every pipeline's `run()`: where the run lives, `fit` with storage
-outages named as such, and the header every `summary.json` starts with. The training itself stays
-in the pipelines."""
+"""The first and last lines of every pipeline's `run()`: where the run lives, what a failed
+`trainer.fit()` means (a storage outage named as such, Ctrl-C), and the header every
+`summary.json` starts with. The training, and `trainer.fit()` itself, stay in the pipelines."""
 
 from __future__ import annotations
 
+import contextlib
 import signal
+from collections.abc import Iterator
 from typing import Any, Protocol
 
 import ray.train
-from ray.train import Result
-from ray.train.torch import TorchTrainer
 
 from raytrain_common.checkpoint import raise_storage_error_of
 from raytrain_common.storage import StoragePath, check_writable, resolve_storage
@@ -35,13 +35,15 @@ def locate_run(config: LocatedRun) -> tuple[StoragePath, StoragePath]:
     return storage, resolve_storage(config.resolved_data_dir())
 
 
-def fit(trainer: TorchTrainer, storage_path: str) -> Result:
-    """`trainer.fit()`; a run that failed because its storage went away ends in one line naming the
-    storage and the fix (StorageError), any other failure as Ray raised it. Ctrl-C during it is
-    Ray Train's: its SIGINT handler aborts the controller and workers, then exits the process
-    (SystemExit); that comes back as the KeyboardInterrupt it was, for the command to report."""
+@contextlib.contextmanager
+def fit_failures_named(storage_path: str) -> Iterator[None]:
+    """Around `trainer.fit()`: a run that failed because its storage went away ends in one line
+    naming the storage and the fix (StorageError), any other failure as Ray raised it. Ctrl-C
+    during it is Ray Train's: its SIGINT handler aborts the controller and workers, then exits the
+    process (SystemExit); that comes back as the KeyboardInterrupt it was, for the command to
+    report."""
     try:
-        return trainer.fit()
+        yield
     except ray.train.TrainingFailedError as error:
         raise_storage_error_of(error, storage_path)
         raise

@@ -58,7 +58,7 @@ from raytrain_common.configs import (
 )
 from raytrain_common.loop import StartupClock
 from raytrain_common.ray_start import quiet_ray_output, start_ray_for_run
-from raytrain_common.runs import fit, locate_run
+from raytrain_common.runs import fit_failures_named, locate_run
 from raytrain_common.storage import resolve_storage
 from raytrain_common.tracking import (
     failed_on_error,
@@ -267,7 +267,8 @@ def run(
     run_dir = storage.join(config.run_name)
     clock.mark("trainer")
     with failed_on_error(tracked):
-        result = fit(trainer, config.storage_path)
+        with fit_failures_named(config.storage_path):
+            result = trainer.fit()  # the workers train; it returns when the run has ended
         summary = write_run_outputs(run_dir, result, config, info, started)
     finish_for_summary(tracked, run_dir, summary)
     return summary

@@ -62,7 +62,7 @@ from raytrain_common.configs import (
 )
 from raytrain_common.loop import StartupClock
 from raytrain_common.ray_start import quiet_ray_output, start_ray_for_run
-from raytrain_common.runs import fit, locate_run
+from raytrain_common.runs import fit_failures_named, locate_run
 from raytrain_common.storage import resolve_storage
 from raytrain_common.tracking import (
     failed_on_error,
@@ -316,11 +316,11 @@ def run(
         "training %s on %d worker(s) for %d epoch(s); run folder %s",
         *(config.run_name, config.num_workers, config.epochs, run_dir),
     )
-    with failed_on_error(tracked):
+    with failed_on_error(tracked), fit_failures_named(config.storage_path):
         # Says in this log when an ingest node is lost, and stops a run left without any.
         with IngestNodeWatch(ingest_labels, config.ingest_wait_s, run_dir) as ingest_watch:
             try:
-                result = fit(trainer, config.storage_path)
+                result = trainer.fit()  # the workers train; it returns when the run has ended
             finally:
                 ingest_watch.check()
         summary = write_run_outputs(run_dir, result, config, info, steps, started)
