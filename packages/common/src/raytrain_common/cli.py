@@ -18,6 +18,7 @@ import traceback
 import types
 import typing
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 Config = TypeVar("Config")
@@ -267,7 +268,7 @@ def _is_under(path: str, folder: str) -> bool:
     """Whether a local `path` is `folder` or inside it (a URI folder holds no local path)."""
     if "://" in folder:
         return False
-    return os.path.abspath(path).startswith(os.path.abspath(os.path.expanduser(folder)).rstrip("/"))
+    return Path(os.path.abspath(path)).is_relative_to(os.path.abspath(os.path.expanduser(folder)))
 
 
 _RECEIVED: dict[str, int] = {}  # the signal `interruptible`'s handler last received

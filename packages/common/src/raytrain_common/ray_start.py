@@ -82,6 +82,7 @@ class _TokenNotice(logging.Filter):
 
 
 def _quiet_token_notice() -> None:
+    # The logger of the module that prints it (a name only: no private call).
     notices = logging.getLogger("ray._private.authentication.authentication_token_setup")
     if not any(isinstance(f, _TokenNotice) for f in notices.filters):
         notices.addFilter(_TokenNotice())
@@ -142,7 +143,9 @@ def object_store_bytes() -> int | None:
         shm_free = shutil.disk_usage("/dev/shm").free
     except OSError:
         return None
-    default = 0.3 * ray._private.utils.get_system_memory()  # Ray's own: a cgroup's limit counts
+    # Private: no public Ray API gives the memory Ray sizes its default store by (a container's
+    # cgroup limit, not the host's memory); compared with it, the store is never larger than Ray's.
+    default = 0.3 * ray._private.utils.get_system_memory()
     if shm_free >= default:
         return None
     usable = int(shm_free * 0.8)
