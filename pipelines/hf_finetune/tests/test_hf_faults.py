@@ -47,6 +47,8 @@ def train_command(storage: Path, data_dir: StoragePath, run_name: str) -> list[s
         "1024",
         "--limit-val-rows",
         "384",
+        "--limit-test-rows",
+        "128",
         "--log-every-steps",
         "1",
         "--preemption-check-steps",

@@ -40,6 +40,7 @@ def test_gpu_preset_learns_in_bf16_and_resumes(
         epochs=1,
         limit_train_rows=4096,
         limit_val_rows=1024,
+        limit_test_rows=1024,
         log_every_steps=10,
     )
     assert config.bf16
@@ -53,3 +54,5 @@ def test_gpu_preset_learns_in_bf16_and_resumes(
     assert all(math.isfinite(row["val_loss"]) for row in rows)
     assert resumed["best"]["val_accuracy"] >= 0.70  # the majority class is 0.54
     assert resumed["compute_dtype"] == "bfloat16"  # the Trainer's bf16 autocast really in effect
+    # The chosen checkpoint scored on the test split once, in a Ray task holding a GPU.
+    assert resumed["test"]["test_rows"] == 1024 and resumed["test"]["test_accuracy"] >= 0.70

@@ -115,6 +115,8 @@ def train(data_dir: Path, root: Path, name: str, address: str, *extra: str) -> t
         "0",
         "--limit-val-rows",
         "384",
+        "--limit-test-rows",
+        "128",
         "--log-every-steps",
         "16",
         "--tracking",

@@ -42,6 +42,7 @@ def small_config(storage: Path, data_dir: StoragePath, **changes: Any) -> TrainC
         epochs=2,
         limit_train_rows=1024,
         limit_val_rows=384,
+        limit_test_rows=384,
         log_every_steps=8,
         tracking="none",  # MLflow is checked by the tests that turn it on
     )
@@ -142,12 +143,21 @@ def test_two_workers_learn_survive_a_lost_worker_and_the_checkpoint_predicts(
         ("good.txt", "positive"),
     ]
 
-    result = evaluate(str(tmp_path), "vader")
+    # train ended by scoring the checkpoint validation chose on the test split, once (its first
+    # 384 rows here); `evaluate` scores any checkpoint on the whole split, beside it.
+    test = summary["test"]
+    assert test["checkpoint"] == summary["best_checkpoint"] and test["test_rows"] == 384
+    # (a limited split whose labels were matched to the wrong token rows scored 0.51 here)
+    assert test["test_accuracy"] >= 0.70 and 0 < test["test_f1"] <= 1
+    assert (run_dir / "confusion_matrix.png").stat().st_size > 1000
+    result = evaluate(str(tmp_path), "vader", summary["latest_checkpoint"])
     assert result["test_rows"] == 2_370
     assert result["test_accuracy"] >= 0.72
-    assert (run_dir / "confusion_matrix.png").stat().st_size > 1000
+    latest = Path(summary["latest_checkpoint"]).parent.name
+    assert (run_dir / f"confusion_matrix-test-{latest}.png").stat().st_size > 1000
     written = json.loads((run_dir / "summary.json").read_text())
-    assert written["test"]["test_accuracy"] == result["test_accuracy"]
+    assert written["test"] == test  # train's score of the chosen checkpoint stays
+    assert written["evaluations"] == [result]
 
 
 def test_a_users_csv_trains_with_flags_alone(
@@ -201,6 +211,10 @@ def test_a_users_csv_trains_with_flags_alone(
     summary = json.loads((tmp_path / "reviews" / "summary.json").read_text())
     assert summary["labels"] == ["bad", "great", "okay"]
     assert summary["test"]["test_accuracy"] == 1.0  # three templates: an easy, exact task
+    evaluated = summary["evaluations"]  # `evaluate` scored the same checkpoint again, apart
+    assert [(e["checkpoint"], e["test_accuracy"]) for e in evaluated] == [
+        (summary["best_checkpoint"], 1.0)
+    ]
 
 
 def test_bad_settings_fail_before_training(
@@ -235,6 +249,7 @@ def test_a_run_stopped_mid_epoch_resumes_with_the_steps_it_had_not_taken(
         "checkpoint_every_steps": 5,
         "limit_train_rows": 256,
         "limit_val_rows": 64,
+        "limit_test_rows": 64,
         "tracking": "mlflow",
     }
     whole = run(small_config(tmp_path, vader_dir, run_name="whole", **common))

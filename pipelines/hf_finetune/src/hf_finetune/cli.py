@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     evaluate = commands.add_parser(
         "evaluate",
-        help="test-split accuracy, macro F1 and a confusion matrix of the best checkpoint",
+        help="test accuracy, macro F1, confusion matrix of a checkpoint (train scores its best once)",
     )
     add_config_options(evaluate, EvaluateConfig)
     predict = commands.add_parser(
@@ -150,15 +150,21 @@ def cmd_train(args: argparse.Namespace) -> int:
     from hf_finetune.train import run
 
     summary = run(config_from_args(args, TrainConfig, PRESETS), started_at=process_started_at())
-    best = summary["best"]
-    print(
+    best, test = summary["best"], summary["test"]
+    lines = [
         f"best validation F1 {best['val_f1']:.4f} (accuracy {best['val_accuracy']:.4f}) at epoch "
         f"{int(best['epoch'])} of {summary['epochs_done']}; majority class: "
-        f"{summary['val_majority_share']:.4f}\n"
-        f"metrics: {summary['metrics_csv']}\ncurves: {summary['curves_png']}\n"
-        f"best checkpoint: {summary['best_checkpoint']}\n"
-        f"summary: {resolve_storage(summary['run_dir']).join(SUMMARY_FILE).uri}"
-    )
+        f"{summary['val_majority_share']:.4f}",
+        f"test accuracy {test['test_accuracy']:.4f}, macro F1 {test['test_f1']:.4f} on "
+        f"{test['test_rows']} rows (that checkpoint, evaluated once)"
+        if test
+        else "no complete checkpoint to test: see the warnings above",
+        f"metrics: {summary['metrics_csv']}",
+        f"curves: {summary['curves_png']}",
+        f"best checkpoint: {summary['best_checkpoint']}",
+        f"summary: {resolve_storage(summary['run_dir']).join(SUMMARY_FILE).uri}",
+    ]
+    print("\n".join(lines))
     return 0
 
 
@@ -177,7 +183,12 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         train=run,
         objective=Objective(SCORE, "max", time_attr="epoch", max_t=config.epochs),
         command=f"hf-finetune train --preset {args.preset}",
-        full_run={"limit_train_rows": None, "limit_val_rows": None, "epochs": preset.epochs},
+        full_run={
+            "limit_train_rows": None,
+            "limit_val_rows": None,
+            "limit_test_rows": None,
+            "epochs": preset.epochs,
+        },
     )
     print_outcome(outcome, SCORE)
     return 0

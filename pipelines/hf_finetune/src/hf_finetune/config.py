@@ -110,6 +110,9 @@ class TrainConfig(RayTrainSettings, DataLocation):
         None, "Train on the first N rows only (smoke runs, tests)."
     )
     limit_val_rows: int | None = option(None, "Evaluate on the first N validation rows only.")
+    limit_test_rows: int | None = option(
+        None, "Score the chosen checkpoint on the first N test rows only (smoke runs, sweeps)."
+    )
     log_every_steps: int = option(50, "Progress line every N optimiser steps (rank 0).")
     checkpoint_every_steps: int = option(
         0,
@@ -154,7 +157,7 @@ class TrainConfig(RayTrainSettings, DataLocation):
             raise ConfigError(
                 f"lr_schedule={self.lr_schedule!r}: choose linear, cosine or constant"
             )
-        for name in ("limit_train_rows", "limit_val_rows"):
+        for name in ("limit_train_rows", "limit_val_rows", "limit_test_rows"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"{name}={value}: give a positive row count or none")
@@ -195,7 +198,7 @@ def cpu_sweep_preset() -> SweepConfig:
     compares validation F1 after each): ~10 minutes on a 2-core box."""
     return SweepConfig(
         **dataclasses.asdict(cpu_preset())
-        | {"epochs": 3, "limit_train_rows": 1024, "limit_val_rows": 512},
+        | {"epochs": 3, "limit_train_rows": 1024, "limit_val_rows": 512, "limit_test_rows": 512},
         sweep_name=SWEEP_NAME,
         num_samples=6,
         max_concurrent_trials=2,

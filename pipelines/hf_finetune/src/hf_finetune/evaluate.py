@@ -1,18 +1,20 @@
-"""Test-split accuracy and macro F1 of a run's best checkpoint, in one process, with a confusion
-matrix.
+"""Test-split accuracy and macro F1 of a checkpoint, in one process, with a confusion matrix.
 
-Evaluation runs apart from training on purpose: the test split is read once, at the end, by a model
-the validation split chose.
+`train` scores the checkpoint the validation split chose on the test split once, as it ends
+(summary.py calls `score_checkpoint`); `hf-finetune evaluate` scores another checkpoint or split
+with the same function.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import posixpath
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import ray.train
 import torch
 from transformers import AutoTokenizer, DataCollatorWithPadding
 
@@ -44,14 +46,16 @@ def read_run_summary(storage_path: str, run_name: str) -> tuple[StoragePath, dic
 
 def load_classifier(checkpoint: str) -> tuple[Any, Any]:
     """Model and tokenizer from a Hugging Face folder (a checkpoint's `checkpoint/` or an
-    export)."""
-    folder = Path(checkpoint)
-    if not (folder / "config.json").exists():
-        raise DataError(f"{checkpoint!r} is not a Hugging Face model folder (no config.json)")
-    if folder.parent.name.startswith("checkpoint_"):  # a run's checkpoint, not an export
-        verify_checkpoint(folder)  # TornCheckpointError: a file cut off or missing
-    model = load_trained(folder)
-    return model, AutoTokenizer.from_pretrained(folder)
+    export) on any storage: a folder on S3 or GCS is copied to a scratch folder first (Ray's
+    `Checkpoint.as_directory`), a local one read in place."""
+    location = resolve_storage(checkpoint)
+    with ray.train.Checkpoint(location.path, location.filesystem).as_directory() as local:
+        folder = Path(local)
+        if not (folder / "config.json").exists():
+            raise DataError(f"{checkpoint!r} is not a Hugging Face model folder (no config.json)")
+        if posixpath.basename(posixpath.dirname(location.path)).startswith("checkpoint_"):
+            verify_checkpoint(folder)  # a run's checkpoint: TornCheckpointError when cut off
+        return load_trained(folder), AutoTokenizer.from_pretrained(folder)
 
 
 @torch.inference_mode()
@@ -74,58 +78,76 @@ def predict_split(
     model: Any, tokenizer: Any, rows: TokenizedSplit, batch_size: int = 256
 ) -> np.ndarray:
     """The predicted label of every row of a split, read from its row file a batch at a time (rows
-    of similar length together, to pad little): memory holds a batch, the labels and lengths, and
-    the predictions (24 bytes a row), not the split's tokens."""
+    of similar length together, to pad little), on the model's device: memory holds a batch, the
+    labels and lengths, and the predictions (24 bytes a row), not the split's tokens."""
     collate = DataCollatorWithPadding(tokenizer)
     order = np.argsort(rows.lengths, kind="stable")
     predicted = np.zeros(len(rows), dtype=np.int64)
     for start in range(0, len(order), batch_size):
         chosen = order[start : start + batch_size]
-        block = rows.ids.take(chosen)
+        block = rows.token_rows(chosen)
         batch = collate([{"input_ids": row[1 : 1 + row[0]].tolist()} for row in block])
-        predicted[chosen] = predicted_labels(model(**batch).logits.float().numpy())
+        logits = model(**batch.to(model.device)).logits
+        predicted[chosen] = predicted_labels(logits.float().cpu().numpy())
     return predicted
 
 
-def evaluate(
-    storage_path: str, run_name: str, checkpoint: str | None = None, split: str = "test"
+def score_checkpoint(
+    checkpoint: str, data_dir: str, split: str, limit: int | None, confusion: str, title: str
 ) -> dict[str, Any]:
-    """Score the best checkpoint on `split`; add the figures to summary.json and draw the matrix."""
-    run_dir, summary = read_run_summary(storage_path, run_name)
-    checkpoint = checkpoint or summary["best_checkpoint"]
-    data_dir = resolve_storage(summary["config"]["data_dir"])
-    info = inspect_dataset(data_dir)
+    """Accuracy, macro F1 and the confusion matrix of `checkpoint` on `split`'s first `limit`
+    rows (all: None), on this process's GPU if it has one; the matrix drawn to `confusion`."""
+    data = resolve_storage(data_dir)
+    info = inspect_dataset(data)
     model, tokenizer = load_classifier(checkpoint)
     if [model.config.id2label[i] for i in range(model.config.num_labels)] != info.labels:
         raise DataError(
             f"{checkpoint} predicts {list(model.config.id2label.values())}, the data at "
-            f"{data_dir.uri} has labels {info.labels}: evaluate on the data the run trained on"
+            f"{data.uri} has labels {info.labels}: evaluate on the data the run trained on"
         )
-    rows = TokenizedSplit.open(data_dir, split, info.max_length, limit=None)
+    model.to("cuda" if torch.cuda.is_available() else "cpu")
+    rows = TokenizedSplit.open(data, split, info.max_length, limit=limit)
     labels, predictions = rows.labels, predict_split(model, tokenizer, rows)
     matrix = confusion_matrix(labels, predictions, info.num_labels)
     # The same words as every pipeline: test_* for the split reported, val_* for the one choosing.
     prefix = {"validation": "val"}.get(split, split)
     scores = classification_scores(labels, predictions, info.num_labels)
     majority = float(np.bincount(labels, minlength=info.num_labels).max() / len(labels))
-    result = {
+    draw_confusion(
+        resolve_storage(confusion),
+        matrix,
+        info.labels,
+        scores["accuracy"],
+        scores["f1"],
+        f"{title} on {split}",
+    )
+    return {
         "split": split,
         f"{prefix}_rows": len(labels),
         "checkpoint": checkpoint,
         **{f"{prefix}_{name}": value for name, value in scores.items()},
         f"{prefix}_majority_share": majority,
         "confusion_matrix": matrix.tolist(),
-        "confusion_png": run_dir.join(CONFUSION_FILE).uri,
+        "confusion_png": confusion,
     }
-    draw_confusion(
-        run_dir.join(CONFUSION_FILE),
-        matrix,
-        info.labels,
-        scores["accuracy"],
-        scores["f1"],
-        f"{run_name} on {split}",
+
+
+def evaluate(
+    storage_path: str, run_name: str, checkpoint: str | None = None, split: str = "test"
+) -> dict[str, Any]:
+    """Score a checkpoint (the run's best when None) on `split`, draw its matrix beside the run's,
+    and add the result to summary.json's `evaluations` (its `test` stays train's, scored once)."""
+    run_dir, summary = read_run_summary(storage_path, run_name)
+    checkpoint = checkpoint or summary["best_checkpoint"]
+    # <run>/checkpoint_<time>/checkpoint → checkpoint_<time>; an export folder → its name
+    parts = checkpoint.rstrip("/").split("?")[0].split("/")
+    name = parts[-2] if parts[-1] == "checkpoint" and len(parts) > 1 else parts[-1]
+    confusion = run_dir.join(f"confusion_matrix-{split}-{name}.png").uri
+    result = score_checkpoint(
+        checkpoint, summary["config"]["data_dir"], split, None, confusion, run_name
     )
-    write_summary(run_dir.join(SUMMARY_FILE), {**summary, split: result})
+    evaluations = [*summary.get("evaluations", []), result]
+    write_summary(run_dir.join(SUMMARY_FILE), {**summary, "evaluations": evaluations})
     return result
 
 

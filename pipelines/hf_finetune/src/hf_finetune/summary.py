@@ -1,21 +1,24 @@
-"""What a finished run leaves: metrics.csv (one row per evaluation), curves.png and summary.json,
-read from the latest checkpoint's Trainer state. The test split is scored once, later, by
-`hf-finetune evaluate` (evaluate.py)."""
+"""What a finished run leaves: the chosen checkpoint's test scores (evaluated once, with
+confusion_matrix.png), metrics.csv (one row per evaluation), curves.png and summary.json, read from
+the latest checkpoint's Trainer state."""
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import posixpath
 import time
 from typing import Any
 
 import numpy as np
+import ray
 import ray.train
 
 from hf_finetune import __version__
 from hf_finetune.checkpointer import HF_CHECKPOINT, read_run_record
 from hf_finetune.config import TrainConfig
 from hf_finetune.data import DatasetInfo, read_labels
+from hf_finetune.evaluate import CONFUSION_FILE, score_checkpoint
 from hf_finetune.metrics_logger import RATE_KEY
 from hf_finetune.model import display_name
 from hf_finetune.validator import SCORE
@@ -32,6 +35,46 @@ from raytrain_common.metrics import (
 )
 from raytrain_common.runs import summary_header
 from raytrain_common.storage import StoragePath, resolve_storage
+
+log = logging.getLogger("hf_finetune")
+
+
+def evaluate_test_split_once(
+    checkpoint_uri: str, config: TrainConfig, run_dir: StoragePath
+) -> dict[str, Any]:
+    """The chosen checkpoint's test accuracy, macro F1 and confusion matrix. A GPU run's is scored
+    in a Ray task on a worker's resources (the driver may sit on a CPU-only head node); a CPU
+    run's here, in the driver: starting a Ray worker for it (its imports) costs more than it."""
+    started = time.perf_counter()
+    arguments = (
+        checkpoint_uri,
+        config.resolved_data_dir(),
+        "test",
+        config.limit_test_rows,
+        run_dir.join(CONFUSION_FILE).uri,
+        config.run_name,
+    )
+    if config.use_gpu:
+        task = ray.remote(score_checkpoint).options(
+            num_cpus=config.cpus_per_worker,
+            num_gpus=1,
+            # Not inside the caller's placement group (a sweep trial's holds a tenth of a CPU): the
+            # run's workers have ended, their resources are free in the cluster.
+            scheduling_strategy="DEFAULT",
+        )
+        result: dict[str, Any] = ray.get(task.remote(*arguments))
+    else:
+        result = score_checkpoint(*arguments)
+    result["test_s"] = time.perf_counter() - started
+    log.info(
+        "test accuracy %.4f, macro F1 %.4f on %d rows: %s (chosen by %s)",
+        result["test_accuracy"],
+        result["test_f1"],
+        result["test_rows"],
+        checkpoint_uri,
+        SCORE,
+    )
+    return result
 
 
 def epoch_history(
@@ -96,6 +139,7 @@ def write_run_outputs(
         log_y=["loss"],
     )
     best_row = max(history, key=lambda row: row[SCORE])
+    best_uri = run_dir.uri_for(posixpath.join(best.path, HF_CHECKPOINT)) if best else None
     summary = {
         **summary_header("hf_finetune", __version__, config.run_name, run_dir),
         "steps_done": state["global_step"],
@@ -112,9 +156,8 @@ def write_run_outputs(
         ),
         "final": history[-1],
         "best": best_row,
-        "best_checkpoint": run_dir.uri_for(posixpath.join(best.path, HF_CHECKPOINT))
-        if best
-        else None,
+        "best_checkpoint": best_uri,
+        "test": evaluate_test_split_once(best_uri, config, run_dir) if best_uri else None,
         "latest_checkpoint": run_dir.uri_for(posixpath.join(result.checkpoint.path, HF_CHECKPOINT)),
         "metrics_csv": run_dir.join(METRICS_FILE).uri,
         "curves_png": run_dir.join(CURVES_FILE).uri,

@@ -107,8 +107,13 @@ class TokenizedSplit(torch.utils.data.Dataset):
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         item = index if self.order is None else int(self.order[index])
-        row = self.ids.take([item if self.rows is None else int(self.rows[item])])[0]
+        row = self.token_rows(np.array([item]))[0]
         return {"input_ids": row[1 : 1 + row[0]].tolist(), "labels": int(self.labels[item])}
+
+    def token_rows(self, items: np.ndarray) -> np.ndarray:
+        """The token rows of items (positions in `labels` and `lengths`): under a limit, the
+        kept rows' places in the row file, not the items themselves."""
+        return self.ids.take(items if self.rows is None else self.rows[items])
 
 
 def length_grouped_order(
