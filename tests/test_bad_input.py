@@ -108,6 +108,22 @@ def llm_prepare(root: Path, *extra: str) -> list[str]:
     return ["prepare", "--tokenizer", "bpe:300", "--seq-len", "32", *storage(root), *extra]
 
 
+def dataset_without_test() -> dict[str, object]:
+    """The dataset.json llm-fsdp 0.14 wrote: train and validation splits, no test."""
+    split = {"documents": 1, "tokens": 99, "block_size": 33, "blocks": 3, "tokens_dropped": 0}
+    return {
+        "source": "corpus",
+        "seq_len": 32,
+        "tokenizer": "bpe",
+        "tokenizer_name": "bpe:300",
+        "vocab_size": 300,
+        "eos_id": 0,
+        "documents": {"train": 1, "validation": 1},
+        "packing": {"train": split, "validation": split},
+        "seed": 0,
+    }
+
+
 def fake_mnist_checkpoint(root: Path) -> Path:
     """The files an mnist-resnet checkpoint holds: a folder that is no Hugging Face model."""
     import torch
@@ -493,7 +509,7 @@ CASES = [
         lambda r: llm_prepare(
             r, "--dataset", str(text(r / "c" / "a.txt", "To be, or not to be.").parent)
         ),
-        r"holds 20 characters in 1 document\(s\): too little for a training and a validation block",
+        r"holds 20 characters in 1 document\(s\): too little for a training, a validation and a test",
     ),
     Case(
         "JSONL without the text column",
@@ -525,6 +541,25 @@ CASES = [
             *storage(r),
         ],
         r"unknown tokenizer .*no-tokenizer",
+    ),
+    Case(
+        "held-out share too large for a validation and a test split",
+        "llm-fsdp",
+        lambda r: llm_prepare(
+            r, "--validation-fraction", "0.3", "--dataset", str(text(r / "c" / "a.txt", "w").parent)
+        ),
+        r"--validation-fraction=0\.3: it must lie in \(0, 0\.25\] \(validation and test each",
+    ),
+    Case(
+        "data prepared before the test split (llm-fsdp 0.14)",
+        "llm-fsdp",
+        lambda r: [
+            "train",
+            "--data-dir",
+            str(text(r / "old" / "dataset.json", json.dumps(dataset_without_test())).parent),
+            *storage(r),
+        ],
+        r"old has no test split \(prepared by llm-fsdp 0\.14 or earlier.*prepare --force`",
     ),
     Case(
         "train before prepare",

@@ -134,6 +134,21 @@ def test_fsdp_learns_resumes_exactly_on_one_worker_and_exports(
     text = generate(str(folder), "KING", max_new_tokens=30)
     assert text.startswith("KING") and len(text) > 20
 
+    # train ended by scoring the checkpoint validation chose on the held-out test plays, once:
+    # the exported model's own loss over those blocks (transformers' loss, not ours) agrees, and
+    # `llm-fsdp evaluate` scores it the same.
+    test = whole["test"]
+    assert test["checkpoint"] == whole["best_checkpoint"] == whole["latest_checkpoint"]
+    test_split = split_blocks(shakespeare_dir, "test", inspect_dataset(shakespeare_dir))
+    assert test["test_blocks"] == len(test_split) == 605  # all of them: under --test-blocks
+    parts = np.array_split(np.arange(len(test_split)), 10)  # each mean over equal-length blocks
+    with torch.no_grad():
+        batches = (torch.from_numpy(test_split.take(part)).long() for part in parts)
+        losses = [float(model(input_ids=rows, labels=rows).loss) for rows in batches]
+    expected = np.average(losses, weights=[len(part) for part in parts])
+    assert test["test_loss"] == pytest.approx(expected, rel=1e-4)
+    assert test["test_loss"] < 0.9 * whole["first"]["val_loss"]  # the model learned what it tests
+
 
 def test_bad_input_fails_with_its_reason(
     ray_cluster: None, shakespeare_dir: StoragePath, tmp_path: Path
@@ -220,6 +235,7 @@ def test_the_summary_line_says_higher_when_the_loss_rose(tmp_path: Path) -> None
         "first": {"step": 0, "val_loss": 3.42, "val_perplexity": 30.6},
         "final": {"step": 500, "val_loss": 5.53, "val_perplexity": 252.0},
         "best": {"step": 200, "val_loss": 3.19, "val_perplexity": 24.3},
+        "test": {"test_loss": 3.25, "test_perplexity": 25.8, "test_tokens": 2_097_152},
         "val_loss_drop": 1 - 5.53 / 3.42,
         "steps_done": 500,
         "tokens_per_s": 300_000.0,
@@ -235,6 +251,7 @@ def test_the_summary_line_says_higher_when_the_loss_rose(tmp_path: Path) -> None
     assert "3.4200 → 5.5300 (61.7% higher)" in text
     assert "best validation loss 3.1900 at step 200" in text
     assert "MFU 31.0%, peak memory 41.0 GiB" in text
+    assert "test loss 3.2500, perplexity 25.8 on 2,097,152 tokens of held-out documents" in text
     summary |= {"val_loss_drop": 0.1, "mfu": None}
     assert "(10.0% lower)" in describe_run(summary) and "MFU" not in describe_run(summary)
 
@@ -328,7 +345,9 @@ def test_a_nested_documentation_tree_in_cp1252_prepares_trains_and_generates(
     assert "files: 120 read (40 .md, 40 .rst, 40 .txt), 1 skipped (1 .png)" in out
     info = inspect_dataset(resolve_storage(tmp_path / "data" / "llm"))
     assert info.split_by == "documents" and info.documents["validation"] >= 6
-    assert info.packing["validation"]["blocks"] >= 1
+    assert info.documents["test"] >= 6  # whole pages held out, apart from validation's
+    assert sum(info.documents.values()) == 120
+    assert info.packing["validation"]["blocks"] >= 1 and info.packing["test"]["blocks"] >= 1
 
     config = [
         "--max-steps",
@@ -345,6 +364,10 @@ def test_a_nested_documentation_tree_in_cp1252_prepares_trains_and_generates(
     assert main(["train", *config, *storage]) == 0
     summary = json.loads((tmp_path / "docs" / "summary.json").read_text())
     assert summary["final"]["val_loss"] < summary["first"]["val_loss"]
+    test_line = f"test loss {summary['test']['test_loss']:.4f}, perplexity "
+    assert test_line in capfd.readouterr().out  # train's ending: the test split, scored once
+    assert main(["evaluate", "--run-name", "docs", *storage]) == 0  # the same checkpoint again
+    assert capfd.readouterr().out.startswith(test_line)
     assert main(["export", "--run-name", "docs", *storage]) == 0
     assert (tmp_path / "docs" / "export" / "model.safetensors").is_file()
     assert console_noise("".join(capfd.readouterr())) == []
@@ -368,11 +391,13 @@ def test_a_nested_documentation_tree_in_cp1252_prepares_trains_and_generates(
     assert console_noise(out + err) == []
 
 
-# The packed blocks llm-fsdp 0.10.1 wrote for this corpus, tokenizer, seq_len and seed (Ray Data
-# actors tokenising, one process packing Parquet): block count and sha256 of the blocks as int32.
+# The packed blocks llm-fsdp 0.15.0 wrote for this corpus, tokenizer, seq_len and seed: block count
+# and sha256 of the blocks as int32. (0.10.1-0.14 wrote 40,976 train and 1,873 validation blocks;
+# 0.15.0 holds 2 more plays out as the test split, and out of the tokenizer's training text.)
 PREVIOUS_VERSION_BLOCKS = {
-    "train": (40976, "34d48f1240920f7b11cc296886149e57980e901a6aef7a1e2540cf2fe3f4d3dd"),
-    "validation": (1873, "02fc8b751c64a11f4f066d1d721d9feba0de0f19640cf2abb32649fe8f6d8fd7"),
+    "train": (40354, "0b5f02ae6206d15c21e373b39a60a875cc544f487e6a36ee3f444646ea4fc7e9"),
+    "validation": (1873, "dec2bbd199670c45d526c851505477b515fd669c202fbba27facc74738a501a0"),
+    "test": (605, "e6fb4c7bfcecf16afbf97da353169b9a310d8d0afb03b27c0ef4bb9053de1d41"),
 }
 
 

@@ -72,11 +72,20 @@ def test_the_document_split_is_the_seeded_permutation_of_the_document_count() ->
     lengths = np.full(200, 5_000)
     held_out = held_out_documents(lengths, 0.05, seed=3, min_validation_chars=1_000)
     assert held_out is not None
-    assert held_out.tolist() == split_documents(200, 0.05, seed=3)["validation"].tolist()
-    # Short documents: more are held out until they fill a block, training keeps the larger part.
+    split = split_documents(200, 0.05, seed=3)
+    assert {name: ids.tolist() for name, ids in held_out.items()} == {
+        name: split[name].tolist() for name in ("validation", "test")
+    }
+    every = np.concatenate([split["train"], split["validation"], split["test"]])
+    assert sorted(every.tolist()) == list(range(200))  # each document in exactly one split
+    assert (len(split["validation"]), len(split["test"])) == (10, 10)
+    # Short documents: more are held out until each fills a block, training keeps the larger part.
     grown = held_out_documents(np.full(200, 10), 0.05, seed=3, min_validation_chars=300)
-    assert grown is not None and len(grown) == 30
+    assert grown is not None and [len(ids) for ids in grown.values()] == [30, 30]
+    assert not set(grown["validation"].tolist()) & set(grown["test"].tolist())
     assert held_out_documents(np.array([10_000]), 0.05, 0, 100) is None  # one document
+    # Three long documents and two short: held out whole, the rest would be under half: None.
+    assert held_out_documents(np.array([10, 10, 10]), 0.05, 0, 10) is None
 
 
 def test_reading_a_corpus_holds_one_shard_not_the_corpus(

@@ -1,4 +1,5 @@
-"""`llm-fsdp prepare | train | export | generate`: the commands a user runs, each with --help."""
+"""`llm-fsdp prepare | train | evaluate | export | generate`: the commands a user runs, each with
+--help."""
 
 from __future__ import annotations
 
@@ -13,13 +14,14 @@ from llm_fsdp import __version__
 from llm_fsdp.config import (
     PRESETS,
     SWEEP_PRESETS,
+    EvaluateConfig,
     ExportConfig,
     GenerateConfig,
     PrepareConfig,
     SweepConfig,
     TrainConfig,
 )
-from llm_fsdp.data import DataError
+from llm_fsdp.data import SPLITS, DataError
 from llm_fsdp.model import SMOLLM2, SMOLLM2_FOLDER, ModelError
 from raytrain_common.checkpoint import TornCheckpointError
 from raytrain_common.cli import (
@@ -77,6 +79,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_config_options(sweep, SweepConfig, SWEEP_PRESETS)
 
+    evaluate = commands.add_parser(
+        "evaluate",
+        help="a checkpoint's loss and perplexity on a split (train scores its best once)",
+    )
+    add_config_options(evaluate, EvaluateConfig)
     export = commands.add_parser("export", help="a checkpoint → a Hugging Face safetensors folder")
     add_config_options(export, ExportConfig)
     generate = commands.add_parser("generate", help="sample text from a checkpoint or an export")
@@ -140,7 +147,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
             encoding=check_encoding(config.encoding),
             glob=config.glob,
         )
-    train, val = info.packing["train"], info.packing["validation"]
+    packing = [info.packing[split] for split in SPLITS]
     if info.files:
         read, skipped = info.files["read"], info.files["skipped"]
         print(
@@ -149,12 +156,13 @@ def cmd_prepare(args: argparse.Namespace) -> int:
             f"({', '.join(f'{n} {s}' for s, n in skipped.items()) or 'none'})"
         )
     held_out = "documents" if info.split_by == "documents" else "document ends"
+    documents = " + ".join(str(info.documents[split]) for split in SPLITS)
+    tokens = " + ".join(f"{split['tokens']:,}" for split in packing)
+    blocks = " + ".join(f"{split['blocks']:,}" for split in packing)
     print(
-        f"corpus: {info.source}, {info.documents['train']} + {info.documents['validation']} "
-        f"{held_out} (train + validation)\n"
-        f"tokens: {train['tokens']:,} + {val['tokens']:,} → {train['blocks']:,} + "
-        f"{val['blocks']:,} blocks of {info.seq_len + 1} "
-        f"({train['tokens_dropped'] + val['tokens_dropped']} tokens dropped); vocabulary "
+        f"corpus: {info.source}, {documents} {held_out} (train + validation + test)\n"
+        f"tokens: {tokens} → {blocks} blocks of {info.seq_len + 1} "
+        f"({sum(split['tokens_dropped'] for split in packing)} tokens dropped); vocabulary "
         f"{info.vocab_size:,}\n"
         f"written to {data_dir.uri}"
     )
@@ -170,22 +178,29 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def describe_run(summary: dict[str, Any]) -> str:
-    """The lines `train` ends with: how validation loss moved, speed, and where everything went."""
-    first, final, best = summary["first"], summary["final"], summary["best"]
+    """The lines `train` ends with: how validation loss moved, speed, the chosen checkpoint's test
+    score, and where everything went."""
+    first, final, best, test = (summary[key] for key in ("first", "final", "best", "test"))
     drop = summary["val_loss_drop"]
     change = f"{drop:.1%} lower" if drop >= 0 else f"{-drop:.1%} higher"
     speed = f"{summary['tokens_per_s']:.0f} tokens/s"
     if summary["mfu"] is not None:
         speed += f", MFU {summary['mfu']:.1%}, peak memory {summary['peak_memory_gb']:.1f} GiB"
-    return (
+    lines = [
         f"validation loss {first['val_loss']:.4f} → {final['val_loss']:.4f} ({change}) "
-        f"at step {summary['steps_done']}; perplexity {final['val_perplexity']:.1f}; {speed}\n"
-        f"best validation loss {best['val_loss']:.4f} at step {best['step']:.0f}\n"
-        f"metrics: {summary['metrics_csv']}\ncurves: {summary['curves_png']}\n"
-        f"best checkpoint: {summary['best_checkpoint']}\n"
-        f"latest checkpoint: {summary['latest_checkpoint']}\n"
-        f"summary: {resolve_storage(summary['run_dir']).join(SUMMARY_FILE).uri}"
-    )
+        f"at step {summary['steps_done']}; perplexity {final['val_perplexity']:.1f}; {speed}",
+        f"best validation loss {best['val_loss']:.4f} at step {best['step']:.0f}",
+        f"test loss {test['test_loss']:.4f}, perplexity {test['test_perplexity']:.1f} on "
+        f"{test['test_tokens']:,} tokens of held-out documents (that checkpoint, evaluated once)"
+        if test
+        else "no complete checkpoint to test: see the warnings above",
+        f"metrics: {summary['metrics_csv']}",
+        f"curves: {summary['curves_png']}",
+        f"best checkpoint: {summary['best_checkpoint']}",
+        f"latest checkpoint: {summary['latest_checkpoint']}",
+        f"summary: {resolve_storage(summary['run_dir']).join(SUMMARY_FILE).uri}",
+    ]
+    return "\n".join(lines)
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
@@ -209,6 +224,25 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         },
     )
     print_outcome(outcome, SCORE)
+    return 0
+
+
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    from llm_fsdp.evaluate import score_checkpoint
+    from llm_fsdp.export import choose_checkpoint, run_summary
+
+    config = config_from_args(args, EvaluateConfig)
+    if config.split not in SPLITS:
+        raise ConfigError(f"--split {config.split}: choose one of {', '.join(SPLITS)}")
+    checkpoint = choose_checkpoint(config.checkpoint, config.storage_path, config.run_name)
+    data_dir = run_summary(config.storage_path, config.run_name)["config"]["data_dir"]
+    result = score_checkpoint(checkpoint, data_dir, config.split, config.blocks)
+    prefix = {"validation": "val"}.get(config.split, config.split)
+    print(
+        f"{config.split} loss {result[f'{prefix}_loss']:.4f}, perplexity "
+        f"{result[f'{prefix}_perplexity']:.1f} over {result[f'{prefix}_tokens']:,} tokens "
+        f"({result[f'{prefix}_blocks']:,} blocks) of {checkpoint} (step {result['step']})"
+    )
     return 0
 
 
@@ -250,6 +284,7 @@ COMMANDS = {
     "prepare": cmd_prepare,
     "train": cmd_train,
     "sweep": cmd_sweep,
+    "evaluate": cmd_evaluate,
     "export": cmd_export,
     "generate": cmd_generate,
 }

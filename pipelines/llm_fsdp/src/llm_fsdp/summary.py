@@ -1,19 +1,23 @@
-"""What a finished run leaves: metrics.csv (one row per logged window, validation and checkpoint),
-curves.png and summary.json, read from the latest checkpoint's run record."""
+"""What a finished run leaves: the chosen checkpoint's loss on the held-out test documents (scored
+once), metrics.csv (one row per logged window, validation and checkpoint), curves.png and
+summary.json, read from the latest checkpoint's run record."""
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from typing import Any
 
 import numpy as np
+import ray
 import ray.train
 
 from llm_fsdp import __version__
 from llm_fsdp.checkpointer import read_train_state
 from llm_fsdp.config import TrainConfig
 from llm_fsdp.data import DatasetInfo
+from llm_fsdp.evaluate import score_checkpoint
 from llm_fsdp.model import ModelSpec
 from raytrain_common.checkpoint import best_complete_checkpoint
 from raytrain_common.faults import FaultLog
@@ -30,6 +34,34 @@ from raytrain_common.runs import summary_header
 from raytrain_common.storage import StoragePath
 
 SCORE = "val_loss"  # Ray keeps the best checkpoints by it (lowest first); a sweep ranks by it
+
+log = logging.getLogger("llm_fsdp")
+
+
+def evaluate_test_split_once(checkpoint_uri: str, config: TrainConfig) -> dict[str, Any]:
+    """The chosen checkpoint's loss and perplexity on the test split's first --test-blocks blocks.
+    A GPU run's is scored in a Ray task on a worker's resources (the driver may sit on a CPU-only
+    head node); a CPU run's here, in the driver: starting a Ray worker for it (its imports) costs
+    more than the scoring."""
+    arguments = (checkpoint_uri, config.resolved_data_dir(), "test", config.test_blocks)
+    if config.use_gpu:
+        task = ray.remote(score_checkpoint).options(
+            num_cpus=config.cpus_per_worker,
+            num_gpus=1,
+            # Not inside the caller's placement group (a sweep trial's holds a tenth of a CPU): the
+            # run's workers have ended, their resources are free in the cluster.
+            scheduling_strategy="DEFAULT",
+        )
+        result: dict[str, Any] = ray.get(task.remote(*arguments))
+    else:
+        result = score_checkpoint(*arguments)
+    log.info(
+        "test loss %.4f, perplexity %.1f on %d held-out blocks: checkpoint of step %d (chosen by "
+        "%s)",
+        *(result["test_loss"], result["test_perplexity"], result["test_blocks"], result["step"]),
+        SCORE,
+    )
+    return result
 
 
 def write_run_outputs(
@@ -56,6 +88,7 @@ def write_run_outputs(
     )
     evals = [row for row in history if "val_loss" in row]
     best = best_complete_checkpoint(result, SCORE, "min")
+    best_uri = run_dir.uri_for(best.path) if best else None
     windows = [row for row in history if "tokens_per_s" in row]
     # The first window holds the compilation and warm-up: the steady figures leave it out.
     steady = windows[1:] or windows
@@ -79,7 +112,8 @@ def write_run_outputs(
         "compute_dtype": state.get("compute_dtype"),
         "worker_peak_rss_mb": state.get("worker_peak_rss_mb"),
         "checkpoint_stall_s": _median_of(history, "checkpoint_stall_s"),
-        "best_checkpoint": run_dir.uri_for(best.path) if best else None,
+        "best_checkpoint": best_uri,
+        "test": evaluate_test_split_once(best_uri, config) if best_uri else None,
         "latest_checkpoint": run_dir.uri_for(result.checkpoint.path),
         "metrics_csv": run_dir.join(METRICS_FILE).uri,
         "curves_png": run_dir.join(CURVES_FILE).uri,
