@@ -57,6 +57,15 @@ def bench(session: nox.Session) -> None:
     run_in_stack(session, python, "-m", f"{PACKAGE}.bench", *session.posargs)
 
 
+@nox.session(name="bench_validation", venv_backend="none")
+def bench_validation(session: nox.Session) -> None:
+    """Training steps/s with --validation async ÷ inline, runs alternated on the same rows
+    (`python -m mnist_resnet.bench_validation`; ~6 minutes here)."""
+    python = stack_python(session)
+    run_in_stack(session, python, "-m", PACKAGE, "prepare")
+    run_in_stack(session, python, "-m", f"{PACKAGE}.bench_validation", *session.posargs)
+
+
 @nox.session(name=f"{BENCH_SESSION}_order", venv_backend="none")
 def bench_order(session: nox.Session) -> None:
     """An image tree's fresh order every epoch: the window mix against a random_shuffle of the

@@ -162,6 +162,46 @@ def test_two_workers_learn_survive_a_worker_killed_mid_epoch_choose_on_validatio
     assert (run_dir / "predictions.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_async_validation_scores_each_epoch_in_a_task_while_training_goes_on(
+    ray_cluster: None,
+    mnist_dir: StoragePath,
+    tmp_path: Path,
+    small_config: Callable[..., TrainConfig],
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """--validation async: Ray Train's ValidationConfig scores each epoch's checkpoint in a task
+    while the workers train the next epoch; the scores are the ones inline validation gives the
+    same weights, they rank the checkpoints, and the chosen one is tested once."""
+    settings = {"epochs": 3, "limit_val_rows": 256}
+    inline = run(small_config(tmp_path, mnist_dir, run_name="inline", **settings))
+    capfd.readouterr()
+    summary = run(
+        small_config(tmp_path, mnist_dir, run_name="async", validation="async", **settings)
+    )
+    assert console_noise("".join(capfd.readouterr())) == []  # the controller's narration: off
+    run_dir = tmp_path / "async"
+    rows = read_metrics_csv(resolve_storage(run_dir / "metrics.csv"))
+    inline_rows = read_metrics_csv(resolve_storage(tmp_path / "inline" / "metrics.csv"))
+    assert [int(row["epoch"]) for row in rows] == [1, 2, 3]
+    for row, same in zip(rows, inline_rows, strict=True):  # the same training, scored apart
+        assert row["train_loss"] == pytest.approx(same["train_loss"], rel=1e-4)
+        assert row["val_accuracy"] == pytest.approx(same["val_accuracy"], rel=1e-6)
+        assert row["val_loss"] == pytest.approx(same["val_loss"], rel=1e-4)
+    best = max(row["val_accuracy"] for row in rows)  # metrics.csv keeps 6 significant digits
+    assert summary["best"]["val_accuracy"] == pytest.approx(best, rel=1e-5)
+    assert summary["best"]["epoch"] == inline["best"]["epoch"]  # Ray ranked on the task's scores
+    assert summary["test"]["checkpoint"] == summary["best_checkpoint"]
+    assert summary["test"]["test_accuracy"] == pytest.approx(inline["test"]["test_accuracy"])
+    # Epoch 1's validation began before the last epoch's checkpoint was written: training went
+    # on (a validation that waited for the workers to end would start after it). The task's own
+    # start takes a few seconds (a new process, its imports), so two epochs leave room.
+    records = [json.loads(p.read_text()) for p in sorted((run_dir / "validations").glob("*"))]
+    assert [record["epoch"] for record in records] == [1, 2, 3]
+    written = (Path(summary["latest_checkpoint"]) / "state.pt").stat().st_mtime
+    assert records[0]["started_at"] < written, (records, written)
+    assert summary_problems(summary) == []
+
+
 def test_another_idx_dataset_trains_with_no_code_change(
     small_config: Callable[..., Any],
     write_idx: Callable[..., Any],

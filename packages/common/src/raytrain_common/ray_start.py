@@ -59,6 +59,12 @@ KNOWN_HARMLESS_LINES = (
         r"|.*Dataset \S+ execution finished in"
         r"|Estimated parquet (encoding ratio|reader batch size))"
     ),
+    # Ray Train's controller narrating async validation (ValidationConfig) at INFO, four lines a
+    # checkpoint; its warnings (a validation that failed or timed out) still show.
+    re.compile(
+        r"^(Launched async validation task for checkpoint|Finished async validation task"
+        r"|Running validations for checkpoint|Staged validations for checkpoint)"
+    ),
     # Ray Train's controller finding the run's own snapshot on a rerun, at INFO: the run's own
     # "resuming at step N" line says it, and the advice to delete the folder does not apply.
     re.compile(

@@ -22,7 +22,8 @@ NOISE = (
         r"execution finished in|Estimated parquet|Running Dataset|Parquet dataset sampling|"
         r"Requesting resources|Attempting to start training worker group|"
         r"Started training worker group|Setting up process group|Started a local Ray instance|"
-        r"A run snapshot was found|Moving model to device|Wrapping provided model)"
+        r"A run snapshot was found|Moving model to device|Wrapping provided model|"
+        r"async validation task|(Running|Staged) validations for checkpoint)"
     ),
     re.compile(r"\d+%\|"),  # a progress bar
 )

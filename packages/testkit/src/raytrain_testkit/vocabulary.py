@@ -39,7 +39,8 @@ REQUIRED_SUMMARY_KEYS: dict[str, str] = {
 # Written by the pipelines that have them.
 OPTIONAL_SUMMARY_KEYS: dict[str, str] = {
     "first": "the metrics row of the evaluation before the first step (step 0)",
-    "test": "the best checkpoint's test metrics, evaluated once (test_loss, test_accuracy, …)",
+    "test": "the best checkpoint's test metrics, scored once as train ends (test_loss, …)",
+    "evaluations": "each later `evaluate` of a checkpoint (hf_finetune)",
     "stopped_mid_epoch": "the run stopped (--stop-at-step) inside an epoch",
     "train_time_s": "seconds of training and validation, summed over the epochs",
     "peak_memory_gb": "the most GPU memory the allocator handed out (GPU runs)",

@@ -82,6 +82,7 @@ class Checkpointer:
             context.rank,
         )
         self.upload = upload_with_retries(config.storage_path, config.storage_patience_s)
+        self.validate_async = config.validation == "async"
 
     def epochs_left(self, run: RunState) -> range:
         """From the epoch the run stopped in; none once it reached its end or --stop-at-step."""
@@ -101,7 +102,14 @@ class Checkpointer:
             metrics = self.metrics(run, due)
             self.rows.audit.write(epoch, run.step)
             with self.checkpoint_folder(run, epoch, due) as checkpoint:
-                ray.train.report(metrics, checkpoint=checkpoint, checkpoint_upload_fn=self.upload)
+                # --validation async: Ray Train scores an epoch's checkpoint in a task of its own.
+                validate = self.validate_async and due.at_epoch_end and checkpoint is not None
+                ray.train.report(
+                    metrics,
+                    checkpoint=checkpoint,
+                    checkpoint_upload_fn=self.upload,
+                    validation=validate,
+                )
         if due.at_epoch_end:
             self.logger.next_epoch(run)  # after the report: metrics.csv never runs ahead
         if due.stops and self.context.rank == 0 and run.step == self.context.config.stop_at_step:
@@ -114,7 +122,9 @@ class Checkpointer:
         if due.at_epoch_end:
             self.rows.check_epoch_complete()
             run.position = None
-            return self.logger.epoch_row(run)
+            row = self.logger.epoch_row(run)
+            # Async: ranked last until the validation task's score replaces this one.
+            return row if SCORE in row else {**row, SCORE: NOT_EVALUATED}
         if due.timed and self.context.rank == 0:
             log.info("checkpoint at step %d: --checkpoint-every-minutes elapsed", run.step)
         step_in_epoch = (run.step - 1) % self.context.steps + 1

@@ -126,6 +126,14 @@ class TrainConfig(RayTrainSettings, DataLocation):
     limit_test_rows: int | None = option(
         None, "Report test accuracy on the first N test rows only."
     )
+    validation: str = option(
+        "inline",
+        "inline: every rank scores its shard of the validation split at each epoch's end, "
+        "training waits; async: a Ray task scores each epoch's checkpoint while training goes "
+        "on (Ray Train's ValidationConfig), on --validation-cpus / --validation-gpus.",
+    )
+    validation_cpus: float = option(1.0, "CPUs of the async validation task.")
+    validation_gpus: float = option(0.0, "GPUs of the async validation task (1: its own GPU).")
     log_every_steps: int = option(50, "Progress line every N optimiser steps (rank 0).")
     checkpoint_every_steps: int = option(
         0, "Also checkpoint every N optimiser steps inside epochs (0: at epoch ends only)."
@@ -221,6 +229,13 @@ class TrainConfig(RayTrainSettings, DataLocation):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"{name}={value}: give a positive row count or none")
+        if self.validation not in ("inline", "async"):
+            raise ConfigError(f"validation={self.validation!r}: choose inline or async")
+        if self.validation_cpus <= 0 or self.validation_gpus < 0:
+            raise ConfigError(
+                f"validation_cpus={self.validation_cpus}, validation_gpus={self.validation_gpus}: "
+                "give above 0 CPUs and 0 or more GPUs"
+            )
 
 
 def cpu_preset() -> TrainConfig:
@@ -258,6 +273,14 @@ SWEEP_NAME = "mnist_resnet_sweep"
 @dataclass(kw_only=True)
 class SweepConfig(TrainConfig, SweepSettings):
     """`mnist-resnet sweep`: the train options every trial starts from, then the sweep's own."""
+
+    def validate(self) -> None:
+        super().validate()
+        if self.validation != "inline":
+            raise ConfigError(
+                "sweep with --validation async: ASHA compares each epoch's report by its "
+                "validation accuracy, which an async validation adds later; use inline"
+            )
 
 
 def cpu_sweep_preset() -> SweepConfig:

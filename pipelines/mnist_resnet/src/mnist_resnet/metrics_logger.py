@@ -187,11 +187,16 @@ class MetricsLogger:
         if (memory := peak_memory_gb(self.device)) is not None:
             row["peak_memory_gb"] = memory  # on a GPU
         row["data_wait_share"] = self.data_wait_s / max(sums.train_s, 1e-9)
-        if self.rank == 0:
+        if self.rank == 0 and "val_loss" in row:
             log.info(
                 "epoch %d/%d  train loss %.4f  val loss %.4f  val accuracy %.4f  %.0f img/s",
                 *(row["epoch"], self.config.epochs, row["train_loss"], row["val_loss"]),
                 *(row["val_accuracy"], row["train_images_per_s"]),
+            )
+        elif self.rank == 0:  # --validation async: a Ray task scores the epoch's checkpoint
+            log.info(
+                "epoch %d/%d  train loss %.4f  %.0f img/s  (validation: a task on the checkpoint)",
+                *(row["epoch"], self.config.epochs, row["train_loss"], row["train_images_per_s"]),
             )
         run.history.append(row)
         self.sink.log(row, run.step)

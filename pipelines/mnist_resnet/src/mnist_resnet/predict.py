@@ -57,16 +57,25 @@ def evaluate_arrays(
     return float((predict_labels(model, images, info, device) == labels).mean())
 
 
-def read_test_split(state: dict[str, Any], limit: int | None = None) -> ray.data.Dataset:
-    """The test split of the checkpoint's dataset, decoded by Ray Data, in no particular order."""
+def read_split(state: dict[str, Any], split: str, limit: int | None = None) -> ray.data.Dataset:
+    """A split of the checkpoint's dataset, decoded by Ray Data, in no particular order."""
     data = ImageData(state["config"]["data_dir"], state["dataset"], run_dir="", seed=0)
-    return data.split("test", limit)
+    return data.split(split, limit)
 
 
 def checkpoint_test_metrics(checkpoint_uri: str, limit: int | None = None) -> dict[str, Any]:
     """Test loss and accuracy of one checkpoint, on this process's GPU if it has one: what train
     reports once for the checkpoint chosen on the validation split (run in a Ray task there)."""
-    state = load_remote_state(resolve_storage(checkpoint_uri))
+    metrics = checkpoint_split_metrics(resolve_storage(checkpoint_uri), "test", limit)
+    return {**metrics, "checkpoint": checkpoint_uri}
+
+
+def checkpoint_split_metrics(
+    checkpoint: StoragePath, split: str, limit: int | None = None
+) -> dict[str, Any]:
+    """`<split>_loss`, `<split>_accuracy` and `<split>_rows` of one checkpoint over a split's first
+    `limit` rows (all: None), decoded by Ray Data, on this process's GPU if it has one."""
+    state = load_remote_state(checkpoint)
     info = DatasetInfo(**state["dataset"])
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = build_model(info.num_classes, info.channels)
@@ -76,16 +85,16 @@ def checkpoint_test_metrics(checkpoint_uri: str, limit: int | None = None) -> di
 
     def batches() -> Iterator[dict[str, torch.Tensor]]:
         nonlocal seen
-        for batch in read_test_split(state, limit).iter_torch_batches(batch_size=512, device="cpu"):
+        rows = read_split(state, split, limit)
+        for batch in rows.iter_torch_batches(batch_size=512, device="cpu"):
             seen += int((batch["label"] != SKIPPED_LABEL).sum())  # undecodable files left out
             yield on_device(batch, info, device)
 
     bf16 = bool(state["config"].get("bf16")) and device.type == "cuda"
-    metrics = evaluate(model, batches(), device, bf16, split="test")
+    metrics = evaluate(model, batches(), device, bf16, split=split)
     return {
         **metrics,
-        "test_rows": seen,
-        "checkpoint": checkpoint_uri,
+        f"{split}_rows": seen,
         "epoch": state["history"][-1]["epoch"] if state["history"] else 0,
         "step": state["step"],
     }
@@ -164,7 +173,9 @@ def predict(storage_path: str, run_name: str, count: int, output: str | None) ->
     correct = seen = 0
     # (row, image, label, predicted): rows below `head` all, then mistakes, `count` in all.
     shown: list[tuple[int, np.ndarray, int, int]] = []
-    for batch in read_test_split(state).iter_torch_batches(batch_size=PREDICT_BATCH, device="cpu"):
+    for batch in read_split(state, "test").iter_torch_batches(
+        batch_size=PREDICT_BATCH, device="cpu"
+    ):
         images = normalise(batch["image"], info.mean, info.std)
         predicted = model(images).argmax(1).numpy()
         labels, rows = batch["label"].numpy(), batch["row"].numpy()

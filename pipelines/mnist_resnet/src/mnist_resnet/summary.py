@@ -16,6 +16,7 @@ from mnist_resnet.checkpointer import SCORE
 from mnist_resnet.config import TrainConfig
 from mnist_resnet.data import DatasetInfo
 from mnist_resnet.predict import checkpoint_test_metrics
+from mnist_resnet.validator import read_async_validations
 from raytrain_common.checkpoint import best_complete_checkpoint, load_state
 from raytrain_common.faults import FaultLog
 from raytrain_common.metrics import (
@@ -75,6 +76,10 @@ def write_run_outputs(
     with result.checkpoint.as_directory() as folder:
         state = load_state(folder)
     history = state["history"]
+    validations = read_async_validations(run_dir)  # --validation async: the tasks' scores
+    for row in history:
+        scored = validations.get(row["step"], {})
+        row.update({key: scored[key] for key in ("val_loss", "val_accuracy", "val_s") if scored})
     progress = run_progress(state, steps)
     if not history:  # stopped (--stop-at-step) before the first epoch ended
         summary = {
@@ -104,7 +109,11 @@ def write_run_outputs(
         "latest_checkpoint": run_dir.uri_for(result.checkpoint.path),
         "metrics_csv": run_dir.join(METRICS_FILE).uri,
         "curves_png": run_dir.join(CURVES_FILE).uri,
-        "train_time_s": sum(row["train_s"] + row["val_s"] for row in history),
+        # Async validation ran beside training: its seconds are not the run's.
+        "train_time_s": sum(
+            row["train_s"] + (row["val_s"] if config.validation == "inline" else 0.0)
+            for row in history
+        ),
         "compute_dtype": state.get("compute_dtype"),
         "decoded_on": state.get("decoded_on", {}),
         # Files that failed to decode in training (changed or removed since prepare), each epoch's

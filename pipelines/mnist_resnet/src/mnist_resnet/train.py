@@ -51,7 +51,7 @@ from mnist_resnet.metrics_logger import THROUGHPUT_SKIP_STEPS, EpochTotals, Metr
 from mnist_resnet.run_state import WorkerContext, steps_per_epoch, training_rows
 from mnist_resnet.summary import write_run_outputs
 from mnist_resnet.task import autocast, build_model, loss_fn
-from mnist_resnet.validator import Validator
+from mnist_resnet.validator import Validator, async_validation
 from raytrain_common.checkpoint import load_model_weights, resume_checkpoint
 from raytrain_common.configs import (
     ConfigError,
@@ -310,6 +310,7 @@ def run(
             config, score_attribute=SCORE, score_order="max", callbacks=callbacks
         ),
         torch_config=build_torch_config(config),
+        validation_config=async_validation(config, run_dir),  # None: inline, in the loop
     )
     clock.mark("trainer")
     log.info(
