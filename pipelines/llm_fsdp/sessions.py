@@ -53,6 +53,15 @@ def gpu(session: nox.Session) -> None:
     run_in_stack(session, python, "-m", PACKAGE, "generate", *run_name, "--prompt", "ROMEO:")
 
 
+@nox.session(name="bench_llm_validation", venv_backend="none")
+def bench_validation(session: nox.Session) -> None:
+    """Training steps/s with --validation async ÷ inline, runs alternated on the same blocks
+    (`python -m llm_fsdp.bench_validation`; ~8 minutes here)."""
+    python = stack_python(session)
+    run_in_stack(session, python, "-m", PACKAGE, "prepare")
+    run_in_stack(session, python, "-m", f"{PACKAGE}.bench_validation", *session.posargs)
+
+
 @nox.session(name=BENCH_SESSION, venv_backend="none")
 def bench(session: nox.Session) -> None:
     """Training tokens/s: FSDP2 on Ray Train ÷ one plain process, same model and device: the tiny

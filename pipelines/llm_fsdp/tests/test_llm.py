@@ -79,6 +79,20 @@ def test_fsdp_learns_resumes_exactly_on_one_worker_and_exports(
     # 20 steps lower it by ~15 %: far past noise, while the whole test stays short.
     assert whole["final"]["val_loss"] < 0.88 * whole["first"]["val_loss"]
 
+    # --validation async: a Ray task scores each checkpoint (steps 10 and 20) on the blocks the
+    # workers score inline, while training goes on; the same weights give the same losses, which
+    # rank the checkpoints, and the chosen one is tested once.
+    scored = run(small_config(tmp_path, shakespeare_dir, run_name="async", validation="async"))
+    inline_val = {int(r["step"]): r["val_loss"] for r in rows if "val_loss" in r}
+    async_rows = losses_by_step_rows(tmp_path / "async")
+    async_val = {int(r["step"]): r["val_loss"] for r in async_rows if "val_loss" in r}
+    assert sorted(async_val) == sorted(inline_val) == [0, 10, 20]
+    for step, loss in inline_val.items():
+        assert async_val[step] == pytest.approx(loss, rel=1e-4), step
+    assert scored["best_checkpoint"] == scored["test"]["checkpoint"]
+    assert scored["test"]["test_loss"] == pytest.approx(whole["test"]["test_loss"], rel=1e-4)
+    assert unknown_names((key for row in async_rows for key in row), METRIC_COLUMNS) == []
+
     # Stopped at step 10 on 2 workers, then continued on 1: DCP reshards the checkpoint, and the
     # data order and schedule depend on the step alone, so steps 11-20 repeat the whole run's.
     # Both read the data folder from object storage (an S3 protocol server on loopback), by ranged

@@ -38,6 +38,9 @@ from raytrain_common.storage import StoragePath
 log = logging.getLogger("llm_fsdp")
 
 STATE_FILE = "train_state.json"  # step, data position, history: beside the DCP shards
+# The validation loss of a checkpoint an async validation has not scored yet: above any real loss,
+# so Ray ranks it last (its ranking takes numbers only: NaN and infinity do not sort).
+NOT_EVALUATED = 1e9
 
 
 def save_checkpoint(
@@ -47,6 +50,7 @@ def save_checkpoint(
     metrics: dict[str, float],
     async_upload: bool = False,
     upload: UploadFn | None = None,
+    validate: bool = False,
 ) -> None:
     # The LM's state alone, so the keys are a plain Hugging Face model's (export loads them).
     model_state, optimizer_state = get_state_dict(model.lm, optimizer)
@@ -65,6 +69,7 @@ def save_checkpoint(
         checkpoint_upload_mode=mode,
         delete_local_checkpoint_after_upload=True,
         checkpoint_upload_fn=upload,
+        validation=validate,  # --validation async: Ray Train scores it in a task of its own
     )
 
 
@@ -190,9 +195,18 @@ class Checkpointer:
             "loop_config": self.loop_config,
         }
         stalled = time.perf_counter()
-        metrics = {"step": run.step, **run.latest_val()}
+        validate = self.config.validation == "async"
+        # Async: ranked last until the validation task's loss replaces this one.
+        latest = {"val_loss": NOT_EVALUATED} if validate else run.latest_val()
+        metrics = {"step": run.step, **latest}
         save_checkpoint(
-            self.model, self.optimizer, saved, metrics, self.config.async_upload, self.upload
+            self.model,
+            self.optimizer,
+            saved,
+            metrics,
+            self.config.async_upload,
+            self.upload,
+            validate,
         )
         # In metrics.csv (this run's rows; a resumed run's history comes from its checkpoint,
         # which cannot hold its own stall).

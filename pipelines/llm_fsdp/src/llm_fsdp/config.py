@@ -151,6 +151,15 @@ class TrainConfig(RayTrainSettings, DataLocation):
     )
     eval_every_steps: int = option(50, "Validation loss and perplexity every N steps (and at 0).")
     eval_batches: int = option(8, "Validation micro-batches per evaluation on each worker.")
+    validation: str = option(
+        "inline",
+        "inline: the workers score the validation split every --eval-every-steps, training "
+        "waits; async: a Ray task scores each checkpoint (every --checkpoint-every-steps) while "
+        "training goes on (Ray Train's ValidationConfig), on --validation-cpus / "
+        "--validation-gpus; the untrained model is still scored inline at step 0.",
+    )
+    validation_cpus: float = option(1.0, "CPUs of the async validation task.")
+    validation_gpus: float = option(0.0, "GPUs of the async validation task (1: its own GPU).")
     test_blocks: int | None = option(
         2048,
         "The run ends by scoring the checkpoint validation chose on the test split's first N "
@@ -204,6 +213,13 @@ class TrainConfig(RayTrainSettings, DataLocation):
         for name, value in positive.items():
             if value <= 0:
                 raise ConfigError(f"{name}={value}: it must be above 0")
+        if self.validation not in ("inline", "async"):
+            raise ConfigError(f"validation={self.validation!r}: choose inline or async")
+        if self.validation_cpus <= 0 or self.validation_gpus < 0:
+            raise ConfigError(
+                f"validation_cpus={self.validation_cpus}, validation_gpus={self.validation_gpus}: "
+                "give above 0 CPUs and 0 or more GPUs"
+            )
         if self.test_blocks is not None and self.test_blocks < 1:
             raise ConfigError(f"test_blocks={self.test_blocks}: give a block count or none")
         if self.epochs is not None and self.epochs <= 0:
@@ -273,6 +289,14 @@ SWEEP_NAME = "llm_fsdp_sweep"
 @dataclass(kw_only=True)
 class SweepConfig(TrainConfig, SweepSettings):
     """`llm-fsdp sweep`: the train options every trial starts from, then the sweep's own."""
+
+    def validate(self) -> None:
+        super().validate()
+        if self.validation != "inline":
+            raise ConfigError(
+                "sweep with --validation async: ASHA compares each report by its validation "
+                "loss, which an async validation adds later; use inline"
+            )
 
 
 def cpu_sweep_preset() -> SweepConfig:

@@ -19,6 +19,7 @@ from llm_fsdp.config import TrainConfig
 from llm_fsdp.data import DatasetInfo
 from llm_fsdp.evaluate import score_checkpoint
 from llm_fsdp.model import ModelSpec
+from llm_fsdp.validator import read_async_validations
 from raytrain_common.checkpoint import best_complete_checkpoint
 from raytrain_common.faults import FaultLog
 from raytrain_common.metrics import (
@@ -76,7 +77,12 @@ def write_run_outputs(
     if result.checkpoint is None:
         raise RuntimeError(f"run {config.run_name} finished without a checkpoint under {run_dir}")
     state = read_train_state(result.checkpoint)
-    history = state["history"]
+    # --validation async: the tasks' scores, each a row of its step (after that step's others).
+    scored = [
+        {key: record[key] for key in ("step", "val_loss", "val_perplexity")}
+        for record in read_async_validations(run_dir)
+    ]
+    history = sorted(state["history"] + scored, key=lambda row: row["step"])
     write_metrics_csv(run_dir.join(METRICS_FILE), history)
     plot_curves(
         run_dir.join(CURVES_FILE),

@@ -46,7 +46,7 @@ from llm_fsdp.parallelize import UnsupportedModelError, check_parallelizable, pa
 from llm_fsdp.summary import SCORE, write_run_outputs
 from llm_fsdp.task import build_model
 from llm_fsdp.tokens import ReadAhead, TokenBlocks
-from llm_fsdp.validator import Validator
+from llm_fsdp.validator import Validator, async_validation
 from raytrain_common.checkpoint import resume_checkpoint
 from raytrain_common.configs import (
     ConfigError,
@@ -375,6 +375,7 @@ def run(
             config, score_attribute=SCORE, score_order="min", callbacks=callbacks
         ),
         torch_config=build_torch_config(config),
+        validation_config=async_validation(config, storage.join(config.run_name)),
     )
     log.info(
         "training %s (FSDP2) on %d blocks of %d tokens, %d worker(s), %d steps; run folder %s",

@@ -1,21 +1,33 @@
 """How and when the validation split is scored: the mean next-token loss (and perplexity) over the
-same first blocks every time, each rank its share, every --eval-every-steps and at the last step."""
+same first blocks every time, each rank its share, every --eval-every-steps and at the last step;
+or, with `--validation async`, by a Ray task on each checkpoint while training goes on (Ray
+Train's `ValidationConfig`), over the same blocks."""
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+import time
+from typing import Any
 
 import numpy as np
+import ray.train
 import ray.train.torch
 import torch
 import torch.distributed as dist
+from ray.train import ValidationConfig, ValidationTaskConfig
 
 from llm_fsdp.config import TrainConfig
+from llm_fsdp.evaluate import score_checkpoint
 from llm_fsdp.loss import NextTokenLoss
 from llm_fsdp.task import val_metrics
 from llm_fsdp.tokens import TokenBlocks
+from raytrain_common.configs import per_worker_batch_size
 from raytrain_common.loop import ValidationPolicy
+from raytrain_common.storage import StoragePath, resolve_storage
+
+VALIDATIONS_FOLDER = "validations"  # async: one JSON per validated checkpoint, for the history
 
 log = logging.getLogger("llm_fsdp")
 
@@ -34,9 +46,12 @@ class Validator:
         self.model, self.blocks, self.micro, self.config = model, blocks, micro, config
         self.device = ray.train.torch.get_device()
         self.policy = ValidationPolicy(every_steps=config.eval_every_steps, last_step=last_step)
+        self.inline = config.validation == "inline"
 
     def maybe_validate(self, step: int) -> dict[str, float] | None:
-        return self.validate(step) if self.policy.due(step) else None
+        """The validation metrics when due (inline); under async, each checkpoint carries the
+        request instead (Checkpointer)."""
+        return self.validate(step) if self.inline and self.policy.due(step) else None
 
     def validate(self, step: int) -> dict[str, float]:
         losses = evaluate(self.model, self.blocks, self.micro, self.config, self.device)
@@ -81,3 +96,51 @@ def evaluate(
         model.train()
         loss_sum, tokens = totals.tolist()
         return val_metrics(loss_sum, tokens)
+
+
+def async_validation(config: TrainConfig, run_dir: StoragePath) -> ValidationConfig | None:
+    """Ray Train's validation of each reported checkpoint in a task of its own resources
+    (--validation-cpus / --validation-gpus), over the blocks inline validation scores; None for
+    inline. Ray merges the task's val_loss into the checkpoint's metrics, which rank it."""
+    if config.validation == "inline":
+        return None
+    micro = per_worker_batch_size(
+        config.global_batch_size, config.num_workers, config.grad_accum_steps
+    )
+    return ValidationConfig(
+        fn=validate_checkpoint,
+        task_config=ValidationTaskConfig(
+            fn_kwargs={
+                "run_dir": run_dir.uri,
+                "data_dir": config.resolved_data_dir(),
+                "blocks": config.eval_batches * micro * config.num_workers,
+            }
+        ),
+        ray_remote_kwargs={"num_cpus": config.validation_cpus, "num_gpus": config.validation_gpus},
+    )
+
+
+def validate_checkpoint(
+    checkpoint: ray.train.Checkpoint, *, run_dir: str, data_dir: str, blocks: int
+) -> dict[str, float]:
+    """The validation loss and perplexity of one checkpoint (a Ray task, on its GPU when it has
+    one), also written to <run>/validations/ for metrics.csv and summary.json's history, which the
+    checkpoint itself, written before, cannot hold."""
+    started = time.time()
+    with checkpoint.as_directory() as folder:
+        result = score_checkpoint(folder, data_dir, "validation", blocks)
+    metrics = {"val_loss": result["val_loss"], "val_perplexity": result["val_perplexity"]}
+    record = {"step": result["step"], **metrics, "started_at": started}
+    target = resolve_storage(run_dir).join(VALIDATIONS_FOLDER)
+    target.mkdir()
+    target.join(f"step-{result['step']:09d}.json").write_text(json.dumps(record))
+    return metrics
+
+
+def read_async_validations(run_dir: StoragePath) -> list[dict[str, Any]]:
+    """The async validations' records, by step ([] for an inline run)."""
+    folder = run_dir.join(VALIDATIONS_FOLDER)
+    return sorted(
+        (json.loads(file.read_text()) for file in folder.list_files(".json")),
+        key=lambda record: record["step"],
+    )
