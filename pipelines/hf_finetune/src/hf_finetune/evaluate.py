@@ -18,6 +18,7 @@ import ray.train
 import torch
 from transformers import AutoTokenizer, DataCollatorWithPadding
 
+from hf_finetune.checkpointer import HF_CHECKPOINT
 from hf_finetune.data import DataError, inspect_dataset
 from hf_finetune.task import (
     classification_scores,
@@ -139,16 +140,19 @@ def evaluate(
     and add the result to summary.json's `evaluations` (its `test` stays train's, scored once)."""
     run_dir, summary = read_run_summary(storage_path, run_name)
     checkpoint = checkpoint or summary["best_checkpoint"]
-    # <run>/checkpoint_<time>/checkpoint → checkpoint_<time>; an export folder → its name
-    parts = checkpoint.rstrip("/").split("?")[0].split("/")
-    name = parts[-2] if parts[-1] == "checkpoint" and len(parts) > 1 else parts[-1]
-    confusion = run_dir.join(f"confusion_matrix-{split}-{name}.png").uri
+    confusion = run_dir.join(f"confusion_matrix-{split}-{checkpoint_name(checkpoint)}.png").uri
     result = score_checkpoint(
         checkpoint, summary["config"]["data_dir"], split, None, confusion, run_name
     )
     evaluations = [*summary.get("evaluations", []), result]
     write_summary(run_dir.join(SUMMARY_FILE), {**summary, "evaluations": evaluations})
     return result
+
+
+def checkpoint_name(checkpoint: str) -> str:
+    """<run>/checkpoint_<time>/checkpoint → checkpoint_<time>; an export folder → its own name."""
+    folder, name = posixpath.split(resolve_storage(checkpoint).path.rstrip("/"))
+    return posixpath.basename(folder) if name == HF_CHECKPOINT else name
 
 
 def draw_confusion(

@@ -44,7 +44,8 @@ def evaluate_test_split_once(
 ) -> dict[str, Any]:
     """The chosen checkpoint's test accuracy, macro F1 and confusion matrix. A GPU run's is scored
     in a Ray task on a worker's resources (the driver may sit on a CPU-only head node); a CPU
-    run's here, in the driver: starting a Ray worker for it (its imports) costs more than it."""
+    run's here, in the driver: starting a Ray worker for it (its imports) costs more than the
+    scoring."""
     started = time.perf_counter()
     arguments = (
         checkpoint_uri,

@@ -628,16 +628,17 @@ def held_out_documents(
         return None
     order = np.random.default_rng(seed).permutation(count)
     wanted = max(1, round(count * validation_fraction))
+    chars = np.concatenate([[0], np.cumsum(lengths[order])])  # chars[k]: the first k documents'
     held: dict[str, np.ndarray] = {}
     start = 0
     for split in HELD_OUT:
-        end = min(count - 1, start + wanted)
-        while end < count - 1 and int(lengths[order[start:end]].sum()) < min_validation_chars:
-            end += 1
-        if end <= start or int(lengths[order[start:end]].sum()) < min_validation_chars:
+        # The fewest documents from `start` on, at least `wanted`, that fill a block.
+        filled = int(np.searchsorted(chars, chars[start] + min_validation_chars))
+        end = min(count - 1, max(start + wanted, filled))
+        if end <= start or chars[end] - chars[start] < min_validation_chars:
             return None
         held[split], start = np.sort(order[start:end]), end
-    if int(lengths[order[start:]].sum()) <= int(lengths.sum()) / 2:
+    if chars[count] - chars[start] <= chars[count] / 2:  # training keeps the larger part
         return None
     return held
 

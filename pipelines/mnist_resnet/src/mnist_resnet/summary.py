@@ -78,8 +78,8 @@ def write_run_outputs(
     history = state["history"]
     validations = read_async_validations(run_dir)  # --validation async: the tasks' scores
     for row in history:
-        scored = validations.get(row["step"], {})
-        row.update({key: scored[key] for key in ("val_loss", "val_accuracy", "val_s") if scored})
+        if (scored := validations.get(row["step"])) is not None:
+            row.update({key: scored[key] for key in ("val_loss", "val_accuracy", "val_s")})
     progress = run_progress(state, steps)
     if not history:  # stopped (--stop-at-step) before the first epoch ended
         summary = {

@@ -73,6 +73,7 @@ def validate_checkpoint(
     when it has one), also written to <run>/validations/ for metrics.csv and summary.json's
     history, which the checkpoint itself, written before, cannot hold."""
     started = time.time()
+    # Ray's checkpoint carries a filesystem and a path, not the user's URI: the path names it.
     place = StoragePath(checkpoint.filesystem, checkpoint.path, checkpoint.path)
     result = checkpoint_split_metrics(place, VAL, limit)
     metrics = {
