@@ -190,6 +190,29 @@ def lint(session: nox.Session) -> None:
     session.run("mypy", *map(str, packages), "tools", env={"MYPYPATH": search_path})
 
 
+# The image's locks: deploy/requirements/*.in resolved for the image's Python and platform (3.11 on
+# x86_64 Linux, as rayproject/ray:2.60.0-py311-gpu; `-- --python-platform aarch64-manylinux_2_28`
+# for Ray's -aarch64 images) into *.txt, every distribution with its sha256; the Dockerfile
+# installs them with --require-hashes. Needs the package index; rerun after changing a pin.
+UV = "uv==0.13.8"
+LOCKS = {"image": [], "no-deps": ["--no-deps"], "corpora": ["--no-deps", "--no-binary", ":all:"]}
+
+
+@nox.session
+def lock(session: nox.Session) -> None:
+    """deploy/requirements/*.txt from their .in files, with hashes (uv's resolver: it reads the
+    wheels' metadata from the index without downloading torch's 900 MB)."""
+    session.install(UV)
+    folder = ROOT / "deploy" / "requirements"
+    for name, options in LOCKS.items():
+        session.run(
+            "uv", "pip", "compile", str(folder / f"{name}.in"), "-o", str(folder / f"{name}.txt"),
+            "--python-version", "3.11", "--generate-hashes", "--native-tls", "--quiet",
+            "--python-platform", "x86_64-manylinux_2_28", "--custom-compile-command", "nox -s lock",
+            *options, *session.posargs,
+        )  # fmt: skip
+
+
 @nox.session
 def new_pipeline(session: nox.Session) -> None:
     """Copy a pipeline under a new name: `nox -s new_pipeline -- --from PIPELINE --name NEW_NAME`

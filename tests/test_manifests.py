@@ -778,23 +778,64 @@ def test_the_image_installs_what_the_entrypoints_run() -> None:
     dockerfile = (ROOT / "deploy" / "Dockerfile").read_text()
     assert re.search(r"^ARG BASE_IMAGE=rayproject/ray:2\.60\.0-py3\d+-gpu$", dockerfile, re.M)
     assert re.search(r"^FROM \$\{BASE_IMAGE\}$", dockerfile, re.M)
-    installs = re.findall(
-        r"pip install --no-cache-dir (?:--no-deps )?\\\n(.*?)(?:&&|\n\n)", dockerfile, re.S
-    )
-    named = [word for block in installs for word in block.split() if word not in ("\\",)]
-    unpinned = [word for word in named if not re.fullmatch(r"[A-Za-z0-9_.\-\[\],]+==[\w.]+", word)]
-    assert named and not unpinned, f"every package the image installs is pinned: {unpinned}"
+    for lock in ("image", "no-deps"):
+        assert (
+            f"--require-hashes{' --no-deps' if lock == 'no-deps' else ''} -r "
+            f"/opt/raytrain/requirements/{lock}.txt" in dockerfile
+        ), lock
+    assert "--require-hashes --no-deps --no-binary :all: -d /home/ray/sources" in dockerfile
+    assert "COPY --chown=ray:users deploy/requirements /opt/raytrain/requirements" in dockerfile
     assert "COPY --chown=ray:users pipelines /opt/raytrain/pipelines" in dockerfile
     assert "/opt/raytrain/pipelines/*/" in dockerfile  # every pipeline, a copied one too
     assert "/opt/raytrain/packages/common" in dockerfile
     stack = (ROOT / "tools" / "nox_stack.py").read_text()
-    for pin in re.findall(
-        r'"((?:torch|transformers|accelerate|datasets|pyarrow|gguf|mlflow[a-z-]*)==[\d.]+)"', stack
-    ):
-        assert pin in dockerfile, f"{pin} of tools/nox_stack.py is not what the image installs"
+    inputs = {
+        lock: [
+            line for line in (LOCKS / f"{lock}.in").read_text().splitlines() if line[:1].isalpha()
+        ]
+        for lock in ("image", "no-deps", "corpora")
+    }
+    for pin in re.findall(r'"([a-z][\w.\-]*(?:\[[\w,]+\])?==[\w.]+)"', stack):
+        if not pin.startswith(TEST_TOOLS):
+            assert pin in inputs["image"] + inputs["no-deps"], (
+                f"{pin} of nox_stack.py: not in a lock"
+            )
+    for lock, pins in inputs.items():
+        locked = locked_versions(lock)
+        for pin in pins:
+            name, version = re.sub(r"\[.*\]", "", pin).split("==")
+            assert locked.get(name.lower()) == version, (
+                f"{lock}.txt: {pin} is not locked; nox -s lock"
+            )
     for document in rayjobs().values():
         for command in re.findall(r"(?:^|&&)\s*([a-z0-9-]+) ", entrypoint_script(document)):
             assert command in [*PIPELINES.values(), DOCTOR_COMMAND], command
+
+
+LOCKS = ROOT / "deploy" / "requirements"
+# Pins of tools/nox_stack.py that only the tests and the lint use, none of them in the image.
+TEST_TOOLS = (
+    "pytest",
+    "nox",
+    "moto",
+    "pyyaml",
+    "jsonschema",
+    "kubernetes-validate",
+    "kubectl",
+    "ruff",
+    "mypy",
+)
+
+
+def locked_versions(lock: str) -> dict[str, str]:
+    """deploy/requirements/<lock>.txt as {name: version}, after checking that every requirement
+    in it is pinned with at least one sha256 (pip's --require-hashes would refuse it otherwise)."""
+    text = (LOCKS / f"{lock}.txt").read_text()
+    requirements = re.findall(r"^([a-z0-9][\w.\-]*)==(\S+) \\\n((?:    --hash=sha256:[0-9a-f]{64}(?: \\)?\n)+)",
+                              text, re.M)  # fmt: skip
+    named = re.findall(r"^[a-z0-9]\S*", text, re.M)
+    assert len(requirements) == len(named), f"{lock}.txt: a requirement without a pin and hash"
+    return {name.lower(): version for name, version, _ in requirements}
 
 
 def entrypoint_script(document: dict[str, Any]) -> str:

@@ -301,6 +301,7 @@ STANDALONE_FILES = [
     "tools/nox_stack.py",
     "tools/new_pipeline.py",
     "deploy/Dockerfile",
+    "deploy/requirements",
     "deploy/README.md",
     "deploy/rayjob/pvc.yaml",
     "tests/test_manifests.py",
