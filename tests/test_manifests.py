@@ -778,11 +778,8 @@ def test_the_image_installs_what_the_entrypoints_run() -> None:
     dockerfile = (ROOT / "deploy" / "Dockerfile").read_text()
     assert re.search(r"^ARG BASE_IMAGE=rayproject/ray:2\.60\.0-py3\d+-gpu$", dockerfile, re.M)
     assert re.search(r"^FROM \$\{BASE_IMAGE\}$", dockerfile, re.M)
-    for lock in ("image", "no-deps"):
-        assert (
-            f"--require-hashes{' --no-deps' if lock == 'no-deps' else ''} -r "
-            f"/opt/raytrain/requirements/{lock}.txt" in dockerfile
-        ), lock
+    assert "--require-hashes -r /opt/raytrain/requirements/image.txt" in dockerfile
+    assert "--require-hashes --no-deps -r /opt/raytrain/requirements/no-deps.txt" in dockerfile
     assert "--require-hashes --no-deps --no-binary :all: -d /home/ray/sources" in dockerfile
     assert "COPY --chown=ray:users deploy/requirements /opt/raytrain/requirements" in dockerfile
     assert "COPY --chown=ray:users pipelines /opt/raytrain/pipelines" in dockerfile
@@ -830,12 +827,17 @@ TEST_TOOLS = (
 def locked_versions(lock: str) -> dict[str, str]:
     """deploy/requirements/<lock>.txt as {name: version}, after checking that every requirement
     in it is pinned with at least one sha256 (pip's --require-hashes would refuse it otherwise)."""
-    text = (LOCKS / f"{lock}.txt").read_text()
-    requirements = re.findall(r"^([a-z0-9][\w.\-]*)==(\S+) \\\n((?:    --hash=sha256:[0-9a-f]{64}(?: \\)?\n)+)",
-                              text, re.M)  # fmt: skip
-    named = re.findall(r"^[a-z0-9]\S*", text, re.M)
-    assert len(requirements) == len(named), f"{lock}.txt: a requirement without a pin and hash"
-    return {name.lower(): version for name, version, _ in requirements}
+    versions: dict[str, str] = {}
+    hashed: set[str] = set()
+    name = ""
+    for line in (LOCKS / f"{lock}.txt").read_text().splitlines():
+        if line[:1].isalnum():  # "name==version \\", its hashes on the lines below
+            name, version = line.split()[0].split("==")
+            versions[name] = version
+        elif re.fullmatch(r"    --hash=sha256:[0-9a-f]{64}( \\)?", line):
+            hashed.add(name)
+    assert hashed == set(versions), f"{lock}.txt: without a hash: {set(versions) - hashed}"
+    return versions
 
 
 def entrypoint_script(document: dict[str, Any]) -> str:
