@@ -2,20 +2,21 @@
 take (`nox -s faults` or `memory_cap`: a cgroup v1 limit on the node, as a pod's limit; root
 needed).
 
-Calibrated as the llm and mnist tests are, but on two runs: runs on the first 4,096 training rows,
-on the same node without a cap, give the baseline (the most memory the node held that the kernel
-cannot reclaim, in the larger of the two: Ray's node processes, two workers with torch, MiniLM and
-the Trainer; a worker's peak varied by ~280 MiB from run to run, and a low baseline cost the capped
-run 2 OOM kills in CI). The training split is VADER's prepared once (18,963 rows) and its Parquet
-parts repeated COPIES times (`repeat_split`, seconds, where tokenising a CSV of that size would
-take minutes of `prepare` this test does not examine): 796,446 rows. It is trained under a cap at
-that baseline plus half the split's token rows (int32, as the row file holds them: ~390 MiB, so a
-~195 MiB margin), page cache included. hf-finetune 0.6 turned the split into Python
-lists on every worker (~250 bytes a row for these sentences, ~400 MB over the two workers here,
-twice what the cap leaves); a worker now reads each batch's rows from the node-local row file and
-keeps 8 bytes a row (label and length) and the sampler's order (8 more).
+Calibrated as the llm and mnist tests are: a run on the first 4,096 training rows, on the same
+node without a cap, gives the baseline (the most memory the node held that the kernel cannot
+reclaim: Ray's node processes, two workers with torch, MiniLM and the Trainer). The training split
+is VADER's prepared once (18,963 rows) and its Parquet parts repeated COPIES times
+(`repeat_split`, seconds, where tokenising a CSV of that size would take minutes of `prepare`
+this test does not examine): 2,389,338 rows. It is trained under a cap at that baseline plus half
+the split's token rows (int32, as the row file holds them: ~1,180 MiB, so a ~590 MiB margin), page
+cache included. The margin is sized against what a worker's peak varies from run to run (~280
+MiB here; with 42 copies and a ~195 MiB margin a low baseline cost the capped run 2 OOM kills in
+CI, which then needed two baseline runs). hf-finetune 0.6 turned the split into Python lists on
+every worker (~250 bytes a row for these sentences, ~1.2 GB over the two workers here, twice what
+the cap leaves); a worker now reads each batch's rows from the node-local row file and keeps 8
+bytes a row (label and length) and the sampler's order (8 more).
 
-A full epoch of 800,000 sentences takes days on two CPU workers, so every run stops at step 64
+A full epoch of 2.4 million sentences takes days on two CPU workers, so every run stops at step 64
 (`--stop-at-step`, which evaluates and checkpoints), with the warm-up off so that those steps learn
 at the peak rate; the bar is well above the majority class (0.54), below what 64 steps of 32
 sentences reach (0.71-0.80).
@@ -43,7 +44,7 @@ pytestmark = [
     pytest.mark.skipif(unavailable() is not None, reason=f"{unavailable()}"),
 ]
 
-COPIES = 42  # VADER's 18,963 training rows, 42 times: 796,446
+COPIES = 126  # VADER's 18,963 training rows, 126 times: 2,389,338
 BASELINE_ROWS = 4096
 STEPS = 64
 MAX_LENGTH = 128  # the cpu preset's: a row file row is 1 + 128 int32
@@ -134,14 +135,12 @@ def test_a_large_csv_fine_tunes_on_a_node_capped_below_its_baseline_plus_its_tra
     info = json.loads((data_dir / "dataset.json").read_text())
     train_rows = info["rows"]["train"]
     split_mb = train_rows * (1 + MAX_LENGTH) * 4 / 2**20
-    baselines = iter(["baseline", "baseline-again"])  # two runs: the larger peak counts
     result = train_capped_after_baseline(
         lambda address: train(
-            data_dir, tmp_path, next(baselines), address, "--limit-train-rows", str(BASELINE_ROWS)
+            data_dir, tmp_path, "baseline", address, "--limit-train-rows", str(BASELINE_ROWS)
         ),
         lambda address: train(data_dir, tmp_path, "capped", address),
         margin_mb=split_mb / 2,
-        baseline_runs=2,
     )
     print(result.report(f"training split {split_mb:.0f} MiB ({train_rows:,} rows)"))
     assert result.exit_code == 0 and result.oom_kills == 0, result.log[-3000:]

@@ -307,11 +307,17 @@ def test_smollm2_converts_trains_a_few_steps_and_exports(
             eval_batches=1,
             checkpoint_every_steps=2,
             lr=3e-5,
+            # The ending's test score is checked on the tiny model (test_fsdp_learns…); here a
+            # few blocks show it runs on a pretrained one (2,048, the default, took ~1 min).
+            test_blocks=8,
         )
     )
     # Pretrained, not random: the loss starts near what a 135M LM gets on English (ln 49,152 ≈
     # 10.8).
     assert summary["first"]["val_loss"] < 5.0
+    # The ending scores the chosen checkpoint on held-out blocks: 5.8 on 8 of them, far from a
+    # random model's 10.8.
+    assert summary["test"]["test_blocks"] == 8 and summary["test"]["test_loss"] < 8.0
     exported = export(summary["latest_checkpoint"], str(tmp_path / "smol-export"))
     model = AutoModelForCausalLM.from_pretrained(exported)
     assert model.config.num_hidden_layers == 30
