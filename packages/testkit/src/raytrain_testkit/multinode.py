@@ -343,19 +343,17 @@ def train_capped_after_baseline(
     capped: Run,
     margin_mb: float,
     object_store_mb: int = 300,
-    baseline_runs: int = 1,
 ) -> CappedRun:
-    """On a `capped_node`: `baseline` runs `baseline_runs` times with no real limit and gives the
-    most memory the node held in any of them; `capped` then runs with the node capped at that plus
-    `margin_mb`. All are drivers outside the node (subprocesses). More than one baseline run where
-    a worker's memory varies from run to run by more than the margin can absorb (hf: its largest
-    worker held 1,386 MiB in one run and 1,670 MiB in others)."""
+    """On a `capped_node`: `baseline` runs with no real limit and gives the most memory the node
+    held; `capped` then runs with the node capped at that plus `margin_mb`. Both are drivers
+    outside the node (subprocesses). Size the margin well above what a worker's memory varies from
+    run to run (hf: its largest worker held 1,386 MiB in one run and 1,670 MiB in others): a
+    margin within that spread makes a low baseline kill the capped run."""
     with capped_node(object_store_mb=object_store_mb) as (address, cap):
         with cap.sampling_held() as before:
-            for _ in range(baseline_runs):
-                code, log = baseline(address)
-                if code != 0:
-                    raise RuntimeError(f"the baseline run failed (exit {code}):\n{log[-3000:]}")
+            code, log = baseline(address)
+            if code != 0:
+                raise RuntimeError(f"the baseline run failed (exit {code}):\n{log[-3000:]}")
         cap.set_limit(int(before.peak_mb + margin_mb))
         with cap.sampling_held() as after:
             code, log = capped(address)
