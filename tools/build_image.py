@@ -16,8 +16,8 @@ exists, so a code change rebuilds only the last:
 Builds one at a time on a machine: a second invocation waits for the first (a lock file in the
 temporary folder) and then finds its images, so CI can start a build in the background while the
 tests run and the image test's own call finds it done. Prints each step's seconds and the image's
-size. podman runs with runc and two ulimits: crun
-refuses this box's hybrid cgroups, and runc refuses the default RLIMIT_NOFILE/NPROC. pip in the
+size. podman runs with runc and two ulimits: crun refuses this box's hybrid cgroups, and runc
+refuses the default RLIMIT_NOFILE/NPROC. pip in the
 build trusts this machine's certificate authorities (an egress proxy's CA, as on the CI box): the
 host's bundle and a pip.conf naming it are mounted into each RUN step, never into a layer.
 """
@@ -101,11 +101,12 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    # Held, open, until this process ends: a second build waits here for the first.
     lock = (Path(tempfile.gettempdir()) / "raytrain-build-image.lock").open("w")
-    waited = time.perf_counter()
-    fcntl.flock(lock, fcntl.LOCK_EX)  # released when this process ends
-    if time.perf_counter() - waited > 1:
-        print(f"waited {time.perf_counter() - waited:.0f} s for another build", flush=True)
+    started = time.perf_counter()
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if (waited := time.perf_counter() - started) > 1:
+        print(f"waited {waited:.0f} s for another build", flush=True)
     if args.rebuild_base or not image_exists(DEBIAN):
         timed(f"{DEBIAN} (debootstrap)", build_debian, DEBIAN)
     if args.rebuild_base or not image_exists(STANDIN_BASE):

@@ -43,8 +43,8 @@ pytestmark = [
 
 SEQ_LEN = 128
 # What the cap guards against (a worker holding the split) shows at the first batch; 10 steps
-# also learn (validation 10.8 -> 7.2 at step 10, as at step 30 it was 6.8) and end with the
-# evaluation and the checkpoint a longer run ends with.
+# also learn (validation 10.8 -> 7.7) and end with the evaluation and the checkpoint a longer run
+# ends with.
 STEPS = 10
 COPIES = 384  # half its token file (~690 MiB): ~3× what the node's memory varies run to run
 

@@ -81,7 +81,7 @@ def s3_bucket() -> Iterator[tuple[Any, str]]:
     (moto) on loopback, which every Ray process reaches through pyarrow's S3 (with the
     credentials the root conftest gives every Ray process). moto answers its service lookup from
     one listing of its folder (`list_moto_services_once`): the tests that train from a tree here
-    send ~10,000 requests (the class-sorted tree's test 139 -> 116 s)."""
+    send ~10,000 requests."""
     moto_server = pytest.importorskip("moto.server")
     import boto3
 

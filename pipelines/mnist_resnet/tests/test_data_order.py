@@ -294,10 +294,9 @@ def test_a_class_sorted_image_tree_on_s3_trains_to_high_test_accuracy_without_a_
     uploaded class by class (the listing is class-sorted), prepared from the s3:// URI and trained
     2 epochs on 2 workers, with the default augmentation of a grey tree (random crops): Ray Data
     reads and decodes the objects every epoch; no node holds a copy, and the prepared folder holds
-    only file lists and dataset.json. 3,500 digits (3,000 to train and validate on, 500 to test):
-    half of what this test once wrote, for time; the bar stays far above what a broken order
-    scores. Without a global order every epoch, the 6,000-digit version trained to 0.57 (each
-    worker saw a fixed few classes every epoch)."""
+    only file lists and dataset.json. 3,500 digits: 3,000 to train and validate on, 500 to test.
+    Without a global order every epoch, 6,000 of them trained to 0.57 (each worker saw a fixed few
+    classes every epoch)."""
     from mnist_resnet.cli import main
 
     client, options = s3_bucket
