@@ -58,7 +58,11 @@ def losses_by_step(run_dir: Path) -> dict[int, float]:
 def test_fsdp_learns_resumes_exactly_on_one_worker_and_exports(
     ray_cluster: None, shakespeare_dir: StoragePath, s3_prefix: str, tmp_path: Path
 ) -> None:
-    whole = run(small_config(tmp_path, shakespeare_dir, run_name="whole"))
+    # --validation async: a Ray task scores each checkpoint (steps 10 and 20) on the blocks the
+    # workers score inline, while training goes on; the scores rank the checkpoints, and the
+    # chosen one is tested once. The stopped run below scores inline what this one scored in its
+    # task (the same weights to step 10: the same workers, data and order).
+    whole = run(small_config(tmp_path, shakespeare_dir, run_name="whole", validation="async"))
     assert whole["steps_done"] == 20
     # The names every pipeline shares (docs/vocabulary.md).
     assert summary_problems(whole) == []
@@ -66,44 +70,28 @@ def test_fsdp_learns_resumes_exactly_on_one_worker_and_exports(
     assert unknown_names((key for row in rows for key in row), METRIC_COLUMNS) == []
     assert whole["compute_dtype"] == "float32"  # no mixed precision on CPUs
     assert whole["mfu"] is None and whole["peak_memory_gb"] is None  # no bf16 peak, no GPU
+    async_val = {int(r["step"]): r["val_loss"] for r in rows if "val_loss" in r}
+    assert sorted(async_val) == [0, 10, 20]
     # metrics.csv keeps 6 significant digits.
-    assert whole["best"]["val_loss"] == pytest.approx(
-        min(
-            row["val_loss"] for row in losses_by_step_rows(tmp_path / "whole") if "val_loss" in row
-        ),
-        rel=1e-5,
-    )
+    assert whole["best"]["val_loss"] == pytest.approx(min(async_val.values()), rel=1e-5)
+    assert whole["best_checkpoint"] == whole["test"]["checkpoint"]
     # `export` and `generate` take the best checkpoint unless told otherwise.
     assert choose_checkpoint("best", str(tmp_path), "whole") == whole["best_checkpoint"]
     assert choose_checkpoint("latest", str(tmp_path), "whole") == whole["latest_checkpoint"]
     # 20 steps lower it by ~15 %: far past noise, while the whole test stays short.
     assert whole["final"]["val_loss"] < 0.88 * whole["first"]["val_loss"]
 
-    # --validation async: a Ray task scores each checkpoint (steps 10 and 20) on the blocks the
-    # workers score inline, while training goes on; the same weights give the same losses, which
-    # rank the checkpoints, and the chosen one is tested once.
-    scored = run(small_config(tmp_path, shakespeare_dir, run_name="async", validation="async"))
-    inline_val = {int(r["step"]): r["val_loss"] for r in rows if "val_loss" in r}
-    async_rows = losses_by_step_rows(tmp_path / "async")
-    async_val = {int(r["step"]): r["val_loss"] for r in async_rows if "val_loss" in r}
-    assert sorted(async_val) == sorted(inline_val) == [0, 10, 20]
-    for step, loss in inline_val.items():
-        assert async_val[step] == pytest.approx(loss, rel=1e-4), step
-    assert scored["best_checkpoint"] == scored["test"]["checkpoint"]
-    assert scored["test"]["test_loss"] == pytest.approx(whole["test"]["test_loss"], rel=1e-4)
-    assert unknown_names((key for row in async_rows for key in row), METRIC_COLUMNS) == []
-
     # Stopped at step 10 on 2 workers, then continued on 1: DCP reshards the checkpoint, and the
     # data order and schedule depend on the step alone, so steps 11-20 repeat the whole run's.
     # Both read the data folder from object storage (an S3 protocol server on loopback), by ranged
     # requests with no copy on the node, where the whole run read it in place from a folder: the
-    # same losses step for step say the same rows were read.
-    # Compiled blocks (the GPU presets' --compile, here on the CPU) give the eager run's losses.
+    # same losses step for step say the same rows were read. The continued run compiles its blocks
+    # (the GPU presets' --compile, here on the CPU): they give the eager run's losses.
     # The stopped run uploads its checkpoints in the background (--async-upload): the one it
     # stopped at is complete in storage when the run returns.
     on_s3 = resolve_storage(join_uri(s3_prefix, "data"))
     pafs.copy_files(shakespeare_dir.path, on_s3.path, destination_filesystem=on_s3.filesystem)
-    compiled = {"run_name": "resumed", "compile": True, "tracking": "mlflow"}
+    tracked_run = {"run_name": "resumed", "tracking": "mlflow"}
     stopped = run(
         small_config(
             tmp_path,
@@ -111,11 +99,17 @@ def test_fsdp_learns_resumes_exactly_on_one_worker_and_exports(
             stop_at_step=10,
             checkpoint_every_steps=5,
             async_upload=True,
-            **compiled,
+            **tracked_run,
         )
     )
+    # Inline validation of the same weights gives what the whole run's task gave, step for step.
+    inline_rows = losses_by_step_rows(tmp_path / "resumed")
+    inline_val = {int(r["step"]): r["val_loss"] for r in inline_rows if "val_loss" in r}
+    assert sorted(inline_val) == [0, 10]
+    for step, loss in inline_val.items():
+        assert async_val[step] == pytest.approx(loss, rel=1e-4), step
     assert stopped["checkpoint_stall_s"] is not None  # checkpoints at 5 and 10: one stall known
-    resumed = run(small_config(tmp_path, on_s3, num_workers=1, **compiled))
+    resumed = run(small_config(tmp_path, on_s3, num_workers=1, compile=True, **tracked_run))
     assert resumed["steps_done"] == 20
     assert resumed["restarts"][-1]["resumed_at_step"] == 10
     expected, got = losses_by_step(tmp_path / "whole"), losses_by_step(tmp_path / "resumed")

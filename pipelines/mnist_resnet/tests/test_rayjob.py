@@ -21,8 +21,8 @@ def test_the_job_decodes_on_its_cpu_only_group_by_node_labels() -> None:
     """Each group carries a Ray node label (a group's top-level `labels`: KubeRay rejects
     `rayStartParams['labels']`), and PLACEMENT_ARGS selects the GPU group for the training
     workers and the CPU-only group for Ray Data's tasks
-    (test_ingest_runs_only_on_the_labelled_cpu_nodes_while_the_training_node_trains runs that
-    shape on this box); the GPU pod's CPUs all go to its worker; every mid-epoch loss is bounded
+    (test_a_lost_ingest_node_is_waited_for_then_a_run_left_without_one_stops_and_continues, in
+    `nox -s faults`, runs that shape on this box); the GPU pod's CPUs all go to its worker; every mid-epoch loss is bounded
     by --checkpoint-every-minutes."""
     spec = rayjob()["spec"]
     groups = {g["groupName"]: g for g in spec["rayClusterSpec"]["workerGroupSpecs"]}
