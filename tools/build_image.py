@@ -17,9 +17,9 @@ Builds one at a time on a machine: a second invocation waits for the first (a lo
 temporary folder) and then finds its images, so CI can start a build in the background while the
 tests run and the image test's own call finds it done. Prints each step's seconds and the image's
 size. podman runs with runc and two ulimits: crun refuses this box's hybrid cgroups, and runc
-refuses the default RLIMIT_NOFILE/NPROC. pip in the
-build trusts this machine's certificate authorities (an egress proxy's CA, as on the CI box): the
-host's bundle and a pip.conf naming it are mounted into each RUN step, never into a layer.
+refuses the default RLIMIT_NOFILE/NPROC. pip in the build trusts this machine's certificate
+authorities (an egress proxy's CA, as on the CI box): the host's bundle and a pip.conf naming it
+are mounted into each RUN step, never into a layer.
 """
 
 from __future__ import annotations
