@@ -34,7 +34,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """`gpu` tests run where CUDA is and are skipped, with the reason, everywhere else. `faults`
     and `memory_cap` tests start their own multi-node clusters, which cannot share a process with
     the session's single-node one: selected beside other tests (a bare `pytest`), they are skipped
-    with the command that runs them; `nox -s faults` runs both kinds in a pytest process of their
+    with the command that runs them; `nox -s faults` runs both kinds in pytest processes of their
     own, so the README's test command skips none."""
     import torch
 

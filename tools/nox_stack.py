@@ -31,6 +31,7 @@ STACK = [
     "pandas==3.1.1",
     "matplotlib==3.11.2",
     "pytest==9.2.0",
+    "pytest-xdist==3.8.0",  # the CI sessions' two pytest processes (noxfile.py)
     "nox==2026.10.20",
     "moto[server]==5.2.5",  # a real S3 protocol server on loopback for the storage tests
     "transformers==5.23.0",

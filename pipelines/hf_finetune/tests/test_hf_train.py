@@ -49,8 +49,11 @@ def small_config(storage: Path, data_dir: StoragePath, **changes: Any) -> TrainC
     return dataclasses.replace(base, **changes)
 
 
-def kill_a_worker_after_the_first_checkpoint(run_dir: Path, seen: dict[str, Any]) -> None:
-    """SIGKILL one worker once epoch 1's checkpoint is in storage, as a lost node would."""
+def kill_a_worker_after_the_first_checkpoint(
+    run_dir: Path, seen: dict[str, Any], address: str
+) -> None:
+    """SIGKILL one worker once epoch 1's checkpoint is in storage, as a lost node would; the State
+    API asked at this test's cluster's `address` (not the cluster Ray started last here)."""
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         states = list(run_dir.glob("checkpoint_*/checkpoint/trainer_state.json"))
@@ -58,7 +61,8 @@ def kill_a_worker_after_the_first_checkpoint(run_dir: Path, seen: dict[str, Any]
             time.sleep(1)  # past the controller's 0.5 s poll (RUN_ENV), so the report is registered
             seen["epoch1"] = json.loads(states[0].read_text())["log_history"]
             workers = list_actors(
-                filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")]
+                address,
+                filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")],
             )
             os.kill(workers[0].pid, signal.SIGKILL)
             seen["pid"] = workers[0].pid
@@ -78,7 +82,9 @@ def test_two_workers_learn_survive_a_lost_worker_and_the_checkpoint_predicts(
     run_dir = tmp_path / "vader"
     seen: dict[str, Any] = {}
     killer = threading.Thread(
-        target=kill_a_worker_after_the_first_checkpoint, args=(run_dir, seen), daemon=True
+        target=kill_a_worker_after_the_first_checkpoint,
+        args=(run_dir, seen, ray.get_runtime_context().gcs_address),
+        daemon=True,
     )
     killer.start()
     summary = run(small_config(tmp_path, vader_dir, run_name="vader", max_failures=1))

@@ -284,12 +284,14 @@ def predict_a_folder_while_an_actor_is_killed(
     wait_for(lambda: any(storage.glob("predicted.partial-*/*.parquet")), 300, "first predictions")
     [victim, *_] = [
         actor
-        for actor in list_actors(filters=[("state", "=", "ALIVE")], detail=True)
+        for actor in list_actors(cluster.address, filters=[("state", "=", "ALIVE")], detail=True)
         if "ImageClassifier" in actor.class_name
     ]
     os.kill(victim.pid, signal.SIGKILL)
     assert predicting.wait(timeout_s=600) == 0, predicting.log()
-    [after] = list_actors(filters=[("actor_id", "=", victim.actor_id)], detail=True)
+    [after] = list_actors(
+        cluster.address, filters=[("actor_id", "=", victim.actor_id)], detail=True
+    )
     assert after.num_restarts >= 1  # killed while it worked, and brought back
 
     rows = pq.read_table(output).to_pylist()

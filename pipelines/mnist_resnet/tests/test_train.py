@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import ray
 import torch
 from PIL import Image
 from ray.util.state import list_actors
@@ -57,16 +58,20 @@ CHECKPOINT_EVERY = 8
 MID_EPOCH_CHECKPOINT = STEPS_PER_EPOCH + CHECKPOINT_EVERY  # step 40: 8 steps into epoch 2
 
 
-def kill_a_worker_after_a_mid_epoch_checkpoint(run_dir: Path, seen: dict[str, Any]) -> None:
+def kill_a_worker_after_a_mid_epoch_checkpoint(
+    run_dir: Path, seen: dict[str, Any], address: str
+) -> None:
     """SIGKILL one worker once rank 0's progress note shows step 42 (epoch 2, after the checkpoint
     of step 40): a step, not a time (on a fast machine a fixed wait can outlast the whole run).
-    What the run had written by then goes into `seen`."""
+    What the run had written by then goes into `seen`. The State API is asked at this test's own
+    cluster's `address`: without one it asks the cluster Ray started last on the machine."""
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
         progress = read_progress(resolve_storage(run_dir))
         if progress and progress["step"] >= MID_EPOCH_CHECKPOINT + 2:
             workers = list_actors(
-                filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")]
+                address,
+                filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")],
             )
             os.kill(workers[0].pid, signal.SIGKILL)
             seen["pid"], seen["step"] = workers[0].pid, progress["step"]
@@ -88,7 +93,9 @@ def test_two_workers_learn_survive_a_worker_killed_mid_epoch_choose_on_validatio
     run_dir = tmp_path / "learn"
     seen: dict[str, Any] = {}
     killer = threading.Thread(
-        target=kill_a_worker_after_a_mid_epoch_checkpoint, args=(run_dir, seen), daemon=True
+        target=kill_a_worker_after_a_mid_epoch_checkpoint,
+        args=(run_dir, seen, ray.get_runtime_context().gcs_address),
+        daemon=True,
     )
     killer.start()
     config = small_config(
