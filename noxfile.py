@@ -54,9 +54,8 @@ load_pipeline_sessions()
 
 # Two pytest processes (pytest-xdist), a test file's tests in one of them (module fixtures: one
 # shared run, one cluster), each process with its own Ray cluster. On 2 cores one process left them
-# ~22 % idle (Ray's starts and polls, the drivers' waits); two keep them ~96 % busy: `tests` 29 min
-# 29 s -> 24 min 19 s, `faults` 19 min 50 s -> 17 min 38 s here. Two, not one per core: each
-# process's clusters hold a few GiB, and the box has 2 cores anyway.
+# ~22 % idle (Ray's starts and polls, the drivers' waits); two keep them ~95 % busy (the sessions'
+# times: docs/benchmarks.md). Two, not one per core: each process's clusters hold a few GiB.
 PARALLEL = ("--numprocesses", "2", "--dist", "loadfile")
 
 

@@ -3,7 +3,8 @@
     nox -s bench_ray_train_floor      (or: python tools/bench_ray_train_floor.py [--runs 3])
 
 The floor under every pipeline's time to its first optimiser step (issue 45 asked for 12 s on
-2 cores): this process's imports of Ray Train and torch, a local Ray cluster's start as the
+2 cores), counted from the process's start as the pipelines' `startup_s` is: Python and this
+process's imports of Ray Train and torch, a local Ray cluster's start as the
 pipelines start one, then `TorchTrainer.fit()` on 2 workers whose function only notes the time it
 began. No data, no model, no checkpoint: what is left is Ray Train's own start (its controller,
 placement group, worker actors and their imports, the process group). The first run is what
@@ -18,17 +19,13 @@ import tempfile
 import time
 from pathlib import Path
 
-STARTED = time.monotonic()
-
 
 def note_start(config: dict[str, str]) -> None:
     """The training function: rank 0 writes the wall-clock time it began, and returns."""
-    import time as clock
-
     import ray.train
 
     if ray.train.get_context().get_world_rank() == 0:
-        Path(config["note"]).write_text(json.dumps(clock.time()))
+        Path(config["note"]).write_text(json.dumps(time.time()))
 
 
 def main() -> None:
@@ -40,13 +37,15 @@ def main() -> None:
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
+    from raytrain_common.loop import process_started_at
     from raytrain_common.ray_start import init_ray
 
-    imported = time.monotonic()
+    imported = time.time()
     init_ray(train_cpus=2)
-    started = time.monotonic()
+    started = time.time()
     print(
-        f"imports {imported - STARTED:.1f} s, the local cluster's start {started - imported:.1f} s"
+        f"imports {imported - process_started_at():.1f} s, "
+        f"the local cluster's start {started - imported:.1f} s"
     )
     with tempfile.TemporaryDirectory() as scratch:
         for index in range(args.runs):
