@@ -898,6 +898,10 @@ def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Head]:
             f"--port={port}",
             f"--dashboard-port={dashboard}",
             "--dashboard-host=127.0.0.1",
+            # Not Ray's fixed default (52365), which another Ray on the machine may hold (the other
+            # pytest process, a user's own cluster): its agent would then run without HTTP and the
+            # Jobs API answer "No available agent" for ever (seen in CI). 0: a port the OS picks.
+            "--dashboard-agent-listen-port=0",
             "--num-cpus=8",
             f"--temp-dir={temp}",
             "--disable-usage-stats",
@@ -967,7 +971,8 @@ def submit_and_wait(
     Until the head's dashboard agent has registered, seconds after `ray start` returns (more on a
     busy box: the tests run two pytest processes), Ray answers a submission with HTTP 500 "No
     available agent to submit job, please try again later": that one answer is retried, for up to
-    two minutes, as a submitter waiting for a new head would; any other error fails at once."""
+    two minutes, as a submitter waiting for a new head would; any other error fails at once. (An
+    agent that could not bind its port never registers: `ray_head` lets the OS pick it.)"""
     client = job_client(head)
     deadline = time.monotonic() + 120
     while True:
