@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -124,3 +125,70 @@ def test_a_stale_cluster_address_file_does_not_stop_a_local_start() -> None:
     shutil.rmtree(temp, ignore_errors=True)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "CPUS" in done.stdout
+
+
+def test_local_cluster_stop_ends_every_process_of_its_cluster_and_spares_the_rest() -> None:
+    """`python -m raytrain_common.local_cluster stop DIR` after `ray start --head --temp-dir DIR`:
+    every process of that cluster ends, the Ray Client server too (`ray start` leaves it with no
+    parent of the cluster's, naming only the GCS's address; it was left running, holding its
+    port), and a process that merely names DIR on its command line is spared."""
+    import psutil
+
+    from raytrain_common.local_cluster import cluster_processes
+
+    temp = Path(tempfile.mkdtemp(prefix="rt-stop-", dir="/tmp"))  # Ray's socket paths are short
+    ports = []
+    for _ in range(2):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            ports.append(probe.getsockname()[1])
+    gcs_port, client_port = ports
+    bin_dir = Path(sys.executable).parent
+    bystander = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(300)", f"--temp-dir={temp}"]
+    )
+    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
+    try:
+        subprocess.run(
+            [
+                str(bin_dir / "ray"),
+                "start",
+                "--head",
+                f"--port={gcs_port}",
+                f"--ray-client-server-port={client_port}",
+                "--include-dashboard=false",
+                "--num-cpus=0",
+                f"--temp-dir={temp}",
+                "--disable-usage-stats",
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
+        started = cluster_processes(temp)
+        assert any("ray.util.client.server" in " ".join(p.cmdline()) for p in started)
+        done = subprocess.run(
+            [sys.executable, "-m", "raytrain_common.local_cluster", "stop", str(temp)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stderr
+        assert f"stopped {len(started)} process(es)" in done.stdout
+        left = []
+        for process in psutil.process_iter(["cmdline"]):
+            arguments = " ".join(process.info["cmdline"] or [])
+            if process.pid != bystander.pid and (
+                str(temp) in arguments or f":{gcs_port}" in arguments
+            ):
+                left.append(arguments)
+        assert not left, left
+        assert bystander.poll() is None
+    finally:
+        bystander.kill()
+        from raytrain_common.local_cluster import stop
+
+        stop(temp)
+        shutil.rmtree(temp, ignore_errors=True)

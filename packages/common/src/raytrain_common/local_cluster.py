@@ -4,8 +4,10 @@ DIR`.
 `ray stop` (with or without --force) ends every Ray process of the user on the machine: another
 person's training run, a test's cluster, a notebook's. A cluster started with
 `ray start --head --temp-dir DIR` (and nodes joined with the same --temp-dir) is found instead by
-its own processes: those whose command line names DIR (GCS, raylet, dashboard, monitors), and
-every process they started (workers, agents, job drivers), which carry only `ray::…` titles.
+its own processes: those whose command line names DIR (GCS, raylet, dashboard, monitors), the Ray
+Client server (`ray start` starts it and exits, so it has no parent of the cluster's and names only
+the GCS's address: `--address=` one of the `--gcs-address=`s of the others), and every process
+they started (workers, agents, job drivers), which carry only `ray::…` titles.
 """
 
 from __future__ import annotations
@@ -25,13 +27,24 @@ def cluster_processes(temp_dir: str | Path) -> list:
 
     marker = str(Path(temp_dir).resolve())
     spared = {psutil.Process().pid, *(p.pid for p in psutil.Process().parents())}
-    roots = []
+    ray_programs = []
     for process in psutil.process_iter(["cmdline"]):
         try:
-            if process.pid not in spared and _is_ray_daemon_of(process.info["cmdline"], marker):
-                roots.append(process)
+            cmdline = process.info["cmdline"]
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
+        if process.pid not in spared and _is_ray_program(cmdline):
+            ray_programs.append((process, cmdline))
+    named = [
+        (process, cmdline) for process, cmdline in ray_programs if _names_folder(cmdline, marker)
+    ]
+    gcs = {value for _, cmdline in named for value in _flag_values(cmdline, "--gcs-address")}
+    client_servers = [
+        process
+        for process, cmdline in ray_programs
+        if gcs & set(_flag_values(cmdline, "--address"))
+    ]
+    roots = [process for process, _ in named] + client_servers
     found = {process.pid: process for process in roots}
     for root in roots:
         try:
@@ -41,16 +54,24 @@ def cluster_processes(temp_dir: str | Path) -> list:
     return list(found.values())
 
 
-def _is_ray_daemon_of(cmdline: list[str] | None, marker: str) -> bool:
-    """A program of Ray's own (under its package) given a folder of `marker` as a flag's value: not
-    a shell or an editor whose command line merely mentions the folder, nor this process."""
+def _is_ray_program(cmdline: list[str] | None) -> bool:
+    """A program of Ray's own (under its package, or its `-m ray.…` modules): not a shell or an
+    editor whose command line merely mentions the folder, nor this process."""
     if not cmdline:
         return False
     program = " ".join(cmdline[:3])
-    if f"{os.sep}ray{os.sep}" not in program:
-        return False
+    return f"{os.sep}ray{os.sep}" in program or " -m ray." in program
+
+
+def _names_folder(cmdline: list[str], marker: str) -> bool:
+    """A flag's value is `marker` or a path inside it."""
     inside = re.compile(re.escape(marker) + r"(/|$)")  # /tmp/ray names no file of /tmp/ray2
     return any(part.startswith("--") and inside.search(part) for part in cmdline[1:])
+
+
+def _flag_values(cmdline: list[str], flag: str) -> list[str]:
+    """The values of `flag` given as `flag=value`."""
+    return [part.split("=", 1)[1] for part in cmdline[1:] if part.startswith(f"{flag}=")]
 
 
 def stop(temp_dir: str | Path, timeout_s: float = 5.0) -> int:
