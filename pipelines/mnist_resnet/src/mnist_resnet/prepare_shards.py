@@ -60,6 +60,7 @@ from mnist_resnet.prepare_tree import (
 from raytrain_common.storage import StoragePath, join_uri
 
 WEBDATASET, PARQUET = ".tar", ".parquet"  # a shard source's format, by its files' suffix
+TAR_READ_BUFFER = 8 << 20  # bytes a read of a tar asks its storage for
 CLASS_MEMBER = "cls"  # a WebDataset sample's class: a member `<key>.cls` holding it as text
 
 
@@ -169,11 +170,16 @@ def samples_of(
     root: StoragePath, shard: str, image_column: str, label_column: str
 ) -> Iterator[Sample]:
     location = root.join(*shard.split("/"))
-    with location.filesystem.open_input_file(location.path) as handle:
-        if shard.lower().endswith(WEBDATASET):
-            yield from tar_samples(handle)
-        else:
-            yield from parquet_samples(handle, image_column, label_column, location.uri)
+    if shard.lower().endswith(WEBDATASET):
+        # Read front to back in large reads: tarfile asks for 10 KiB at a time, and on S3 or GCS
+        # an unbuffered read is a request (a 1 GB tar: ~100,000 of them).
+        with location.filesystem.open_input_stream(
+            location.path, compression=None, buffer_size=TAR_READ_BUFFER
+        ) as stream:
+            yield from tar_samples(stream)
+        return
+    with location.filesystem.open_input_file(location.path) as handle:  # Parquet: random access
+        yield from parquet_samples(handle, image_column, label_column, location.uri)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -336,6 +342,16 @@ def check_source(
     return CheckedTree(root, layout, listed, summary, classes)
 
 
+def partitions(groups: int) -> int:
+    """A shuffle's partitions: Ray Data's default (`DataContext.default_hash_shuffle_parallelism`,
+    200), but never more than there are groups. A partition without a group is a task that does
+    nothing: 200 of them for 20 source shards and 4 output shards took 13 s of a 3,500-image
+    prepare on 2 cores."""
+    from ray.data import DataContext
+
+    return max(1, min(groups, DataContext.get_current().default_hash_shuffle_parallelism))
+
+
 def class_order(found: dict[str, list[str]]) -> Any:
     """Classes named by integers (a .cls member, an int label column) in numeric order, so label
     2 stays label 2 where the classes are 0..n-1; any other names in text order."""
@@ -353,12 +369,14 @@ class SourceShardWriter:
     def __init__(self, root_uri: str, columns: tuple[str, str]) -> None:
         self.root_uri, self.columns = root_uri, columns
         self.refs: list[Any] = []
+        self.sources: set[str] = set()  # the source shards read: the driver lists them anyway
 
     def submit(self, rows: pa.Table, target: StoragePath) -> None:
         import ray
 
         paths = rows.column("path").to_pylist()
         shards = [path.rpartition("#")[0] for path in paths]
+        self.sources.update(shards)
         self.refs.append(
             ray.put(
                 rows.append_column("shard", pa.array(shards, pa.string())).append_column(
@@ -374,7 +392,7 @@ class SourceShardWriter:
             return 0
         written = (
             ray.data.from_arrow_refs(self.refs)
-            .groupby("shard")
+            .groupby("shard", num_partitions=partitions(len(self.sources)))
             .map_groups(
                 copy_samples,
                 batch_format="pyarrow",
@@ -384,7 +402,7 @@ class SourceShardWriter:
                     "label_column": self.columns[1],
                 },
             )
-            .groupby("target")
+            .groupby("target", num_partitions=partitions(len(self.refs)))
             .map_groups(write_group, batch_format="pyarrow")
         )
         total, files = 0, 0
