@@ -345,7 +345,7 @@ def check_source(
 def partitions(groups: int) -> int:
     """A shuffle's partitions: Ray Data's default (`DataContext.default_hash_shuffle_parallelism`,
     200), but never more than there are groups. A partition without a group is a task that does
-    nothing: 200 of them for 20 source shards and 4 output shards took 13 s of a 3,500-image
+    nothing: 200 of them for 20 source shards and 5 output shards took 13 s of a 3,500-image
     prepare on 2 cores."""
     from ray.data import DataContext
 
