@@ -966,23 +966,9 @@ def submit_and_wait(
     head: Head, entrypoint: str, runtime_env: dict[str, Any], timeout_s: float
 ) -> str:
     """Submit through the Jobs API with the cluster's token, wait for the end, assert it
-    SUCCEEDED; return its log.
-
-    Until the head's dashboard agent has registered, seconds after `ray start` returns (more on a
-    busy box: the tests run two pytest processes), Ray answers a submission with HTTP 500 "No
-    available agent to submit job, please try again later": that one answer is retried, for up to
-    two minutes, as a submitter waiting for a new head would; any other error fails at once. (An
-    agent that could not bind its port never registers: `ray_head` lets the OS pick it.)"""
+    SUCCEEDED; return its log."""
     client = job_client(head)
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            job = client.submit_job(entrypoint=entrypoint, runtime_env=runtime_env)
-            break
-        except RuntimeError as error:
-            if "No available agent to submit job" not in str(error) or time.monotonic() > deadline:
-                raise
-            time.sleep(1)
+    job = client.submit_job(entrypoint=entrypoint, runtime_env=runtime_env)
     return wait_for_jobs(client, {entrypoint[:60]: job}, timeout_s)[entrypoint[:60]]
 
 

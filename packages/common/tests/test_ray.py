@@ -134,7 +134,7 @@ def test_local_cluster_stop_ends_every_process_of_its_cluster_and_spares_the_res
     port), and a process that merely names DIR on its command line is spared."""
     import psutil
 
-    from raytrain_common.local_cluster import cluster_processes
+    from raytrain_common.local_cluster import cluster_processes, stop
 
     temp = Path(tempfile.mkdtemp(prefix="rt-stop-", dir="/tmp"))  # Ray's socket paths are short
     ports = []
@@ -188,7 +188,5 @@ def test_local_cluster_stop_ends_every_process_of_its_cluster_and_spares_the_res
         assert bystander.poll() is None
     finally:
         bystander.kill()
-        from raytrain_common.local_cluster import stop
-
         stop(temp)
         shutil.rmtree(temp, ignore_errors=True)
