@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -117,7 +118,11 @@ def free_port() -> int:
 
 @pytest.fixture
 def mlflow_server(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """A real `mlflow server` on loopback (its own process group: it starts worker processes)."""
+    """A real `mlflow server` on loopback (its own process group: it starts a worker process),
+    yielded once it answers its health check: its socket listens before its worker has imported
+    mlflow, and on a busy 2-core box a request in that gap waited past the client's 10 s timeout.
+    One worker, not MLflow's default 4: each is a process importing mlflow, and this test sends a
+    few requests at a time."""
     port = free_port()
     log_file = (tmp_path / "server.log").open("wb")
     server = subprocess.Popen(
@@ -130,6 +135,8 @@ def mlflow_server(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]
             "127.0.0.1",
             "--port",
             str(port),
+            "--workers",
+            "1",
             "--backend-store-uri",
             f"sqlite:///{tmp_path / 'server.db'}",
             "--default-artifact-root",
@@ -141,22 +148,23 @@ def mlflow_server(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120  # ~15 s on an idle 2-core box
-        while not listening(port):
+        deadline = time.monotonic() + 180  # ~15 s on an idle 2-core box
+        while not healthy(url):
             if time.monotonic() > deadline or server.poll() is not None:
                 log_text = (tmp_path / "server.log").read_text()[-2000:]
-                pytest.fail(f"mlflow server did not listen within 120 s:\n{log_text}")
+                pytest.fail(f"mlflow server did not answer /health within 180 s:\n{log_text}")
             time.sleep(0.5)
         yield url, server
     finally:
         with_group(server, signal.SIGKILL)
 
 
-def listening(port: int) -> bool:
+def healthy(url: str) -> bool:
+    """Whether the server at `url` answers its health check (a worker is serving)."""
     try:
-        with socket.create_connection(("127.0.0.1", port), timeout=1):
-            return True
-    except OSError:
+        with urllib.request.urlopen(f"{url}/health", timeout=5) as answer:
+            return answer.status == 200
+    except OSError:  # refused, reset or timed out (URLError is an OSError)
         return False
 
 
