@@ -153,6 +153,7 @@ def manifests(session: nox.Session) -> None:
         MANIFESTS_MARKERS,
         "tests/test_manifests.py",
         "tests/test_image.py",
+        "tests/test_container_cluster.py",
         *(session.posargs or ["-q", *PARALLEL]),
     )
 

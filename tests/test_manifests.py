@@ -844,7 +844,7 @@ def entrypoint_script(document: dict[str, Any]) -> str:
     """The script of a RayJob's entrypoint, which is one `bash -c '<script>'`: KubeRay's submitter
     pastes the entrypoint unquoted into its own `bash -c "… ray job submit … -- <entrypoint>"`,
     so a bare `&&` would run the next command in the submitter pod, and $VARS would expand there
-    (tests/test_image.py runs the submitter's command as KubeRay builds it)."""
+    (tests/test_container_cluster.py runs the submitter's command as KubeRay builds it)."""
     wrapped = re.fullmatch(r"bash -c '([^']*)'", document["spec"]["entrypoint"])
     assert wrapped, f"{document['metadata']['name']}: the entrypoint is not one bash -c '…'"
     return wrapped[1]
@@ -1022,7 +1022,7 @@ def test_a_submission_without_the_token_is_refused(ray_head: Head, tmp_path: Pat
 
 
 # Each pipeline's entrypoint runs on a cluster of containers from the image, submitted as
-# KubeRay's submitter does: tests/test_image.py.
+# KubeRay's submitter does: tests/test_container_cluster.py.
 
 
 def without_job_labels(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:

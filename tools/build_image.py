@@ -45,6 +45,11 @@ PODMAN = ["podman", "--runtime", "runc"]
 # Set, or runc refuses the defaults here; nproc counts every thread of the uid over all containers
 # (Ray starts dozens per process: 1,024 ran out with a 3-node cluster of containers).
 ULIMITS = ["--ulimit", "nofile=20000:20000", "--ulimit", "nproc=32768:32768"]
+# How a RayJob's pod runs the image (the manifests' securityContext), for the tests that run it.
+POD = [
+    *("--user", "1000:100", "--read-only", "--tmpfs", "/tmp", "--shm-size", "2g"),
+    *("--cap-drop", "ALL", "--security-opt", "no-new-privileges"),
+]
 
 
 def image_exists(tag: str) -> bool:
