@@ -114,6 +114,12 @@ def test_an_image_tree_prepares_trains_on_two_workers_and_predicts_new_files(
     [refusal] = capfd.readouterr().err.strip().splitlines()[-1:]
     assert "3 of 305 files (1.0%) cannot be decoded, over --max-bad-fraction 0.005" in refusal
     assert not data_dir.exists()
+    # The refusal's list of the bad files, in a temporary CSV it names (--data-dir stays empty).
+    refused_list = Path(refusal.split("; all: ")[1].split(")")[0])
+    with refused_list.open() as listing:
+        refused_rows = list(csv.DictReader(listing))
+    refused_list.unlink()
+    assert sorted(row["file"] for row in refused_rows) == [str(tree / path) for path in bad]
     assert main(prepare_tree) == 0
     assert "3 file(s) cannot be decoded and were left out" in capfd.readouterr().out
     with (data_dir / "bad_files.csv").open() as listing:
