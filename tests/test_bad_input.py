@@ -769,9 +769,10 @@ def test_bad_input_gets_one_line_naming_the_cause_and_nothing_is_changed(
     prefix = f"{case.prog} {argv[0]}: error: "
     assert last.startswith(prefix), err
     assert re.search(case.message, last), last
-    listed = re.search(r"; all: (\S+\.csv)\)", last)  # a refused prepare's list of bad files
+    # A refused prepare's list of bad files, the temporary CSV it made and named (bad_files-*).
+    listed = re.search(r"; all: (\S+/bad_files-[^/\s]+\.csv)\)", last)
     if listed:
-        Path(listed[1]).unlink()  # outside tmp_path, in the temporary folder: this test's own
+        Path(listed[1]).unlink()
     assert snapshot(tmp_path) == before  # nothing changed, nothing half-written
     leftovers = [p for p in tmp_path.rglob("*") if ".partial-" in p.name or ".tmp-" in p.name]
     assert not leftovers

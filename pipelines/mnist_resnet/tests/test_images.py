@@ -8,6 +8,7 @@ import csv
 import dataclasses
 import io
 import json
+import re
 import tarfile
 import tracemalloc
 from collections import Counter
@@ -115,7 +116,7 @@ def test_an_image_tree_prepares_trains_on_two_workers_and_predicts_new_files(
     assert "3 of 305 files (1.0%) cannot be decoded, over --max-bad-fraction 0.005" in refusal
     assert not data_dir.exists()
     # The refusal's list of the bad files, in a temporary CSV it names (--data-dir stays empty).
-    refused_list = Path(refusal.split("; all: ")[1].split(")")[0])
+    refused_list = Path(re.search(r"; all: (\S+/bad_files-[^/\s]+\.csv)\)", refusal)[1])
     with refused_list.open() as listing:
         refused_rows = list(csv.DictReader(listing))
     refused_list.unlink()
