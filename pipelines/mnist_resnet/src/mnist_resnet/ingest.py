@@ -55,7 +55,6 @@ source; this bitmap is the smallest state that gives that property.
 
 from __future__ import annotations
 
-import copy
 import io
 import json
 from collections.abc import Iterable, Iterator
@@ -69,12 +68,12 @@ import ray.train
 import ray.train.torch
 import torch
 import torch.distributed as dist
-from ray.data import ExecutionOptions, FileShuffleConfig
+from ray.data import FileShuffleConfig
 from ray.data.collate_fn import NumpyBatchCollateFn
 from ray.data.expressions import random as random_column
-from ray.train import DataConfig
 
 from mnist_resnet.data import DATASET_FILE, DatasetInfo, Split, split_folder
+from mnist_resnet.data_config import REST_OF_EPOCH, TRAIN, VAL
 from mnist_resnet.transforms import (
     augment,
     bits_set,
@@ -89,10 +88,6 @@ from raytrain_common.storage import StoragePath, resolve_storage
 
 if TYPE_CHECKING:  # the run's record and context import the dataset, which imports this module
     from mnist_resnet.run_state import RunState, WorkerContext
-
-TRAIN = "train"
-REST_OF_EPOCH = "train_rest_of_epoch"  # the rows of a resumed epoch not trained before the stop
-VAL = "val"
 
 POSITION_FILE = "epoch_rows.npz"  # beside state.pt in every checkpoint: the epoch and its bitmap
 LOCAL_SHUFFLE_ROWS = 4096  # pixel rows mixed in each worker's buffer (3 MiB of MNIST)
@@ -252,39 +247,6 @@ class TrainingBatch(NumpyBatchCollateFn):
 def epoch_seed(seed: int, epoch: int) -> int:
     """One 32-bit seed per (run seed, epoch)."""
     return int(np.random.SeedSequence([seed, epoch]).generate_state(1)[0])
-
-
-class EvenTrainingEveryValidationRow(DataConfig):
-    """Ray Train's DataConfig with every dataset's tasks on the nodes `ingest_labels` selects
-    (Ray 2.60's `ExecutionOptions(label_selector=...)`: CPU-only ingest nodes, so the training
-    nodes' CPUs feed their GPUs), and the validation split split unevenly.
-
-    Training needs the equal split (every rank the same batches, or DDP waits for ever); an equal
-    split of the validation rows would drop up to world − 1 of them, so the score that picks
-    checkpoints would change with the worker count. Evaluation has no per-batch collective, so
-    ranks may hold different numbers of rows there. The options are given whole (not Ray's
-    defaults, which still set the deprecated `exclude_resources` and warn in every run)."""
-
-    def __init__(self, ingest_labels: dict[str, str] | None = None) -> None:
-        self.options = ExecutionOptions(label_selector=ingest_labels)
-        super().__init__(execution_options=self.options)
-
-    def configure(  # type: ignore[override]
-        self,
-        datasets: dict[str, ray.data.Dataset],
-        world_size: int,
-        worker_handles: Any,
-        worker_node_ids: Any,
-        **kwargs: Any,
-    ) -> list[dict[str, Any]]:
-        if set(datasets) != {VAL}:
-            return super().configure(
-                datasets, world_size, worker_handles, worker_node_ids, **kwargs
-            )
-        dataset = datasets[VAL].copy(datasets[VAL])
-        dataset.context.execution_options = copy.deepcopy(self.options)
-        shards = dataset.streaming_split(world_size, equal=False, locality_hints=worker_node_ids)
-        return [{VAL: shard} for shard in shards]
 
 
 def read_arrays(data: ImageData, split: str, limit: int | None = None) -> dict[str, np.ndarray]:

@@ -35,11 +35,8 @@ from mnist_resnet import __version__
 from mnist_resnet.checkpointer import SCORE, Checkpointer, read_state, restore_run
 from mnist_resnet.config import TrainConfig
 from mnist_resnet.data import DatasetInfo, inspect_dataset, on_device
+from mnist_resnet.data_config import REST_OF_EPOCH, TRAIN, VAL, EvenTrainingEveryValidationRow
 from mnist_resnet.ingest import (
-    REST_OF_EPOCH,
-    TRAIN,
-    VAL,
-    EvenTrainingEveryValidationRow,
     ImageData,
     TrainingBatch,
     TrainingRows,

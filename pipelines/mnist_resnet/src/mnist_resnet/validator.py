@@ -15,7 +15,7 @@ from torch import nn
 
 from mnist_resnet.config import TrainConfig
 from mnist_resnet.data import on_device
-from mnist_resnet.ingest import VAL
+from mnist_resnet.data_config import VAL
 from mnist_resnet.predict import checkpoint_split_metrics
 from mnist_resnet.run_state import WorkerContext
 from mnist_resnet.task import evaluate
