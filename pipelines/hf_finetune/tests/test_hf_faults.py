@@ -1,21 +1,31 @@
-"""A node preempted under a running Trainer, on a real 2-node Ray cluster on this box
-(`nox -s faults`); the driver is `hf-finetune train` in its own process, as a RayJob's entrypoint
-is."""
+"""A node preempted under a running Trainer, then a worker lost, on a real 2-node Ray cluster on
+this box (`nox -s faults`); the driver is `hf-finetune train` in its own process, as a RayJob's
+entrypoint is."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
+import pyarrow.parquet as pq
 import pytest
+from ray.util.state import list_actors
 
+from hf_finetune.cli import main
 from hf_finetune.config import PrepareConfig
 from hf_finetune.data import prepare
+from hf_finetune.evaluate import evaluate
+from hf_finetune.predict import predict_lines
+from raytrain_common.faults import read_progress
 from raytrain_common.metrics import read_metrics_csv
 from raytrain_common.storage import StoragePath, resolve_storage
-from raytrain_testkit.multinode import Driver, multinode_cluster, wait_for
+from raytrain_testkit.multinode import Driver, MultiNodeCluster, multinode_cluster, wait_for
+from raytrain_testkit.vocabulary import METRIC_COLUMNS, summary_problems, unknown_names
 
 pytestmark = pytest.mark.faults
 
@@ -24,6 +34,7 @@ pytestmark = pytest.mark.faults
 # mid-upload at the deadline; the torn checkpoint was skipped and the run started over). Clouds
 # give 30 s (GCP) to 2 minutes (AWS).
 DEADLINE_S = 25
+STEPS_PER_EPOCH = 32  # train_command's 1,024 rows at 32 rows a step
 
 
 def train_command(storage: Path, data_dir: StoragePath, run_name: str) -> list[str]:
@@ -48,7 +59,7 @@ def train_command(storage: Path, data_dir: StoragePath, run_name: str) -> list[s
         "--limit-val-rows",
         "384",
         "--limit-test-rows",
-        "128",
+        "384",
         "--log-every-steps",
         "1",
         "--preemption-check-steps",
@@ -65,12 +76,45 @@ def progress_step(run_dir: Path) -> int:
         return 0
 
 
-def test_a_preempted_node_makes_the_trainer_save_at_once_and_the_run_resumes_there(
+def kill_a_worker_in_epoch_2(cluster: MultiNodeCluster, run_dir: Path) -> dict[str, Any]:
+    """SIGKILL one worker of the group that replaced the preempted one (progress.json's attempt ≥
+    1) once it is 2 steps into epoch 2, past epoch 1's checkpoint (step 32), as a lost node would;
+    returns the Trainer's log history that checkpoint holds, read before the kill."""
+    deadline = time.monotonic() + 400
+    while time.monotonic() < deadline:
+        progress = read_progress(resolve_storage(run_dir)) or {}
+        if (progress.get("attempt") or 0) >= 1 and progress["step"] >= STEPS_PER_EPOCH + 2:
+            states = run_dir.glob("checkpoint_*/checkpoint/trainer_state.json")
+            history = next(
+                state["log_history"]
+                for state in (json.loads(path.read_text()) for path in states)
+                if state["global_step"] == STEPS_PER_EPOCH
+            )
+            workers = list_actors(
+                cluster.address,
+                filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")],
+            )
+            os.kill(workers[0].pid, signal.SIGKILL)
+            return {"epoch1": history, "step": progress["step"]}
+        time.sleep(0.2)
+    raise TimeoutError("waited 400 s for step 34 of the restarted group")
+
+
+def test_a_preempted_node_then_a_lost_worker_cost_only_their_steps_and_the_checkpoint_predicts(
     vader_sdist: Path, minilm: str, tmp_path: Path
 ) -> None:
-    """Drain (PREEMPTION, deadline 25 s) the node hosting a worker, remove it at the deadline: the
-    Trainer evaluated and saved at the notice, the restarted group resumed from that checkpoint
-    and redid only the steps taken after it, and the run ends as an uninterrupted one would."""
+    """One run of 2 workers, one per node, the faults of a cloud in turn, then what the run is for.
+
+    1. Drain (PREEMPTION, deadline 25 s) the node hosting a worker, remove it at the deadline: the
+       Trainer evaluated and saved at the notice, the restarted group resumed from that checkpoint
+       and redid only the steps taken after it.
+    2. Epoch 2: a worker of that group is SIGKILLed: the group restarts from epoch 1's checkpoint
+       (resumed, not restarted: epoch 1's evaluation in metrics.csv is the one from before the
+       kill), and the run ends as an uninterrupted one would, 64 steps (1,024 rows / 32 × 2).
+    3. It learns (far above always answering the majority class, on held-out rows); the best
+       checkpoint is a plain Hugging Face folder that reloads and predicts; `predict` classifies a
+       folder of text files through Ray Data; train scored the chosen checkpoint on the test split
+       once, and `evaluate` scores any checkpoint on the whole split beside it."""
     run_dir = tmp_path / "preempted"
     with multinode_cluster(head_cpus=3) as cluster:
         data_dir = resolve_storage(tmp_path / "data")
@@ -92,20 +136,94 @@ def test_a_preempted_node_makes_the_trainer_save_at_once_and_the_run_resumes_the
         step_at_drain = progress_step(run_dir)
         time.sleep(DEADLINE_S)
         cluster.remove_node(victim_node)  # the cloud reclaims the machine
+        seen = kill_a_worker_in_epoch_2(cluster, run_dir)
         assert driver.wait(timeout_s=600) == 0, driver.log()
+        predicted_folder = predict_a_folder(tmp_path, "preempted")
+        summary = json.loads((run_dir / "summary.json").read_text())
+        evaluated = evaluate(str(tmp_path), "preempted", summary["latest_checkpoint"])
 
-    summary = json.loads((run_dir / "summary.json").read_text())
+    # 1. The preemption.
     [preemption] = summary["preemptions"]
     assert preemption["ranks"] == [victim_rank] and preemption["node_ids"] == [victim_node]
     assert step_before_drain <= preemption["checkpoint_step"] <= step_at_drain + 6
-    [restart] = summary["restarts"]
-    assert restart["cause"] == "preemption"
+    preempted, lost_worker = summary["restarts"]
+    assert preempted["cause"] == "preemption"
     # From the checkpoint written at the notice, or a regular one the run wrote before its node
     # went (the end of epoch 1 when the deadline outlasts it).
-    assert restart["resumed_at_step"] >= preemption["checkpoint_step"]
-    assert restart["steps_redone"] == restart["last_step_before"] - restart["resumed_at_step"]
-    print(f"preemption at step {preemption['checkpoint_step']}: {restart['steps_redone']} redone")
-    assert summary["steps_done"] == 64
-    epochs = [row["epoch"] for row in read_metrics_csv(resolve_storage(run_dir / "metrics.csv"))]
-    assert epochs[-1] == pytest.approx(2.0)
-    assert summary["final"]["val_f1"] >= 0.6  # as an uninterrupted run of this size
+    assert preempted["resumed_at_step"] >= preemption["checkpoint_step"]
+    assert preempted["steps_redone"] == preempted["last_step_before"] - preempted["resumed_at_step"]
+    print(f"preemption at step {preemption['checkpoint_step']}: {preempted['steps_redone']} redone")
+    # 2. The lost worker: resumed from epoch 1's checkpoint, not restarted.
+    assert lost_worker["cause"] == "worker failure"
+    assert lost_worker["resumed_at_step"] == STEPS_PER_EPOCH < seen["step"]
+    # metrics.csv: the evaluation at the notice (mid-epoch 1), then each epoch's, once.
+    notice, epoch1, epoch2 = read_metrics_csv(resolve_storage(run_dir / "metrics.csv"))
+    assert notice["step"] == preemption["checkpoint_step"] and notice["epoch"] < 1
+    assert (epoch1["epoch"], epoch2["epoch"]) == (1, 2)
+    epoch1_eval = next(
+        r for r in seen["epoch1"] if "val_loss" in r and r["step"] == STEPS_PER_EPOCH
+    )
+    assert epoch1["val_loss"] == pytest.approx(epoch1_eval["val_loss"], rel=1e-5)
+    assert summary["steps_done"] == 2 * STEPS_PER_EPOCH
+    # The names every pipeline shares (docs/vocabulary.md).
+    assert summary_problems(summary) == []
+    rows = [notice, epoch1, epoch2]
+    assert unknown_names((key for row in rows for key in row), METRIC_COLUMNS) == []
+    assert summary["compute_dtype"] == "float32"  # the CPU preset: no autocast
+
+    # 3. Learns: far above always answering the majority class, on held-out validation rows.
+    best = summary["best"]
+    assert best["val_accuracy"] >= 0.72
+    assert best["val_accuracy"] >= summary["val_majority_share"] + 0.15
+    assert epoch2["val_loss"] < epoch1["val_loss"] + 0.05
+    assert summary["final"]["val_f1"] >= 0.6
+
+    # The best checkpoint is a plain Hugging Face folder that reloads and predicts.
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(summary["best_checkpoint"])
+    assert model.config.id2label == {0: "negative", 1: "positive"}
+    predicted = list(predict_lines(SENTENCES, str(tmp_path), "preempted"))
+    assert [label for label, _, _ in predicted] == ["positive", "negative"]
+    assert all(0.5 < probability <= 1 for _, probability, _ in predicted)
+    # A folder of text files: Ray Data batch inference, one Parquet row per non-blank line.
+    assert predicted_folder == [
+        ("bad.txt", "negative"),
+        ("bad.txt", "negative"),
+        ("good.txt", "positive"),
+        ("good.txt", "positive"),
+    ]
+
+    # train ended by scoring the checkpoint validation chose on the test split, once (its first
+    # 384 rows here); `evaluate` scores any checkpoint on the whole split, beside it.
+    test = summary["test"]
+    assert test["checkpoint"] == summary["best_checkpoint"] and test["test_rows"] == 384
+    # (a limited split whose labels were matched to the wrong token rows scored 0.51 here)
+    assert test["test_accuracy"] >= 0.70 and 0 < test["test_f1"] <= 1
+    assert (run_dir / "confusion_matrix.png").stat().st_size > 1000
+    assert evaluated["test_rows"] == 2_370
+    assert evaluated["test_accuracy"] >= 0.72
+    latest = Path(summary["latest_checkpoint"]).parent.name
+    assert (run_dir / f"confusion_matrix-test-{latest}.png").stat().st_size > 1000
+    written = json.loads((run_dir / "summary.json").read_text())
+    assert written["test"] == test  # train's score of the chosen checkpoint stays
+    assert written["evaluations"] == [evaluated]
+
+
+SENTENCES = [
+    "What a wonderful, moving film; I loved every minute.",
+    "This is the worst, most boring product I have ever bought.",
+]
+
+
+def predict_a_folder(storage: Path, run_name: str) -> list[tuple[str, str]]:
+    """`hf-finetune predict FOLDER` on this process's cluster: (file name, label) of each row."""
+    folder = storage / "reviews"
+    (folder / "2026" / "11").mkdir(parents=True)
+    (folder / "good.txt").write_text(f"{SENTENCES[0]}\n\nSuch a delightful, charming story.\n")
+    (folder / "2026" / "11" / "bad.txt").write_text(f"{SENTENCES[1]}\nAwful. A waste of money.\n")
+    output = storage / "predicted"
+    command = ["predict", "--storage-path", str(storage), "--run-name", run_name, str(folder)]
+    assert main([*command, "--predictions", str(output)]) == 0
+    rows = pq.read_table(output).to_pylist()
+    return sorted((Path(row["path"]).name, row["label"]) for row in rows)

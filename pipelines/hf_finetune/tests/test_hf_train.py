@@ -1,34 +1,24 @@
-"""Real 2-worker Ray Train runs of the HF Trainer on VADER slices: learning, resume, reload,
-predict."""
+"""Real 2-worker Ray Train runs of the HF Trainer on VADER slices: a user's CSV, bad settings, an
+exact mid-epoch resume (the lost worker, learning and prediction: test_hf_faults.py)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import signal
-import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import pyarrow.parquet as pq
 import pytest
 import ray
-from ray.util.state import list_actors
 
 from hf_finetune.cli import main
 from hf_finetune.config import TrainConfig, cpu_preset
-from hf_finetune.evaluate import evaluate
-from hf_finetune.predict import predict_lines
 from hf_finetune.train import run
 from raytrain_common.configs import ConfigError
-from raytrain_common.metrics import read_metrics_csv
 from raytrain_common.storage import StoragePath, resolve_storage
 from raytrain_testkit.console import console_noise
 from raytrain_testkit.tracked_runs import metric_history
-from raytrain_testkit.vocabulary import METRIC_COLUMNS, summary_problems, unknown_names
 
 pytestmark = pytest.mark.ray
 
@@ -49,121 +39,10 @@ def small_config(storage: Path, data_dir: StoragePath, **changes: Any) -> TrainC
     return dataclasses.replace(base, **changes)
 
 
-def kill_a_worker_after_the_first_checkpoint(
-    run_dir: Path, seen: dict[str, Any], address: str
-) -> None:
-    """SIGKILL one worker once epoch 1's checkpoint is in storage, as a lost node would; the State
-    API asked at this test's cluster's `address` (not the cluster Ray started last here)."""
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        states = list(run_dir.glob("checkpoint_*/checkpoint/trainer_state.json"))
-        if states:
-            time.sleep(1)  # past the controller's 0.5 s poll (RUN_ENV), so the report is registered
-            seen["epoch1"] = json.loads(states[0].read_text())["log_history"]
-            workers = list_actors(
-                address,
-                filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")],
-            )
-            os.kill(workers[0].pid, signal.SIGKILL)
-            seen["pid"] = workers[0].pid
-            return
-        time.sleep(0.2)
-
-
 def read_trainer_history(summary: dict[str, Any]) -> list[dict[str, Any]]:
     """The Trainer's log history as the run's latest checkpoint holds it."""
     state = json.loads((Path(summary["latest_checkpoint"]) / "trainer_state.json").read_text())
     return state["log_history"]
-
-
-def test_two_workers_learn_survive_a_lost_worker_and_the_checkpoint_predicts(
-    ray_cluster: None, vader_dir: StoragePath, tmp_path: Path
-) -> None:
-    run_dir = tmp_path / "vader"
-    seen: dict[str, Any] = {}
-    killer = threading.Thread(
-        target=kill_a_worker_after_the_first_checkpoint,
-        args=(run_dir, seen, ray.get_runtime_context().gcs_address),
-        daemon=True,
-    )
-    killer.start()
-    summary = run(small_config(tmp_path, vader_dir, run_name="vader", max_failures=1))
-    killer.join(timeout=10)
-
-    # Resumed, not restarted: epoch 1's evaluation comes from before the kill, and the step count
-    # is what an uninterrupted run makes (1024 rows / 32 per step × 2 epochs).
-    assert "pid" in seen, "the worker was never killed"
-    rows = read_metrics_csv(resolve_storage(run_dir / "metrics.csv"))
-    assert [row["epoch"] for row in rows] == [1, 2]
-    # The names every pipeline shares (docs/vocabulary.md).
-    assert summary_problems(summary) == []
-    assert unknown_names((key for row in rows for key in row), METRIC_COLUMNS) == []
-    epoch1_eval = next(r for r in seen["epoch1"] if "val_loss" in r)
-    assert rows[0]["val_loss"] == pytest.approx(epoch1_eval["val_loss"], rel=1e-5)
-    assert summary["steps_done"] == 64
-    assert summary["compute_dtype"] == "float32"  # the CPU preset: no autocast
-
-    # Learns: far above always answering the majority class, on held-out validation rows.
-    best = summary["best"]
-    assert best["val_accuracy"] >= 0.72
-    assert best["val_accuracy"] >= summary["val_majority_share"] + 0.15
-    assert rows[1]["val_loss"] < rows[0]["val_loss"] + 0.05
-
-    # The best checkpoint is a plain Hugging Face folder that reloads and predicts.
-    from transformers import AutoModelForSequenceClassification
-
-    model = AutoModelForSequenceClassification.from_pretrained(summary["best_checkpoint"])
-    assert model.config.id2label == {0: "negative", 1: "positive"}
-    sentences = [
-        "What a wonderful, moving film; I loved every minute.",
-        "This is the worst, most boring product I have ever bought.",
-    ]
-    predicted = list(predict_lines(sentences, str(tmp_path), "vader"))
-    assert [label for label, _, _ in predicted] == ["positive", "negative"]
-    assert all(0.5 < probability <= 1 for _, probability, _ in predicted)
-    # A folder of text files: Ray Data batch inference, one Parquet row per non-blank line.
-    folder = tmp_path / "reviews"
-    (folder / "2026" / "11").mkdir(parents=True)
-    (folder / "good.txt").write_text(f"{sentences[0]}\n\nSuch a delightful, charming story.\n")
-    (folder / "2026" / "11" / "bad.txt").write_text(f"{sentences[1]}\nAwful. A waste of money.\n")
-    assert (
-        main(
-            [
-                "predict",
-                "--storage-path",
-                str(tmp_path),
-                "--run-name",
-                "vader",
-                str(folder),
-                "--predictions",
-                str(tmp_path / "predicted"),
-            ]
-        )
-        == 0
-    )
-    rows = pq.read_table(tmp_path / "predicted").to_pylist()
-    assert sorted((Path(row["path"]).name, row["label"]) for row in rows) == [
-        ("bad.txt", "negative"),
-        ("bad.txt", "negative"),
-        ("good.txt", "positive"),
-        ("good.txt", "positive"),
-    ]
-
-    # train ended by scoring the checkpoint validation chose on the test split, once (its first
-    # 384 rows here); `evaluate` scores any checkpoint on the whole split, beside it.
-    test = summary["test"]
-    assert test["checkpoint"] == summary["best_checkpoint"] and test["test_rows"] == 384
-    # (a limited split whose labels were matched to the wrong token rows scored 0.51 here)
-    assert test["test_accuracy"] >= 0.70 and 0 < test["test_f1"] <= 1
-    assert (run_dir / "confusion_matrix.png").stat().st_size > 1000
-    result = evaluate(str(tmp_path), "vader", summary["latest_checkpoint"])
-    assert result["test_rows"] == 2_370
-    assert result["test_accuracy"] >= 0.72
-    latest = Path(summary["latest_checkpoint"]).parent.name
-    assert (run_dir / f"confusion_matrix-test-{latest}.png").stat().st_size > 1000
-    written = json.loads((run_dir / "summary.json").read_text())
-    assert written["test"] == test  # train's score of the chosen checkpoint stays
-    assert written["evaluations"] == [result]
 
 
 def test_a_users_csv_trains_with_flags_alone(

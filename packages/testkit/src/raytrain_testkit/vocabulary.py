@@ -61,6 +61,7 @@ OPTIONAL_SUMMARY_KEYS: dict[str, str] = {
     "skipped_files": (
         "each epoch's skipped_files (metrics.csv): files that failed to decode in training"
     ),
+    "written_at": "when summary.json was written (local time, ISO 8601 with its offset)",
 }
 SUMMARY_KEYS = REQUIRED_SUMMARY_KEYS | OPTIONAL_SUMMARY_KEYS
 
