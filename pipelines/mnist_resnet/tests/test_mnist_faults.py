@@ -168,6 +168,12 @@ def test_a_preempted_node_a_killed_driver_and_a_killed_worker_cost_only_their_st
         )
         assert predicted.wait(timeout_s=300) == 0, predicted.log()
         predict_a_folder_while_an_actor_is_killed(cluster, mnist_dir, tmp_path, "faults")
+        # Read through Ray Data while this process is connected to the cluster: after, Ray Data
+        # would start a local cluster in this process, which the next fault test refuses.
+        model, state = load_best_model(resolve_storage(run_dir))
+        test = read_split_arrays(mnist_dir, "test", limit=1000)
+    info = DatasetInfo(**state["dataset"])
+    on_cpu = evaluate_arrays(model, test.images, test.labels, info, torch.device("cpu"))
 
     summary = json.loads((run_dir / "summary.json").read_text())
     # 1. The preemption: noticed within the watcher's poll (1 s here) plus a step.
@@ -230,10 +236,6 @@ def test_a_preempted_node_a_killed_driver_and_a_killed_worker_cost_only_their_st
     assert tested["test_accuracy"] >= 0.93  # as an uninterrupted run of this size; chance: 0.10
     assert (run_dir / "curves.png").read_bytes()[:4] == b"\x89PNG"
     # The checkpoint reloads with weights_only=True into a plain model and predicts as well.
-    model, state = load_best_model(resolve_storage(run_dir))
-    info = DatasetInfo(**state["dataset"])
-    test = read_split_arrays(mnist_dir, "test", limit=1000)
-    on_cpu = evaluate_arrays(model, test.images, test.labels, info, torch.device("cpu"))
     assert on_cpu == pytest.approx(tested["test_accuracy"], abs=0.003)
     # `predict`: the whole test split (10,000 images) through Ray Data, and a picture.
     said = re.search(r"test accuracy ([\d.]+) on 10000 images", predicted.log())

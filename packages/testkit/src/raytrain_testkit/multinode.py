@@ -29,6 +29,7 @@ import ray
 from ray.cluster_utils import Cluster
 
 from raytrain_testkit.memory_cap import NO_CAP_MB, CappedRun, MemoryCap
+from raytrain_testkit.s3 import free_port
 
 NodeHandle = Any  # ray._private.node.Node: the processes of one node
 
@@ -54,6 +55,10 @@ class MultiNodeCluster:
                 "num_cpus": head_cpus,
                 "object_store_memory": self.object_store_bytes,
                 "labels": dict(head_labels or {}),
+                # A dashboard of its own (the State API asks it): on Ray's fixed default port
+                # (8265) a second cluster on the machine, such as the other pytest process's,
+                # starts without one, and every State API call at its address then fails.
+                "dashboard_port": free_port(),
                 # A killed node is declared dead after 3 missed 1-s health checks (Ray's default:
                 # 5 missed 3-s ones), so each lost node costs the fault tests seconds, not ~15 s.
                 "_system_config": {
