@@ -83,13 +83,9 @@ def kill_a_worker_in_epoch_2(cluster: MultiNodeCluster, run_dir: Path) -> dict[s
     deadline = time.monotonic() + 400
     while time.monotonic() < deadline:
         progress = read_progress(resolve_storage(run_dir)) or {}
-        if (progress.get("attempt") or 0) >= 1 and progress["step"] >= STEPS_PER_EPOCH + 2:
-            states = run_dir.glob("checkpoint_*/checkpoint/trainer_state.json")
-            history = next(
-                state["log_history"]
-                for state in (json.loads(path.read_text()) for path in states)
-                if state["global_step"] == STEPS_PER_EPOCH
-            )
+        restarted = (progress.get("attempt") or 0) >= 1
+        history = epoch_1_history(run_dir) if restarted else None
+        if history is not None and progress["step"] >= STEPS_PER_EPOCH + 2:
             workers = list_actors(
                 cluster.address,
                 filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")],
@@ -98,6 +94,19 @@ def kill_a_worker_in_epoch_2(cluster: MultiNodeCluster, run_dir: Path) -> dict[s
             return {"epoch1": history, "step": progress["step"]}
         time.sleep(0.2)
     raise TimeoutError("waited 400 s for step 34 of the restarted group")
+
+
+def epoch_1_history(run_dir: Path) -> list[dict[str, Any]] | None:
+    """The Trainer's log history in epoch 1's checkpoint (step 32), once it is in the run folder
+    whole; None before."""
+    for path in run_dir.glob("checkpoint_*/checkpoint/trainer_state.json"):
+        try:
+            state = json.loads(path.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):  # being copied, or pruned meanwhile
+            continue
+        if state["global_step"] == STEPS_PER_EPOCH:
+            return list(state["log_history"])
+    return None
 
 
 def test_a_preempted_node_then_a_lost_worker_cost_only_their_steps_and_the_checkpoint_predicts(

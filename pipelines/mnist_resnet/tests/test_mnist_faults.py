@@ -25,6 +25,7 @@ from mnist_resnet.data import DatasetInfo
 from mnist_resnet.ingest import read_split_arrays
 from mnist_resnet.predict import evaluate_arrays, load_best_model
 from raytrain_common.checkpoint import TornCheckpointError, verify_checkpoint
+from raytrain_common.faults import read_progress
 from raytrain_common.metrics import read_metrics_csv
 from raytrain_common.storage import StoragePath, resolve_storage
 from raytrain_testkit.multinode import Driver, MultiNodeCluster, multinode_cluster, wait_for
@@ -80,14 +81,20 @@ def progress_step(run_dir: Path) -> int:
         return 0
 
 
-def kill_a_worker_after_step(cluster: MultiNodeCluster, run_dir: Path, step: int) -> dict[str, Any]:
-    """SIGKILL one training worker once rank 0's progress note shows `step` (a step, not a time:
-    on a fast machine a fixed wait can outlast the run); returns the step it was killed at and the
-    metrics rows written by then."""
+def kill_a_worker_after_step(
+    cluster: MultiNodeCluster, run_dir: Path, step: int, rerun_of: str
+) -> dict[str, Any]:
+    """SIGKILL one training worker once rank 0's progress note, written under a driver other than
+    `rerun_of` (the killed one: its group may train a step or two before Ray ends it), shows
+    `step` (a step, not a time: on a fast machine a fixed wait can outlast the run); returns the
+    step it was killed at and the metrics rows written by then."""
     deadline = time.monotonic() + 240
-    while progress_step(run_dir) < step:
+    while True:
+        progress = read_progress(resolve_storage(run_dir)) or {}
+        if progress.get("driver_id") != rerun_of and progress.get("step", 0) >= step:
+            break
         if time.monotonic() > deadline:
-            raise TimeoutError(f"waited 240 s for step {step}")
+            raise TimeoutError(f"waited 240 s for step {step} of the rerun")
         time.sleep(0.02)
     workers = list_actors(
         cluster.address, filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")]
@@ -156,9 +163,10 @@ def test_a_preempted_node_a_killed_driver_and_a_killed_worker_cost_only_their_st
 
         wait_for(lambda: progress_step(run_dir) >= 45, 400, "step 45")
         killed_at = progress_step(run_dir)
+        first_driver = (read_progress(resolve_storage(run_dir)) or {})["driver_id"]
         first.kill()
         second = Driver(command, cluster.address, tmp_path / "driver.log")
-        seen = kill_a_worker_after_step(cluster, run_dir, WORKER_KILL_STEP)
+        seen = kill_a_worker_after_step(cluster, run_dir, WORKER_KILL_STEP, first_driver)
         assert second.wait(timeout_s=600) == 0, second.log()
         predict_test = ["predict", "--storage-path", str(tmp_path), "--run-name", "faults"]
         predicted = Driver(
