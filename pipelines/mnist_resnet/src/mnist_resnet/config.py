@@ -185,6 +185,13 @@ class TrainConfig(RayTrainSettings, DataLocation):
         "Write the ids of the rows each rank trained on with every checkpoint, under "
         "<run>/row_ids/: an audit of the data order (each row once per epoch).",
     )
+    reproducible: bool = option(
+        False,
+        "Hand each rank its rows in the same order in every run (Ray Data's preserve_order, "
+        "without its locality hints): two runs of one seed and settings then train the same "
+        "weights on CPUs. By default a rank takes whichever decoded block is ready on its node, so "
+        "two runs' global batches differ. Needs --augment none (random crops differ per run).",
+    )
 
     def resolved_augment(self, image_tree: bool, channels: int) -> str:
         if self.augment != "auto":

@@ -260,6 +260,12 @@ def run(
             f"{train_rows} training rows make no full global batch of {config.global_batch_size}: "
             "use more rows or a smaller --global-batch-size"
         )
+    augmentation = config.resolved_augment(info.decodes_files, info.channels)
+    if config.reproducible and augmentation != "none":
+        raise ConfigError(
+            f"--reproducible with --augment {augmentation}: its random crops differ in every run; "
+            "add --augment none, or drop --reproducible"
+        )
     config = dataclasses.replace(config, storage_path=storage.uri, data_dir=data_dir.uri)
     run_dir = storage.join(config.run_name)
     check_same_dataset(run_dir, dataclasses.asdict(info))  # a resume on edited data: refused
@@ -283,7 +289,7 @@ def run(
         info=dataclasses.asdict(info),
         run_dir=run_dir.uri,
         seed=config.seed,
-        augment=config.resolved_augment(info.decodes_files, info.channels),
+        augment=augmentation,
         crop_scale=config.crop_scale,
         limit_train_rows=config.limit_train_rows,
         limit_val_rows=config.limit_val_rows,
@@ -293,7 +299,7 @@ def run(
         train_loop_per_worker,
         datasets={TRAIN: data.train, REST_OF_EPOCH: data.rest_of_epoch, VAL: data.val},
         # Decode and augment on the nodes --ingest-node-labels selects (Ray 2.60's labels).
-        dataset_config=EvenTrainingEveryValidationRow(ingest_labels),
+        dataset_config=EvenTrainingEveryValidationRow(ingest_labels, config.reproducible),
         train_loop_config={
             "config": dataclasses.asdict(config),
             "dataset": dataclasses.asdict(info),
