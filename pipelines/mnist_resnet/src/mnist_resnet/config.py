@@ -189,8 +189,9 @@ class TrainConfig(RayTrainSettings, DataLocation):
         False,
         "Hand each rank its rows in the same order in every run (Ray Data's preserve_order, "
         "without its locality hints): two runs of one seed and settings then train the same "
-        "weights on CPUs. By default a rank takes whichever decoded block is ready on its node, so "
-        "two runs' global batches differ. Needs --augment none (random crops differ per run).",
+        "weights on CPUs. By default Ray Data deals each decoded block to a rank as soon as it "
+        "knows the block's node, so two runs' global batches may differ. Needs --augment none "
+        "(random crops differ per run).",
     )
 
     def resolved_augment(self, image_tree: bool, channels: int) -> str:
