@@ -74,11 +74,13 @@ def train_command(storage: Path, data_dir: StoragePath, run_name: str, *extra: s
     ]
 
 
+def progress_note(run_dir: Path) -> dict[str, Any]:
+    """Rank 0's progress note (step, driver id), {} before the first step."""
+    return read_progress(resolve_storage(run_dir)) or {}
+
+
 def progress_step(run_dir: Path) -> int:
-    try:
-        return json.loads((run_dir / "progress.json").read_text())["step"]
-    except (FileNotFoundError, json.JSONDecodeError):
-        return 0
+    return int(progress_note(run_dir).get("step", 0))
 
 
 def kill_a_worker_after_step(
@@ -90,7 +92,7 @@ def kill_a_worker_after_step(
     step it was killed at and the metrics rows written by then."""
     deadline = time.monotonic() + 240
     while True:
-        progress = read_progress(resolve_storage(run_dir)) or {}
+        progress = progress_note(run_dir)
         if progress.get("driver_id") != rerun_of and progress.get("step", 0) >= step:
             break
         if time.monotonic() > deadline:
@@ -163,7 +165,7 @@ def test_a_preempted_node_a_killed_driver_and_a_killed_worker_cost_only_their_st
 
         wait_for(lambda: progress_step(run_dir) >= 45, 400, "step 45")
         killed_at = progress_step(run_dir)
-        first_driver = (read_progress(resolve_storage(run_dir)) or {})["driver_id"]
+        first_driver = progress_note(run_dir)["driver_id"]
         first.kill()
         second = Driver(command, cluster.address, tmp_path / "driver.log")
         seen = kill_a_worker_after_step(cluster, run_dir, WORKER_KILL_STEP, first_driver)
