@@ -3,8 +3,12 @@ leaves (progress.json and the fault log saved in a checkpoint)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 from pathlib import Path
+
+import pytest
 
 from raytrain_common.faults import PROGRESS_FILE, FaultLog, write_progress
 from raytrain_common.storage import resolve_storage
@@ -52,3 +56,46 @@ def test_a_restart_onto_more_workers_by_the_same_driver_is_a_resize(tmp_path: Pa
     assert FaultLog().record_restart(10, run_dir, "d1", "checkpoint_10", 1)["cause"] == (
         "worker failure"
     )
+
+
+def test_a_preemption_whose_checkpoint_missed_the_deadline_is_still_a_preemption(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """hf_finetune on a slow box: the notice came at step 5 with 22 s left, evaluating and writing
+    the checkpoint took longer, the group was torn down at the deadline and resumed from the start.
+    The restart is the preemption's (not a worker failure a user would look for a crash behind),
+    and the log says what to change."""
+    run_dir = resolve_storage(tmp_path)
+    cut_off = FaultLog()
+    cut_off.preemptions.append({**notice(0, 5), "deadline_s_after_notice": 22.0})
+    assert cut_off.current_notice == cut_off.preemptions[0]
+    # Rank 0 notes the notice before writing the checkpoint, which never completes.
+    write_progress(run_dir, 5, "d1", 2, cut_off.attempt, cut_off.current_notice)
+
+    fresh = FaultLog()  # no complete checkpoint: the restarted group starts over
+    with caplog.at_level(logging.WARNING, logger="raytrain_common.faults"):
+        restart = fresh.record_restart(0, run_dir, "d1", None, 2)
+    assert (restart["cause"], restart["steps_redone"]) == ("preemption", 5)
+    [preemption] = fresh.summary()["preemptions"]
+    assert preemption["checkpoint_missed"] and preemption["restarted"]
+    assert preemption["checkpoint_step"] == 5 and preemption["ranks"] == [1]
+    [warning] = [r.getMessage() for r in caplog.records]
+    assert "notice at step 5 (deadline in 22 s) did not end in a complete checkpoint" in warning
+    assert "resumed at step 0, 5 step(s) redone" in warning
+    assert "terminationGracePeriodSeconds" in warning
+
+    # The restarted attempt notes no notice; a worker lost later is a worker failure, and the
+    # preemption stays listed once.
+    assert fresh.current_notice is None
+    write_progress(run_dir, 9, "d1", 2, fresh.attempt, fresh.current_notice)
+    assert "notice" not in json.loads((tmp_path / PROGRESS_FILE).read_text())
+    later = FaultLog(**json.loads(json.dumps(dataclasses.asdict(fresh))))  # a checkpoint's copy
+    assert later.record_restart(8, run_dir, "d1", "checkpoint_8", 2)["cause"] == "worker failure"
+    assert len(later.preemptions) == 1
+
+    # A notice whose checkpoint did complete is found there, as before, and not listed twice.
+    cut_off.preemptions[0].pop("restarted", None)
+    write_progress(run_dir, 6, "d1", 2, 0, cut_off.current_notice)
+    saved = FaultLog(**json.loads(json.dumps({"preemptions": cut_off.preemptions})))
+    assert saved.record_restart(5, run_dir, "d1", "checkpoint_5", 2)["cause"] == "preemption"
+    assert len(saved.preemptions) == 1 and "checkpoint_missed" not in saved.preemptions[0]

@@ -92,8 +92,13 @@ class FaultLog:
         for notice in pending:
             notice["restarted"] = True
         lost_attempt = progress.get("attempt")
+        missed = self.notice_without_checkpoint(progress)
         if pending and pending[-1].get("attempt", lost_attempt) == lost_attempt:
             cause = "preemption"
+        elif missed is not None:
+            cause = "preemption"
+            self.preemptions.append({**missed, "restarted": True, "checkpoint_missed": True})
+            warn_notice_checkpoint_missed(missed, resumed_at, last)
         elif progress.get("driver_id") == driver_id:
             # The same driver restarted its worker group: after a failure, or, in an elastic run
             # that found room for more workers, to grow (Ray stops a healthy group to resize it).
@@ -113,12 +118,57 @@ class FaultLog:
         self.restarts.append(restart)
         return restart
 
+    @property
+    def current_notice(self) -> dict[str, Any] | None:
+        """The newest preemption notice this attempt received and no restart has followed yet:
+        rank 0 notes it in progress.json before its checkpoint, so the restart still knows of it
+        when that checkpoint never completes."""
+        return next(
+            (
+                p
+                for p in reversed(self.preemptions)
+                if p.get("attempt") == self.attempt and not p.get("restarted")
+            ),
+            None,
+        )
+
+    def notice_without_checkpoint(self, progress: dict[str, Any]) -> dict[str, Any] | None:
+        """The notice the lost attempt noted in progress.json when no checkpoint holds it: its
+        checkpoint did not complete before the node went (a deadline shorter than the checkpoint
+        takes), so the resume went back to an older one, or to the start."""
+        notice = progress.get("notice")
+        if not notice or notice.get("attempt") != progress.get("attempt"):
+            return None
+        if any(seen["node_ids"] == notice["node_ids"] for seen in self.preemptions):
+            return None  # the checkpoint resumed from holds it: the usual case above
+        return dict(notice)
+
     def summary(self) -> dict[str, Any]:
         return {
             "preemptions": self.preemptions,
             "restarts": self.restarts,
             "steps_redone": sum(r["steps_redone"] for r in self.restarts),
         }
+
+
+def warn_notice_checkpoint_missed(notice: dict[str, Any], resumed_at: int, last: int) -> None:
+    """Say, once (rank 0: every rank records the restart), that a preemption cost more than its
+    notice should have, and why."""
+    try:
+        if ray.train.get_context().get_world_rank() != 0:
+            return
+    except RuntimeError:  # outside a training function: the one caller there is
+        pass
+    deadline = notice.get("deadline_s_after_notice")
+    log.warning(
+        "the preemption notice at step %d (deadline in %s s) did not end in a complete "
+        "checkpoint before the node went: resumed at step %d, %d step(s) redone. Give the nodes "
+        "a longer notice (a pod's terminationGracePeriodSeconds) or make the checkpoint cheaper",
+        notice["checkpoint_step"],
+        "?" if deadline is None else f"{deadline:.0f}",
+        resumed_at,
+        last - resumed_at,
+    )
 
 
 def read_progress(run_dir: StoragePath) -> dict[str, Any] | None:
@@ -132,8 +182,10 @@ def write_progress(
     driver_id: str,
     world_size: int | None = None,
     attempt: int | None = None,
+    notice: dict[str, Any] | None = None,
 ) -> None:
-    """The last step rank 0 reached (atomic write), so a restart knows how many steps it redoes.
+    """The last step rank 0 reached (atomic write), so a restart knows how many steps it redoes,
+    and the preemption notice this attempt is acting on, if any (`FaultLog.current_notice`).
 
     Bookkeeping only: a storage hiccup costs a warning here, never the run (the checkpoint upload
     is where storage errors count).
@@ -141,12 +193,14 @@ def write_progress(
     global _progress_paused_until
     if time.monotonic() < _progress_paused_until:
         return
-    progress = {
+    progress: dict[str, Any] = {
         "step": step,
         "driver_id": driver_id,
         "attempt": attempt,
         "world_size": world_size,
     }
+    if notice is not None:
+        progress["notice"] = notice
     try:
         run_dir.join(PROGRESS_FILE).write_text(json.dumps(progress))
     except OSError as error:

@@ -147,7 +147,8 @@ class ValidationPolicy:
 class ProgressNotes:
     """Rank 0 writes the last step reached to progress.json every `every_steps` steps and at every
     checkpoint, so a restart knows how many steps it redoes (one small atomic write; storage errors
-    cost a warning, never the run)."""
+    cost a warning, never the run). At a preemption notice's checkpoint it is written first, with
+    the notice, so a restart knows of the notice even when that checkpoint never completes."""
 
     run_dir: StoragePath
     driver_id: str
@@ -157,7 +158,14 @@ class ProgressNotes:
 
     def note(self, step: int, faults: FaultLog, checkpointing: bool = False) -> None:
         if self.rank == 0 and (checkpointing or step % self.every_steps == 0):
-            write_progress(self.run_dir, step, self.driver_id, self.world_size, faults.attempt)
+            write_progress(
+                self.run_dir,
+                step,
+                self.driver_id,
+                self.world_size,
+                faults.attempt,
+                faults.current_notice,
+            )
 
 
 @dataclass(frozen=True)
