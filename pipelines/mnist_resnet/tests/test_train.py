@@ -14,6 +14,7 @@ import tempfile
 import textwrap
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -255,28 +256,39 @@ def test_node_local_storage_and_image_tree_are_refused_on_a_two_node_cluster(
 
 
 # 2,088 rows: 16 global batches of 128 an epoch and 40 rows left over, a different 40 each epoch.
-UNINTERRUPTED = {"epochs": 2, "limit_train_rows": 2088, "log_every_steps": 1}
+INTERRUPTED = {"epochs": 2, "limit_train_rows": 2088, "log_every_steps": 1, "record_row_ids": True}
+
+
+@dataclass(frozen=True)
+class InterruptedRun:
+    storage: Path
+    stopped: dict[str, Any]  # the summary of the run stopped at step 21 on 2 workers
+    stopped_rows: list[dict[str, Any]]  # its metrics.csv then
+    resumed: dict[str, Any]  # the summary of the same command rerun on 1 worker
 
 
 @pytest.fixture(scope="module")
-def uninterrupted_run(
+def interrupted_run(
     small_config: Callable[..., Any],
     ray_cluster: None,
     mnist_dir: StoragePath,
     tmp_path_factory: pytest.TempPathFactory,
-) -> tuple[Path, dict[str, Any]]:
-    """(storage, summary) of one uninterrupted 2-epoch run named "whole", trained once for the
-    tests that compare a resumed run with it or damage a copy of it (each run costs ~15 s of
-    start-up alone on 2 cores)."""
-    storage = tmp_path_factory.mktemp("uninterrupted")
-    return storage, run(small_config(storage, mnist_dir, run_name="whole", **UNINTERRUPTED))
+) -> InterruptedRun:
+    """A 2-epoch run named "cut", stopped at step 21 of 32 (epoch 2 of 2, mid-epoch) on 2 workers
+    and rerun with the same name on 1 worker: trained once for the test of that resume and the
+    test that damages copies of the finished run (each run costs ~15 s of start-up alone on 2
+    cores)."""
+    storage = tmp_path_factory.mktemp("interrupted")
+    stopped = run(small_config(storage, mnist_dir, run_name="cut", stop_at_step=21, **INTERRUPTED))
+    stopped_rows = read_metrics_csv(resolve_storage(storage / "cut" / "metrics.csv"))
+    resumed = run(small_config(storage, mnist_dir, run_name="cut", num_workers=1, **INTERRUPTED))
+    return InterruptedRun(storage, stopped, stopped_rows, resumed)
 
 
 def test_a_run_stopped_mid_epoch_resumes_on_another_worker_count_training_each_row_once(
     small_config: Callable[..., Any],
-    uninterrupted_run: tuple[Path, dict[str, Any]],
+    interrupted_run: InterruptedRun,
     mnist_dir: StoragePath,
-    tmp_path: Path,
 ) -> None:
     """Stopped at step 21 of 32 (epoch 2 of 2, mid-epoch) on 2 workers and rerun with the same
     name on 1 worker: epoch 1 is not trained again, and in each epoch every row of its 16 full
@@ -284,37 +296,34 @@ def test_a_run_stopped_mid_epoch_resumes_on_another_worker_count_training_each_r
     in each epoch, also in the resumed one (the resumed epoch read only the rows it had not seen,
     and its leftover is 40 of those). The loss goes on where it stopped: the steps after the
     resume stay near the steps before it (a fresh optimiser or model would jump towards 2.3), and
-    the run ends no more than 25 % above an uninterrupted run's loss (another data order, so not
-    equal: it may end lower)."""
-    common = {**UNINTERRUPTED, "record_row_ids": True}
-    _, whole = uninterrupted_run
-    stopped = run(small_config(tmp_path, mnist_dir, run_name="cut", stop_at_step=21, **common))
+    the run ends as an uninterrupted run of this size does (validation accuracy 0.93-0.94 here; a
+    model started afresh at step 21 would not reach 0.85 in the 11 steps left)."""
+    stopped, resumed = interrupted_run.stopped, interrupted_run.resumed
+    run_dir = interrupted_run.storage / "cut"
     assert stopped["steps_done"] == 21 and stopped["stopped_mid_epoch"]
-    metrics_csv = resolve_storage(tmp_path / "cut" / "metrics.csv")
-    first = read_metrics_csv(metrics_csv)
+    first = interrupted_run.stopped_rows
     assert [row["epoch"] for row in first] == [1]
-    resumed = run(small_config(tmp_path, mnist_dir, run_name="cut", num_workers=1, **common))
+    metrics_csv = resolve_storage(run_dir / "metrics.csv")
     rows = read_metrics_csv(metrics_csv)
     assert [row["epoch"] for row in rows] == [1, 2]
     assert rows[0] == first[0]  # epoch 1 was not trained again: its measured times are the same
-    assert len([p for p in (tmp_path / "cut").glob("checkpoint_*") if p.is_dir()]) == 2  # kept
+    assert len([p for p in run_dir.glob("checkpoint_*") if p.is_dir()]) == 2  # kept
 
     # Exactly once: 2,088 rows, 16 global batches of 128 an epoch, 40 left over.
     left_over = []
     for epoch in (1, 2):
-        counts = rows_trained(tmp_path / "cut", epoch, UNINTERRUPTED["limit_train_rows"])
+        counts = rows_trained(run_dir, epoch, INTERRUPTED["limit_train_rows"])
         assert counts.max() == 1 and counts.sum() == 16 * 128, (epoch, np.bincount(counts))
         left_over.append(set(np.flatnonzero(counts == 0)))
     assert len(left_over[0]) == len(left_over[1]) == 40
     assert left_over[0] != left_over[1]  # rotates: no row is left out of every epoch by design
 
-    _, state = load_best_model(resolve_storage(tmp_path / "cut"), which="latest")
+    _, state = load_best_model(resolve_storage(run_dir), which="latest")
     losses = [row["train_loss_interval"] for row in state["step_log"]]
     assert len(losses) == 32
     before, after = np.mean(losses[18:21]), np.mean(losses[21:24])
     assert after < 1.5 * before + 0.1, losses
-    for key in ("train_loss", "val_loss"):  # not worse (another order may do better: 0.33/0.50)
-        assert resumed["final"][key] <= 1.25 * whole["final"][key] + 0.05, key
+    assert resumed["final"]["val_accuracy"] >= 0.85, resumed["final"]
     assert resumed["restarts"] == [
         {
             "resumed_at_step": 21,
@@ -326,10 +335,16 @@ def test_a_run_stopped_mid_epoch_resumes_on_another_worker_count_training_each_r
             "world_size": 1,
         }
     ]
-    # A rerun of a finished run has nothing left to do: it trains nothing and changes nothing.
-    again = run(small_config(tmp_path, mnist_dir, run_name="cut", **common))
+    # A rerun of a finished run has nothing left to do: it answers with the run's summary at once
+    # (no worker group started), training nothing and changing nothing.
+    checkpoints = sorted(p.name for p in run_dir.glob("checkpoint_*"))
+    written = (run_dir / "summary.json").read_text()
+    storage = interrupted_run.storage
+    again = run(small_config(storage, mnist_dir, run_name="cut", **INTERRUPTED))
+    assert again == json.loads(written) and again["best_checkpoint"] == resumed["best_checkpoint"]
+    assert (run_dir / "summary.json").read_text() == written
     assert read_metrics_csv(metrics_csv) == rows
-    assert again["best_checkpoint"] == resumed["best_checkpoint"]
+    assert sorted(p.name for p in run_dir.glob("checkpoint_*")) == checkpoints
 
 
 # What a crash or a full disk mid-copy leaves of the newest checkpoint: a file, the share of its
@@ -347,24 +362,23 @@ DAMAGES = {
 
 def test_a_torn_checkpoint_is_never_loaded(
     small_config: Callable[..., Any],
-    uninterrupted_run: tuple[Path, dict[str, Any]],
+    interrupted_run: InterruptedRun,
     mnist_dir: StoragePath,
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """Two copies of the uninterrupted run, the newest checkpoint of one with its state.pt cut to
-    half, of the other with its manifest emptied (a disk that filled up while Ray copied it): for
-    each, `predict` refuses it in one line and the resume's choice is the previous complete
-    checkpoint (epoch 1). The first is rerun: it resumes there, trains epoch 2 again (in another
-    order) and ends about where the uninterrupted run did (one rerun proves the resume path both
-    damages share; a resume that loaded the torn checkpoint would fail to unpickle or load a
-    half-written state). The copies prove too that a run folder holds no absolute path that a
-    resume reads."""
-    whole_storage, summary = uninterrupted_run
+    """Two copies of the finished interrupted run, the newest checkpoint of one with its state.pt
+    cut to half, of the other with its manifest emptied (a disk that filled up while Ray copied
+    it): for each, `predict` refuses it in one line and the resume's choice is the previous
+    complete checkpoint (epoch 1's). The first is rerun: it resumes there, trains epoch 2 again (in
+    another order) and ends about where the run did (one rerun proves the resume path both damages
+    share; a resume that loaded the torn checkpoint would fail to unpickle or load a half-written
+    state). The copies prove too that a run folder holds no absolute path that a resume reads."""
+    whole_storage, summary = interrupted_run.storage, interrupted_run.resumed
     first_checkpoint = None
     for damage, (name, kept, *expected) in DAMAGES.items():
-        run_name = "whole" if damage == "state.pt cut to half" else "emptied"
-        shutil.copytree(whole_storage / "whole", tmp_path / run_name)
+        run_name = "cut-copy" if damage == "state.pt cut to half" else "emptied"
+        shutil.copytree(whole_storage / "cut", tmp_path / run_name)
         latest = tmp_path / run_name / Path(summary["latest_checkpoint"]).name
         damaged = latest / name
         data = damaged.read_bytes()
@@ -380,17 +394,18 @@ def test_a_torn_checkpoint_is_never_loaded(
         assert first_checkpoint in (None, Path(chosen.path).name)
         first_checkpoint = Path(chosen.path).name
 
-    again = run(small_config(tmp_path, mnist_dir, run_name="whole", **UNINTERRUPTED))
-    [restart] = again["restarts"]
-    assert restart["resumed_at_step"] == 16  # 2,088 rows / batch 128: epoch 1's checkpoint
+    again = run(small_config(tmp_path, mnist_dir, run_name="cut-copy", **INTERRUPTED))
+    restart = again["restarts"][-1]  # after the copied run's own rerun at step 21
+    # Epoch 1's checkpoint: Ray keeps the 2 best by validation, so step 21's is gone.
+    assert restart["resumed_at_step"] == 16 and restart["cause"] == "rerun"
     assert Path(restart["checkpoint"]).name == first_checkpoint
     assert again["final"]["val_accuracy"] == pytest.approx(
         summary["final"]["val_accuracy"], abs=0.05
     )
     assert again["best_checkpoint"] != str(
-        tmp_path / "whole" / Path(summary["latest_checkpoint"]).name
+        tmp_path / "cut-copy" / Path(summary["latest_checkpoint"]).name
     )
-    result = predict(str(tmp_path), "whole", count=8, output=None)
+    result = predict(str(tmp_path), "cut-copy", count=8, output=None)
     assert result["test_accuracy"] >= 0.6  # 2,048 training rows for 2 epochs; chance is 0.10
 
 

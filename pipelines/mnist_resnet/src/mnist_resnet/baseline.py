@@ -13,11 +13,11 @@ from typing import Any
 import torch
 
 from mnist_resnet.config import TrainConfig
-from mnist_resnet.data import as_nchw, inspect_dataset, normalise
+from mnist_resnet.data import inspect_dataset
 from mnist_resnet.ingest import read_split_arrays
 from mnist_resnet.predict import evaluate_arrays
 from mnist_resnet.run_state import steps_per_epoch
-from mnist_resnet.task import autocast, build_model, loss_fn
+from mnist_resnet.task import as_nchw, autocast, build_model, loss_fn, normalise
 from mnist_resnet.train import (
     THROUGHPUT_SKIP_STEPS,
     build_optimizer,

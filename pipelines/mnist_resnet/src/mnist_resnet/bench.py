@@ -36,10 +36,10 @@ import torch.multiprocessing as mp
 from mnist_resnet.baseline import run_baseline
 from mnist_resnet.cli import USER_ERRORS
 from mnist_resnet.config import PRESETS, TrainConfig
-from mnist_resnet.data import inspect_dataset, normalise
+from mnist_resnet.data import inspect_dataset
 from mnist_resnet.ingest import read_split_arrays
 from mnist_resnet.run_state import steps_per_epoch
-from mnist_resnet.task import build_model, loss_fn
+from mnist_resnet.task import build_model, loss_fn, normalise
 from mnist_resnet.train import (
     THROUGHPUT_SKIP_STEPS,
     build_optimizer,

@@ -26,7 +26,6 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-import torch
 
 from raytrain_common.storage import (
     StoragePath,
@@ -218,34 +217,3 @@ def check_pixel_lengths(file: StoragePath, metadata: Any, info: DatasetInfo) -> 
             f"expected {info.height}×{info.width}×{info.channels} = "
             f"{expected} bytes each (uint8 pixels, row-major)"
         )
-
-
-# ---------------------------------------------------------------------------------------------
-# Pixels → the model's input
-# ---------------------------------------------------------------------------------------------
-
-
-def on_device(
-    batch: dict[str, torch.Tensor], info: DatasetInfo, device: torch.device
-) -> dict[str, torch.Tensor]:
-    """A Ray Data batch as the model takes it: uint8 images cross to `device` (a quarter of the
-    bytes of float) and are normalised there; labels alongside."""
-    images = batch["image"].to(device, non_blocking=True)
-    labels = batch["label"].to(device, non_blocking=True)
-    return {"image": normalise(images, info.mean, info.std), "label": labels}
-
-
-def as_nchw(images: np.ndarray) -> torch.Tensor:
-    """In-memory images (N, H, W) or (N, H, W, C) as the model's (N, C, H, W) layout."""
-    tensor = torch.from_numpy(np.ascontiguousarray(images))
-    return tensor.unsqueeze(1) if tensor.ndim == 3 else tensor.permute(0, 3, 1, 2).contiguous()
-
-
-def normalise(
-    images: torch.Tensor, mean: float | list[float], std: float | list[float]
-) -> torch.Tensor:
-    """uint8 (N, C, H, W) → float, standardised per channel."""
-    shape = (-1, 1, 1)
-    mean_t = torch.as_tensor(mean, dtype=torch.float32, device=images.device).reshape(shape)
-    std_t = torch.as_tensor(std, dtype=torch.float32, device=images.device).reshape(shape)
-    return (images.float() / 255.0 - mean_t) / std_t

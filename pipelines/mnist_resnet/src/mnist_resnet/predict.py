@@ -16,10 +16,10 @@ import pyarrow.dataset as pads
 import ray.data
 import torch
 
-from mnist_resnet.data import DataError, DatasetInfo, as_nchw, normalise, on_device
+from mnist_resnet.data import DataError, DatasetInfo
 from mnist_resnet.images import IMAGE_SUFFIXES, load_image
 from mnist_resnet.ingest import ImageData
-from mnist_resnet.task import build_model, evaluate
+from mnist_resnet.task import as_nchw, build_model, evaluate, normalise, on_device
 from mnist_resnet.transforms import SKIPPED_LABEL
 from raytrain_common.checkpoint import load_model_weights, load_remote_state
 from raytrain_common.metrics import SUMMARY_FILE

@@ -4,7 +4,9 @@ curves.png and summary.json, read from the checkpointed history (so resumed runs
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import posixpath
 import time
 from typing import Any
 
@@ -17,7 +19,11 @@ from mnist_resnet.config import TrainConfig
 from mnist_resnet.data import DatasetInfo
 from mnist_resnet.predict import checkpoint_test_metrics
 from mnist_resnet.validator import read_async_validations
-from raytrain_common.checkpoint import best_complete_checkpoint, load_state
+from raytrain_common.checkpoint import (
+    best_complete_checkpoint,
+    load_state,
+    newest_complete_checkpoint,
+)
 from raytrain_common.faults import FaultLog
 from raytrain_common.metrics import (
     CURVES_FILE,
@@ -59,6 +65,25 @@ def evaluate_test_split_once(checkpoint_uri: str, config: TrainConfig) -> dict[s
         SCORE,
     )
     return result
+
+
+def finished_run_summary(run_dir: StoragePath, last_step: int) -> dict[str, Any] | None:
+    """The summary.json of a run that has trained to `last_step` (its end, or its --stop-at-step)
+    and whose newest complete checkpoint is the one that summary names: a rerun of it has nothing
+    to train, and answers with that summary at once rather than starting Ray Train's worker group
+    to find so (20-40 s on 2 cores). None when there is something to train: no summary yet, more
+    steps asked for (--epochs raised), or a checkpoint newer than the summary or torn."""
+    target = run_dir.join(SUMMARY_FILE)
+    if not target.exists():
+        return None
+    summary: dict[str, Any] = json.loads(target.read_text())
+    latest = summary.get("latest_checkpoint")
+    if summary.get("steps_done", 0) < last_step or not latest:
+        return None
+    newest = newest_complete_checkpoint(run_dir)
+    if newest is None or posixpath.basename(newest.path) != posixpath.basename(latest.rstrip("/")):
+        return None
+    return summary
 
 
 def write_run_outputs(

@@ -34,7 +34,7 @@ from torch import nn
 from mnist_resnet import __version__
 from mnist_resnet.checkpointer import SCORE, Checkpointer, read_state, restore_run
 from mnist_resnet.config import TrainConfig
-from mnist_resnet.data import DatasetInfo, inspect_dataset, on_device
+from mnist_resnet.data import DatasetInfo, inspect_dataset
 from mnist_resnet.data_config import REST_OF_EPOCH, TRAIN, VAL, EvenTrainingEveryValidationRow
 from mnist_resnet.ingest import (
     ImageData,
@@ -46,8 +46,8 @@ from mnist_resnet.ingest import (
 from mnist_resnet.ingest_watch import IngestNodeWatch, check_cpus_for_ingest
 from mnist_resnet.metrics_logger import THROUGHPUT_SKIP_STEPS, EpochTotals, MetricsLogger
 from mnist_resnet.run_state import WorkerContext, steps_per_epoch, training_rows
-from mnist_resnet.summary import write_run_outputs
-from mnist_resnet.task import autocast, build_model, loss_fn
+from mnist_resnet.summary import finished_run_summary, write_run_outputs
+from mnist_resnet.task import autocast, build_model, loss_fn, on_device
 from mnist_resnet.validator import Validator, async_validation
 from raytrain_common.checkpoint import load_model_weights, resume_checkpoint
 from raytrain_common.configs import (
@@ -269,6 +269,15 @@ def run(
     config = dataclasses.replace(config, storage_path=storage.uri, data_dir=data_dir.uri)
     run_dir = storage.join(config.run_name)
     check_same_dataset(run_dir, dataclasses.asdict(info))  # a resume on edited data: refused
+    last_step = min(steps * config.epochs, config.stop_at_step or steps * config.epochs)
+    # A sweep's trial always goes through Ray Train: Tune awaits its reports.
+    finished = None if callbacks else finished_run_summary(run_dir, last_step)
+    if finished is not None:
+        log.info(
+            "%s has trained all its %d steps already: nothing to train (raise --epochs to go on)",
+            *(config.run_name, finished["steps_done"]),
+        )
+        return finished
 
     warm_tracking_store(config, storage)  # overlaps Ray's start
     clock.mark("checks")
