@@ -18,14 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from mnist_resnet.data import (
-    DATASET_FILE,
-    DataError,
-    DatasetInfo,
-    Split,
-    inspect_dataset,
-    normalise,
-)
+from mnist_resnet.data import DATASET_FILE, DataError, DatasetInfo, Split, inspect_dataset
 from mnist_resnet.ingest import read_split_arrays
 from mnist_resnet.prepare import (
     HUB_SOURCE,
@@ -35,6 +28,7 @@ from mnist_resnet.prepare import (
     pixel_table,
     prepare,
 )
+from mnist_resnet.task import normalise
 from mnist_resnet.transforms import pixels_from_bytes
 from raytrain_common.storage import StoragePath, resolve_storage
 
