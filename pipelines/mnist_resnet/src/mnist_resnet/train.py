@@ -269,7 +269,9 @@ def run(
     config = dataclasses.replace(config, storage_path=storage.uri, data_dir=data_dir.uri)
     run_dir = storage.join(config.run_name)
     check_same_dataset(run_dir, dataclasses.asdict(info))  # a resume on edited data: refused
-    last_step = min(steps * config.epochs, config.stop_at_step or steps * config.epochs)
+    last_step = steps * config.epochs  # or --stop-at-step, when it comes first
+    if config.stop_at_step is not None:
+        last_step = min(last_step, config.stop_at_step)
     # A sweep's trial always goes through Ray Train: Tune awaits its reports.
     finished = None if callbacks else finished_run_summary(run_dir, last_step)
     if finished is not None:
