@@ -464,8 +464,9 @@ def test_a_full_storage_fails_the_run_at_once_naming_the_path(
     small_volume: Callable[[str], Path],
 ) -> None:
     """The storage path a 40 MiB volume (tmpfs): the first checkpoint (~90 MB: weights and
-    momentum) does not fit. The run ends at once with a StorageError saying the storage is full and
-    naming it, not after --storage-patience-s of retries blamed on the network."""
+    momentum) does not fit. The run ends with a StorageError saying the storage is full and naming
+    it, not after --storage-patience-s of retries blamed on the network (Ray Train restarts the
+    group once first, --max-failures 1, and the restart fails the same way at its checkpoint)."""
     volume = small_volume("40m")
     config = small_config(
         volume,
