@@ -333,8 +333,10 @@ def test_a_lost_ingest_node_is_waited_for_then_a_run_left_without_one_stops_and_
     _, state = load_best_model(resolve_storage(run_dir), which="latest")
     losses = [row["train_loss_interval"] for row in state["step_log"]]
     assert len(losses) == 32
-    before, after = np.mean(losses[resumed_at - 3 : resumed_at]), np.mean(losses[resumed_at:][:3])
-    assert after < 1.5 * before + 0.1, (resumed_at, losses)
+    # Steps 16-31 may all have been trained from blocks read before the node went: then the rerun
+    # resumes at 32 with none left to train, and only the accuracy below speaks for its weights.
+    before, after = losses[resumed_at - 3 : resumed_at], losses[resumed_at : resumed_at + 3]
+    assert not after or np.mean(after) < 1.5 * np.mean(before) + 0.1, (resumed_at, losses)
     assert summary["test"]["test_accuracy"] >= 0.85
 
 
