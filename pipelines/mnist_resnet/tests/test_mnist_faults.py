@@ -281,7 +281,8 @@ def test_a_lost_ingest_node_is_waited_for_then_a_run_left_without_one_stops_and_
     exactly once over the whole (the audit of --record-row-ids); a broken ingest would show rows
     trained twice or not at all, a missing wait bound a driver that never ends (600 s here).
     Test accuracy after these 32 steps: 0.891 in CI's run of ef70977 (its bar was 0.9), 0.924
-    here; the bar is 0.85, as for the resume test's run of the same size (chance: 0.10)."""
+    here; the bar is 0.85, as the resume test's on its run of the same size (its validation
+    accuracy; chance: 0.10)."""
     run_dir, rows = tmp_path / "ingest", 2088  # 16 global batches of 128 an epoch, 40 left over
     command = [
         *train_command(tmp_path, mnist_dir, "ingest", "--checkpoint-every-steps", "4"),
