@@ -105,3 +105,28 @@ def s3_bucket() -> Iterator[tuple[Any, str]]:
         yield client, options
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def run_losses() -> Callable[[Path], list[float]]:
+    """Every step's interval loss of the run in `run_dir`, from its newest checkpoint's step log
+    (a resumed run's log holds the steps before the resume too)."""
+    from mnist_resnet.predict import load_best_model
+
+    def losses(run_dir: Path) -> list[float]:
+        _, state = load_best_model(resolve_storage(run_dir), which="latest")
+        return [row["train_loss_interval"] for row in state["step_log"]]
+
+    return losses
+
+
+def went_on_where_it_stopped(losses: list[float], resumed_at: int) -> bool:
+    """The 3 steps after a resume at step `resumed_at` stay near the 3 before it: a resume that
+    lost the model or the optimiser state jumps towards ln 10 = 2.3."""
+    before, after = losses[resumed_at - 3 : resumed_at], losses[resumed_at : resumed_at + 3]
+    return bool(np.mean(after) < 1.5 * np.mean(before) + 0.1)
+
+
+@pytest.fixture(scope="session")
+def loss_went_on() -> Callable[[list[float], int], bool]:
+    return went_on_where_it_stopped

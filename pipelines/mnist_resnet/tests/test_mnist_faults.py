@@ -12,6 +12,7 @@ import re
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -263,7 +264,10 @@ def count_trained_rows(run_dir: Path, epoch: int, rows: int) -> np.ndarray:
 
 
 def test_a_lost_ingest_node_is_waited_for_then_a_run_left_without_one_stops_and_continues(
-    mnist_dir: StoragePath, tmp_path: Path
+    mnist_dir: StoragePath,
+    tmp_path: Path,
+    run_losses: Callable[[Path], list[float]],
+    loss_went_on: Callable[[list[float], int], bool],
 ) -> None:
     """The RayJob's shape on two nodes: the head labelled as the training group (its 2 workers and
     a CPU to spare), a CPU-only node labelled as the ingest group, which alone decodes
@@ -331,13 +335,11 @@ def test_a_lost_ingest_node_is_waited_for_then_a_run_left_without_one_stops_and_
     output = log.read_text(errors="replace")  # both drivers' whole output
     assert "DeprecationWarning" not in output and "exclude_resources" not in output
     resumed_at = restart["resumed_at_step"]
-    _, state = load_best_model(resolve_storage(run_dir), which="latest")
-    losses = [row["train_loss_interval"] for row in state["step_log"]]
+    losses = run_losses(run_dir)
     assert len(losses) == 32
     # Steps 16-31 may all have been trained from blocks read before the node went: then the rerun
     # resumes at 32 with none left to train, and only the accuracy below speaks for its weights.
-    before, after = losses[resumed_at - 3 : resumed_at], losses[resumed_at : resumed_at + 3]
-    assert not after or np.mean(after) < 1.5 * np.mean(before) + 0.1, (resumed_at, losses)
+    assert resumed_at == 32 or loss_went_on(losses, resumed_at), (resumed_at, losses)
     assert summary["test"]["test_accuracy"] >= 0.85
 
 
