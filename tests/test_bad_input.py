@@ -302,13 +302,30 @@ CASES = [
         lambda r: [
             "train",
             "--data-dir",
-            str(run_on_changed_data(r)),
+            str(run_with_a_checkpoint(r, fingerprint="0123456789abcdef")),
             "--global-batch-size",
             "16",
             *storage(r),
         ],
         r"was trained on prepared data 0123456789abcdef, but its --data-dir now holds "
         r"[0-9a-f]{16} \(\d+ training rows\).*another --run-name",
+        needs_ray=True,
+    ),
+    Case(
+        "resume with another model width",
+        "mnist-resnet",
+        lambda r: [
+            "train",
+            "--data-dir",
+            str(run_with_a_checkpoint(r)),
+            "--model-width",
+            "16",
+            "--global-batch-size",
+            "16",
+            *storage(r),
+        ],
+        r"was trained with --model-width 64, not 16: .*Continue it with --model-width 64, or "
+        r"train this width as a new run \(another --run-name\)",
         needs_ray=True,
     ),
     Case(
@@ -661,11 +678,12 @@ def oversized_tree(root: Path) -> Path:
     return root / "pets"
 
 
-def run_on_changed_data(root: Path) -> Path:
-    """A tree prepared (a real prepare), and a run whose newest checkpoint says it was trained on
-    other prepared data (fingerprint 0123456789abcdef): what a tree edited and prepared again
-    between a stop and the rerun leaves. Returns the data folder."""
-    from mnist_resnet.ingest import POSITION_FILE, position_file
+def run_with_a_checkpoint(root: Path, fingerprint: str | None = None) -> Path:
+    """A tree prepared (a real prepare), and a run whose newest checkpoint was trained on it with
+    the default --model-width (64), or, given `fingerprint`, on other prepared data: what a tree
+    edited and prepared again between a stop and the rerun leaves. Returns the data folder."""
+    from mnist_resnet.data import inspect_dataset
+    from mnist_resnet.ingest import POSITION_FILE, SavedPosition
     from mnist_resnet.prepare import prepare
     from raytrain_common.checkpoint import save_state, write_manifest
     from raytrain_common.storage import resolve_storage
@@ -673,14 +691,16 @@ def run_on_changed_data(root: Path) -> Path:
     for name in ("cat", "dog"):
         for index in range(40):
             image(root / "pets" / name / f"{index}.png", size=(20 + index % 3, 16))
-    data_dir = root / "runs" / "data" / "pets"
-    prepare(str(root / "pets"), resolve_storage(data_dir), root / "download")
+    data_folder = root / "runs" / "data" / "pets"
+    data_dir = resolve_storage(data_folder)
+    prepare(str(root / "pets"), data_dir, root / "download")
     checkpoint = root / "runs" / "mnist_resnet" / "checkpoint_2026-01-01_00-00-00.000000"
     save_state(checkpoint, {"step": 3})
-    trained = np.zeros(8, np.uint8)
-    (checkpoint / POSITION_FILE).write_bytes(position_file(1, trained, "0123456789abcdef"))
+    trained_on = fingerprint or inspect_dataset(data_dir).fingerprint
+    position = SavedPosition(1, np.zeros(8, np.uint8), trained_on)
+    (checkpoint / POSITION_FILE).write_bytes(position.to_bytes())
     write_manifest(checkpoint)
-    return data_dir
+    return data_folder
 
 
 def latin1_name_tree(root: Path) -> Path:

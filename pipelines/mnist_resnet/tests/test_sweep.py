@@ -60,6 +60,8 @@ def sweep_command(storage: Path, data_dir: StoragePath) -> list[str]:
         "0.0005",
         "--log-every-steps",
         "4",
+        "--model-width",
+        "16",  # as every test's run: conftest's MODEL_WIDTH
     ]
 
 

@@ -431,6 +431,8 @@ def test_a_loss_that_turns_nan_ends_with_one_line_naming_the_cause_and_the_fix(
             "diverges",
             "--lr",
             "1e6",
+            "--model-width",
+            "16",  # as every test's run: conftest's MODEL_WIDTH
             "--epochs",
             "1",
             "--limit-train-rows",
@@ -463,11 +465,11 @@ def test_a_full_storage_fails_the_run_at_once_naming_the_path(
     mnist_dir: StoragePath,
     small_volume: Callable[[str], Path],
 ) -> None:
-    """The storage path a 40 MiB volume (tmpfs): the first checkpoint (~90 MB: weights and
-    momentum) does not fit. The run ends with a StorageError saying the storage is full and naming
+    """The storage path a 2 MiB volume (tmpfs): the first checkpoint (~6 MB: the narrow ResNet18's
+    weights and momentum) does not fit. The run ends with a StorageError saying the storage is full and naming
     it, not after --storage-patience-s of retries blamed on the network (Ray Train restarts the
     group once first, --max-failures 1, and the restart fails the same way at its checkpoint)."""
-    volume = small_volume("40m")
+    volume = small_volume("2m")
     config = small_config(
         volume,
         mnist_dir,
@@ -541,7 +543,7 @@ def test_ctrl_c_and_sigterm_end_a_run_in_one_line_naming_its_checkpoint_and_how_
     program = str(Path(sys.executable).parent / "mnist-resnet")
     args = ["train", "--storage-path", str(runs), "--data-dir", mnist_dir.uri, "--epochs", "6"]
     args += ["--limit-train-rows", "1024", "--limit-val-rows", "256", "--limit-test-rows", "256"]
-    args += ["--global-batch-size", "128", "--tracking", "none"]
+    args += ["--global-batch-size", "128", "--model-width", "16", "--tracking", "none"]
     try:
 
         def checkpointed(_: str) -> bool:

@@ -43,7 +43,7 @@ def run_baseline(config: TrainConfig) -> dict[str, Any]:
     train_labels = torch.from_numpy(train.labels)
     steps = steps_per_epoch(len(train_labels), config.global_batch_size)
 
-    model = build_model(info.num_classes, info.channels).to(device)
+    model = build_model(info.num_classes, info.channels, config.model_width).to(device)
     optimizer = build_optimizer(model, config)
     history = []
     if device.type == "cuda":

@@ -19,7 +19,7 @@ import ray.train
 import torch
 from torch import nn
 
-from mnist_resnet.ingest import POSITION_FILE, TrainingRows, position_file
+from mnist_resnet.ingest import POSITION_FILE, SavedPosition, TrainingRows
 from mnist_resnet.metrics_logger import MetricsLogger
 from mnist_resnet.run_state import EpochPosition, RunState, WorkerContext
 from raytrain_common.checkpoint import (
@@ -100,6 +100,10 @@ class Checkpointer:
         epoch = (run.step - 1) // self.context.steps + 1
         with self.logger.paused():  # the checkpoint's time is left out of the throughput
             metrics = self.metrics(run, due)
+            # The steps up to this checkpoint reach MLflow before it is reported: a restart
+            # resumes after it and never logs them again (a worker killed just after a
+            # checkpoint left its last step missing from the MLflow run).
+            self.logger.flush()
             self.rows.audit.write(epoch, run.step)
             with self.checkpoint_folder(run, epoch, due) as checkpoint:
                 # --validation async: Ray Train scores an epoch's checkpoint in a task of its own.
@@ -148,8 +152,10 @@ class Checkpointer:
             place = (epoch, run.position.trained_rows.numpy())  # type: ignore[union-attr]
         with scratch_folder("checkpoint") as folder:
             save_state(folder, state)
-            fingerprint = self.context.info.fingerprint
-            (Path(folder) / POSITION_FILE).write_bytes(position_file(*place, fingerprint))
+            saved = SavedPosition(
+                *place, self.context.info.fingerprint, self.context.config.model_width
+            )
+            (Path(folder) / POSITION_FILE).write_bytes(saved.to_bytes())
             write_manifest(folder)
             yield ray.train.Checkpoint.from_directory(folder)
 

@@ -117,6 +117,12 @@ class TrainConfig(RayTrainSettings, DataLocation):
         None, "Clip the gradient norm to this (none: no clipping)."
     )
     bf16: bool = option(False, "bfloat16 autocast for the forward pass.")
+    model_width: int = option(
+        64,
+        "Channels of ResNet18's first stage, doubled by each later one: 64 is the published "
+        "ResNet18 (11.2 M parameters); 16 (0.7 M) trains ~12x faster on a CPU core, for smoke "
+        "runs. A run keeps the width it started with.",
+    )
     limit_train_rows: int | None = option(
         None, "Train on the first N rows only (smoke runs, tests; prepare wrote them shuffled)."
     )
@@ -214,6 +220,7 @@ class TrainConfig(RayTrainSettings, DataLocation):
             "lr": self.lr,
             "log_every_steps": self.log_every_steps,
             "ingest_wait_s": self.ingest_wait_s,
+            "model_width": self.model_width,
         }
         if self.stop_at_step is not None:
             positive["stop_at_step"] = self.stop_at_step

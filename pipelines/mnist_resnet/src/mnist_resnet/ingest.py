@@ -84,6 +84,7 @@ from mnist_resnet.transforms import (
     pixels_from_shards,
 )
 from raytrain_common.checkpoint import newest_complete_checkpoint
+from raytrain_common.configs import ConfigError
 from raytrain_common.storage import StoragePath, resolve_storage
 
 if TYPE_CHECKING:  # the run's record and context import the dataset, which imports this module
@@ -172,8 +173,7 @@ class ImageData:
         saved = saved_position(resolve_storage(self.run_dir))
         if saved is None:
             return 1, None
-        epoch, trained, _ = saved
-        return epoch, trained if trained.any() else None
+        return saved.epoch, saved.trained if saved.trained.any() else None
 
     def shuffled(self, epoch: int, trained: np.ndarray | None = None) -> ray.data.Dataset:
         """The training rows (less those in the bitmap `trained`) in a fresh order every execution
@@ -409,17 +409,32 @@ class RowIdAudit:
         self.rows = []
 
 
-def position_file(epoch: int, trained: np.ndarray, fingerprint: str = "") -> bytes:
-    """The bytes of POSITION_FILE: what `ImageData.position` reads, and the fingerprint of the
-    prepared dataset the bitmap's rows belong to (`check_same_dataset` reads it)."""
-    stream = io.BytesIO()
-    np.savez(stream, epoch=np.array(epoch), trained=trained, fingerprint=np.array(fingerprint))
-    return stream.getvalue()
+@dataclass(frozen=True)
+class SavedPosition:
+    """A checkpoint's POSITION_FILE: the epoch in progress and the bitmap of its rows trained, with
+    what the driver checks before a resume (`check_resumable`): the fingerprint of the prepared
+    data those rows belong to ("" before mnist-resnet 0.14) and the model's --model-width (64
+    before it existed). Small, so the driver reads it without the checkpoint's weights."""
+
+    epoch: int
+    trained: np.ndarray
+    fingerprint: str = ""
+    model_width: int = 64
+
+    def to_bytes(self) -> bytes:
+        stream = io.BytesIO()
+        np.savez(
+            stream,
+            epoch=np.array(self.epoch),
+            trained=self.trained,
+            fingerprint=np.array(self.fingerprint),
+            model_width=np.array(self.model_width),
+        )
+        return stream.getvalue()
 
 
-def saved_position(run_dir: StoragePath) -> tuple[int, np.ndarray, str] | None:
-    """(epoch in progress, bitmap of its rows trained, the prepared data's fingerprint: "" before
-    0.14) of the run's newest complete checkpoint; None before the first."""
+def saved_position(run_dir: StoragePath) -> SavedPosition | None:
+    """The POSITION_FILE of the run's newest complete checkpoint; None before the first."""
     checkpoint = newest_complete_checkpoint(run_dir)
     if checkpoint is None:
         return None
@@ -427,18 +442,32 @@ def saved_position(run_dir: StoragePath) -> tuple[int, np.ndarray, str] | None:
     if not saved.exists():
         return None
     with np.load(io.BytesIO(saved.read_bytes()), allow_pickle=False) as arrays:
-        fingerprint = str(arrays["fingerprint"]) if "fingerprint" in arrays else ""
-        return int(arrays["epoch"]), arrays["trained"], fingerprint
+        return SavedPosition(
+            int(arrays["epoch"]),
+            arrays["trained"],
+            str(arrays["fingerprint"]) if "fingerprint" in arrays else "",
+            int(arrays["model_width"]) if "model_width" in arrays else 64,
+        )
 
 
-def check_same_dataset(run_dir: StoragePath, info: dict[str, Any]) -> None:
-    """Refuse, before any worker starts, to resume a run on prepared data other than the data its
-    newest checkpoint was trained on (a tree edited and prepared again): the epoch's trained-rows
-    bitmap, its step count and the schedule are all counted in that data's rows, so a resume
-    would silently train some rows twice and skip others. The same tree prepared again gives the
-    same fingerprint (ids come from paths, the carve from their hashes) and resumes."""
+def check_resumable(run_dir: StoragePath, info: dict[str, Any], model_width: int) -> None:
+    """Refuse, before any worker starts, to resume a run on other prepared data or another model
+    than its newest checkpoint's.
+
+    Other data (a tree edited and prepared again): the epoch's trained-rows bitmap, its step count
+    and the schedule are all counted in that data's rows, so a resume would silently train some
+    rows twice and skip others. The same tree prepared again gives the same fingerprint (ids come
+    from paths, the carve from their hashes) and resumes. Another --model-width: the saved weights
+    do not fit the model, and every worker would fail loading them, restart and fail again."""
     saved = saved_position(run_dir)
-    trained_on = saved[2] if saved is not None else ""
+    if saved is not None and saved.model_width != model_width:
+        raise ConfigError(
+            f"{run_dir.uri} was trained with --model-width {saved.model_width}, not "
+            f"{model_width}: its checkpoints hold weights of that width. Continue it with "
+            f"--model-width {saved.model_width}, or train this width as a new run (another "
+            "--run-name)"
+        )
+    trained_on = saved.fingerprint if saved is not None else ""
     if trained_on and info.get("fingerprint") and trained_on != info["fingerprint"]:
         raise DataChangedError(
             f"{run_dir.uri} was trained on prepared data {trained_on}, but its --data-dir now "

@@ -211,6 +211,11 @@ class MetricsLogger:
         self.totals = EpochTotals(self.device, self.rank, None)
         self.meter.restart()
 
+    def flush(self) -> None:
+        """Wait, briefly, until what rank 0 logged is in MLflow (at once while the store is away:
+        its values wait in memory)."""
+        self.sink.flush()
+
     def paused(self) -> contextlib.AbstractContextManager[None]:
         """Time spent inside (a mid-epoch checkpoint) is left out of the rates."""
         return self.meter.paused()

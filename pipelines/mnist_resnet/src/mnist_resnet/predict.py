@@ -57,6 +57,15 @@ def evaluate_arrays(
     return float((predict_labels(model, images, info, device) == labels).mean())
 
 
+def trained_model(state: dict[str, Any]) -> torch.nn.Module:
+    """The checkpoint's model, on the CPU: its architecture (classes, channels, --model-width;
+    a checkpoint written before --model-width existed has none: 64) with its weights loaded."""
+    info = DatasetInfo(**state["dataset"])
+    model = build_model(info.num_classes, info.channels, state["config"].get("model_width", 64))
+    load_model_weights(model, state["model"])
+    return model
+
+
 def read_split(state: dict[str, Any], split: str, limit: int | None = None) -> ray.data.Dataset:
     """A split of the checkpoint's dataset, decoded by Ray Data, in no particular order."""
     data = ImageData(state["config"]["data_dir"], state["dataset"], run_dir="", seed=0)
@@ -78,9 +87,7 @@ def checkpoint_split_metrics(
     state = load_remote_state(checkpoint)
     info = DatasetInfo(**state["dataset"])
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = build_model(info.num_classes, info.channels)
-    load_model_weights(model, state["model"])
-    model.to(device)
+    model = trained_model(state).to(device)
     seen = 0
 
     def batches() -> Iterator[dict[str, torch.Tensor]]:
@@ -124,10 +131,7 @@ def load_best_model(
     """The model of the run's best checkpoint (by validation accuracy) or its latest, on the CPU,
     in eval mode; a torn checkpoint (files not matching its manifest) is refused with one line."""
     state = load_remote_state(resolve_storage(chosen_checkpoint(run_dir, which)))
-    info = DatasetInfo(**state["dataset"])
-    model = build_model(info.num_classes, info.channels)
-    load_model_weights(model, state["model"])
-    return model.eval(), state
+    return trained_model(state).eval(), state
 
 
 def draw_predictions(
@@ -246,9 +250,7 @@ class ImageClassifier:
         state = load_remote_state(resolve_storage(checkpoint_uri))
         self.info = DatasetInfo(**state["dataset"])
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        model = build_model(self.info.num_classes, self.info.channels)
-        load_model_weights(model, state["model"])
-        self.model = model.to(self.device).eval()
+        self.model = trained_model(state).to(self.device).eval()
         self.blank = np.zeros(
             (self.info.height, self.info.height) + ((3,) if self.info.channels == 3 else ()),
             np.uint8,

@@ -61,7 +61,9 @@ def training_step(config: Any) -> Any:
         return loss_fn(model(image), batch["label"])
 
     return TrainingStep(
-        build_model=lambda: build_model(shape["num_classes"], shape["channels"]),
+        build_model=lambda: build_model(
+            shape["num_classes"], shape["channels"], config.model_width
+        ),
         make_batch=make_batch,
         loss=loss,
         micro_batch=per_worker_batch_size(

@@ -40,7 +40,7 @@ from mnist_resnet.ingest import (
     ImageData,
     TrainingBatch,
     TrainingRows,
-    check_same_dataset,
+    check_resumable,
     epoch_seed,
 )
 from mnist_resnet.ingest_watch import IngestNodeWatch, check_cpus_for_ingest
@@ -167,7 +167,7 @@ def build_training(
 ) -> tuple[nn.Module, torch.optim.Optimizer]:
     """The model (the checkpoint's weights loaded before DDP wraps it) and optimiser."""
     torch.manual_seed(config.seed)
-    model = build_model(info.num_classes, info.channels)
+    model = build_model(info.num_classes, info.channels, config.model_width)
     if state is not None:
         load_model_weights(model, state["model"])
     model = ray.train.torch.prepare_model(model)  # moves to the device, wraps in DDP if world > 1
@@ -268,7 +268,7 @@ def run(
         )
     config = dataclasses.replace(config, storage_path=storage.uri, data_dir=data_dir.uri)
     run_dir = storage.join(config.run_name)
-    check_same_dataset(run_dir, dataclasses.asdict(info))  # a resume on edited data: refused
+    check_resumable(run_dir, dataclasses.asdict(info), config.model_width)  # edited data, width
     last_step = steps * config.epochs  # or --stop-at-step, when it comes first
     if config.stop_at_step is not None:
         last_step = min(last_step, config.stop_at_step)
