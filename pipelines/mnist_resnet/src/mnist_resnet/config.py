@@ -120,7 +120,7 @@ class TrainConfig(RayTrainSettings, DataLocation):
     model_width: int = option(
         64,
         "Channels of ResNet18's first stage, doubled by each later one: 64 is the published "
-        "ResNet18 (11.2 M parameters); 16 (0.7 M) trains ~12x faster on a CPU core, for smoke "
+        "ResNet18 (11.2 M parameters); 16 (0.7 M) trains ~11x faster on a 2-core CPU, for smoke "
         "runs. A run keeps the width it started with.",
     )
     limit_train_rows: int | None = option(

@@ -68,8 +68,8 @@ class ResNet18(nn.Module):
     ≥ 99 % on MNIST; the adaptive pooling at the end takes any input size.
 
     `width` is the first stage's channels; each later stage doubles them. 64 is the published
-    ResNet18 (11.2 M parameters). 16 has 0.7 M and trains ~12× more images a second on one CPU
-    core (docs/benchmarks.md): for smoke runs, and for the tests, whose runs check the pipeline
+    ResNet18 (11.2 M parameters). 16 has 0.7 M and trains ~11× the images a second on a 2-core
+    CPU (`mnist-resnet baseline`, docs/benchmarks.md): for smoke runs, and for the tests, whose runs check the pipeline
     (every row once, resumes, faults), not the network.
     """
 
