@@ -26,7 +26,7 @@ def mnist_dir(tmp_path_factory: pytest.TempPathFactory) -> StoragePath:
 
 # The tests' runs check the pipeline (every row once, resumes, faults, outputs), not the network:
 # ResNet18 at a quarter of its width clears the same accuracy bars in the same steps, trains ~11x
-# the images a second on a CPU core and checkpoints 6 MB, not 90 (test_model.py checks the full
+# the images a second on a 2-core box and checkpoints 6 MB, not 90 (test_model.py checks the full
 # width against torchvision's).
 MODEL_WIDTH = 16
 

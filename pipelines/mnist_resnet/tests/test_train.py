@@ -465,10 +465,11 @@ def test_a_full_storage_fails_the_run_at_once_naming_the_path(
     mnist_dir: StoragePath,
     small_volume: Callable[[str], Path],
 ) -> None:
-    """The storage path a 2 MiB volume (tmpfs): the first checkpoint (~6 MB: the narrow ResNet18's
-    weights and momentum) does not fit. The run ends with a StorageError saying the storage is full and naming
-    it, not after --storage-patience-s of retries blamed on the network (Ray Train restarts the
-    group once first, --max-failures 1, and the restart fails the same way at its checkpoint)."""
+    """The storage path a 2 MiB volume (tmpfs): the first checkpoint (~6 MB: the narrow
+    ResNet18's weights and momentum) does not fit. The run ends with a StorageError saying the
+    storage is full and naming it, not after --storage-patience-s of retries blamed on the network
+    (Ray Train restarts the group once first, --max-failures 1, and the restart fails the same way
+    at its checkpoint)."""
     volume = small_volume("2m")
     config = small_config(
         volume,
