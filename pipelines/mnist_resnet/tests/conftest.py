@@ -117,6 +117,18 @@ def s3_bucket() -> Iterator[tuple[Any, str]]:
 
 
 @pytest.fixture(scope="session")
+def trained_rows() -> Callable[[Path, int], np.ndarray]:
+    """Every row position trained in `epoch` of the run in `run_dir`, once per time it was
+    trained: the audit --record-row-ids writes under <run>/row_ids/epoch-E/."""
+
+    def rows(run_dir: Path, epoch: int) -> np.ndarray:
+        files = sorted((run_dir / "row_ids" / f"epoch-{epoch}").glob("*.npy"))
+        return np.concatenate([np.load(file) for file in files])
+
+    return rows
+
+
+@pytest.fixture(scope="session")
 def run_losses() -> Callable[[Path], list[float]]:
     """Every step's interval loss of the run in `run_dir`, from its newest checkpoint's step log
     (a resumed run's log holds the steps before the resume too)."""

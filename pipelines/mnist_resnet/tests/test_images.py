@@ -90,14 +90,9 @@ def add_collection_files(tree: Path) -> tuple[list[str], list[str]]:
     ]
 
 
-def rows_trained(run_dir: Path, epoch: int) -> np.ndarray:
-    """Every row position trained in `epoch` (--record-row-ids), once per time trained."""
-    files = sorted((run_dir / "row_ids" / f"epoch-{epoch}").glob("*.npy"))
-    return np.concatenate([np.load(file) for file in files])
-
-
 def test_an_image_tree_prepares_trains_on_two_workers_and_predicts_new_files(
     whole_data_config: Callable[..., Any],
+    trained_rows: Callable[[Path, int], np.ndarray],
     ray_cluster: None,
     tmp_path: Path,
     capfd: pytest.CaptureFixture[str],
@@ -180,7 +175,7 @@ def test_an_image_tree_prepares_trains_on_two_workers_and_predicts_new_files(
     assert "resuming at step" in said
     assert console_noise(said) == []
     for epoch in range(1, 7):
-        trained = rows_trained(tmp_path / "shapes", epoch)
+        trained = trained_rows(tmp_path / "shapes", epoch)
         assert len(trained) == len(set(trained)) == steps * 32  # each row once, the rest left over
         if epoch < 6:  # the file was gone for epochs 1-5: skipped where the epoch reached it
             assert summary["skipped_files"][epoch - 1] == int(gone["row"] in trained)
@@ -308,6 +303,7 @@ def stored_samples(read: Callable[[str], bytes], keys: list[str]) -> dict[str, l
 
 def test_shards_written_from_a_tree_and_read_from_webdataset_tars_and_parquet_train_each_row_once(
     whole_data_config: Callable[..., Any],
+    trained_rows: Callable[[Path, int], np.ndarray],
     ray_cluster: None,
     s3_bucket: tuple[Any, str],
     tmp_path: Path,
@@ -420,7 +416,7 @@ def test_shards_written_from_a_tree_and_read_from_webdataset_tars_and_parquet_tr
         Bucket="images", Delete={"Objects": [{"Key": key} for key in s3_keys("wds/")]}
     )
     tree.rename(tmp_path / "moved")
-    trained_rows = DatasetInfo(**json.loads(s3_files("from-wds/")[1]("dataset.json"))).train_rows
+    train_rows = DatasetInfo(**json.loads(s3_files("from-wds/")[1]("dataset.json"))).train_rows
     config = whole_data_config(
         tmp_path,
         resolve_storage(prepared["wds"][1]),
@@ -428,13 +424,13 @@ def test_shards_written_from_a_tree_and_read_from_webdataset_tars_and_parquet_tr
         epochs=2,
         record_row_ids=True,
     )
-    steps = trained_rows // 64
+    steps = train_rows // 64
     stopped = run(dataclasses.replace(config, stop_at_step=steps + steps // 2))
     assert stopped["stopped_mid_epoch"]
     resumed = run(dataclasses.replace(config, num_workers=1))
     assert resumed["restarts"][-1]["world_size"] == 1
     for epoch in (1, 2):
-        trained = rows_trained(tmp_path / "shards", epoch)
+        trained = trained_rows(tmp_path / "shards", epoch)
         assert len(trained) == len(set(trained)) == steps * 64
     assert resumed["test"]["test_rows"] == 500
     assert resumed["test"]["test_accuracy"] >= 0.88

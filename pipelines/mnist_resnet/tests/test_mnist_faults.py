@@ -110,7 +110,7 @@ def kill_a_worker_after_step(
 
 
 def test_a_preempted_node_a_killed_driver_and_a_killed_worker_cost_only_their_steps_and_the_run_learns(
-    mnist_dir: StoragePath, tmp_path: Path
+    mnist_dir: StoragePath, tmp_path: Path, trained_rows: Callable[[Path, int], np.ndarray]
 ) -> None:
     """One run, the faults of a cloud in turn (one cluster and one training run for four faults:
     each is checked on what the run had done before it), then what the run is for.
@@ -223,7 +223,7 @@ def test_a_preempted_node_a_killed_driver_and_a_killed_worker_cost_only_their_st
     assert [row["epoch"] for row in seen["rows"]] == [1] and rows[0] == seen["rows"][0]
     assert summary["epochs_done"] == 2
     for epoch in (1, 2):  # 4,096 rows: 32 global batches of 128, none left over
-        counts = count_trained_rows(run_dir, epoch, 4096)
+        counts = np.bincount(trained_rows(run_dir, epoch), minlength=4096)
         assert counts.min() == counts.max() == 1, (epoch, np.bincount(counts))
     # MLflow: the restarted groups and the rerun log into the same MLflow run; the steps they
     # redid are not logged twice, so every step appears once, in order.
@@ -259,17 +259,12 @@ def test_a_preempted_node_a_killed_driver_and_a_killed_worker_cost_only_their_st
 INGEST = {"ray.io/node-group": "ingest"}
 
 
-def count_trained_rows(run_dir: Path, epoch: int, rows: int) -> np.ndarray:
-    """How many times each row was trained in `epoch` (the --record-row-ids audit)."""
-    files = sorted((run_dir / "row_ids" / f"epoch-{epoch}").glob("*.npy"))
-    return np.bincount(np.concatenate([np.load(file) for file in files]), minlength=rows)
-
-
 def test_a_lost_ingest_node_is_waited_for_then_a_run_left_without_one_stops_and_continues(
     mnist_dir: StoragePath,
     tmp_path: Path,
     run_losses: Callable[[Path], list[float]],
     loss_went_on: Callable[[list[float], int], bool],
+    trained_rows: Callable[[Path, int], np.ndarray],
 ) -> None:
     """The RayJob's shape on two nodes: the head labelled as the training group (its 2 workers and
     a CPU to spare), a CPU-only node labelled as the ingest group, which alone decodes
@@ -329,7 +324,7 @@ def test_a_lost_ingest_node_is_waited_for_then_a_run_left_without_one_stops_and_
     assert restart["cause"] == "rerun" and restart["resumed_at_step"] >= 16
     assert summary["steps_done"] == 32
     for epoch in (1, 2):
-        counts = count_trained_rows(run_dir, epoch, rows)
+        counts = np.bincount(trained_rows(run_dir, epoch), minlength=rows)
         assert counts.max() == 1 and counts.sum() == 16 * 128, (epoch, np.bincount(counts))
     ingest_nodes = set(summary["decoded_on"])
     assert len(ingest_nodes) >= 2  # rank 0's rows decoded on the ingest nodes, one after another

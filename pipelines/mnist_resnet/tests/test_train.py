@@ -38,13 +38,6 @@ from raytrain_testkit.vocabulary import summary_problems
 pytestmark = pytest.mark.ray
 
 
-def rows_trained(run_dir: Path, epoch: int, rows: int) -> np.ndarray:
-    """How many times each of `rows` rows was trained on in `epoch`, from --record-row-ids'
-    files."""
-    files = sorted((run_dir / "row_ids" / f"epoch-{epoch}").glob("*.npy"))
-    return np.bincount(np.concatenate([np.load(file) for file in files]), minlength=rows)
-
-
 def test_another_idx_dataset_trains_with_no_code_change_and_async_validation_scores_it_as_inline(
     ray_cluster: None,
     write_idx: Callable[..., Any],
@@ -290,6 +283,7 @@ def test_a_run_stopped_mid_epoch_resumes_on_another_worker_count_training_each_r
     interrupted_run: InterruptedRun,
     mnist_dir: StoragePath,
     run_losses: Callable[[Path], list[float]],
+    trained_rows: Callable[[Path, int], np.ndarray],
     loss_went_on: Callable[[list[float], int], bool],
 ) -> None:
     """Stopped at step 21 of 32 (epoch 2 of 2, mid-epoch) on 2 workers and rerun with the same
@@ -314,7 +308,9 @@ def test_a_run_stopped_mid_epoch_resumes_on_another_worker_count_training_each_r
     # Exactly once: 2,088 rows, 16 global batches of 128 an epoch, 40 left over.
     left_over = []
     for epoch in (1, 2):
-        counts = rows_trained(run_dir, epoch, INTERRUPTED["limit_train_rows"])
+        counts = np.bincount(
+            trained_rows(run_dir, epoch), minlength=INTERRUPTED["limit_train_rows"]
+        )
         assert counts.max() == 1 and counts.sum() == 16 * 128, (epoch, np.bincount(counts))
         left_over.append(set(np.flatnonzero(counts == 0)))
     assert len(left_over[0]) == len(left_over[1]) == 40
