@@ -100,9 +100,9 @@ class Checkpointer:
         epoch = (run.step - 1) // self.context.steps + 1
         with self.logger.paused():  # the checkpoint's time is left out of the throughput
             metrics = self.metrics(run, due)
-            # The steps up to this checkpoint reach MLflow before it is reported: a restart
-            # resumes after it and never logs them again (a worker killed just after a
-            # checkpoint left its last step missing from the MLflow run).
+            # What was logged up to this checkpoint reaches MLflow before it is reported: a
+            # restart resumes after it and never logs those steps again, and a sweep may stop the
+            # trial on the report's epoch row.
             self.logger.flush()
             self.rows.audit.write(epoch, run.step)
             with self.checkpoint_folder(run, epoch, due) as checkpoint:

@@ -170,8 +170,9 @@ class MetricsLogger:
         return {"train_loss_interval": loss, "lr": self.lr}
 
     def epoch_row(self, run: RunState) -> dict[str, float]:
-        """The ended epoch's row of metrics.csv and MLflow (in the store before the checkpoint's
-        report: a sweep may stop the trial on it), with its validation scores."""
+        """The ended epoch's row of metrics.csv and MLflow, with its validation scores (the
+        checkpointer flushes it to the store before its report: a sweep may stop the trial on
+        it)."""
         sums, validation = self.epoch_sums, self.validation
         row = {
             "epoch": run.step // self.steps,
@@ -200,7 +201,6 @@ class MetricsLogger:
             )
         run.history.append(row)
         self.sink.log(row, run.step)
-        self.sink.flush()
         return row
 
     def next_epoch(self, run: RunState) -> None:
