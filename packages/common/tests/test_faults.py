@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from raytrain_common.faults import PROGRESS_FILE, FaultLog, write_progress
+from raytrain_common.loop import ProgressNotes
 from raytrain_common.storage import resolve_storage
 
 
@@ -98,3 +99,26 @@ def test_a_preemption_whose_checkpoint_missed_the_deadline_is_still_a_preemption
     saved = FaultLog(**json.loads(json.dumps({"preemptions": cut_off.preemptions})))
     assert saved.record_restart(5, run_dir, "d1", "checkpoint_5", 2)["cause"] == "preemption"
     assert len(saved.preemptions) == 1 and "checkpoint_missed" not in saved.preemptions[0]
+
+
+def test_a_restart_lost_before_its_first_checkpoint_is_still_listed(tmp_path: Path) -> None:
+    """A preemption's restart resumed from step 20, and its node went 2 steps later, before that
+    attempt wrote a checkpoint: the next restart resumes from step 20's checkpoint again, whose log
+    knows neither. Both restarts are listed (the first from the attempt's first progress note), and
+    the attempt count is 2, as on every rank."""
+    run_dir = resolve_storage(tmp_path)
+    saved = {"preemptions": [notice(0, 8)], "restarts": []}  # step 20's checkpoint, attempt 0
+    write_progress(run_dir, 27, "d1", 2, 0, notice(0, 8))
+    first = FaultLog(**json.loads(json.dumps(saved)))
+    preempted = first.record_restart(20, run_dir, "d1", "checkpoint_20", 2)
+    assert (preempted["cause"], preempted["steps_redone"]) == ("preemption", 7)
+    notes = ProgressNotes(run_dir, "d1", 2, every_steps=50, rank=0)
+    notes.note(21, first)  # the new attempt's first step: noted though 21 is off the cadence
+    notes.note(22, first)  # and then only on the cadence
+    assert json.loads((tmp_path / PROGRESS_FILE).read_text())["step"] == 21
+
+    second = FaultLog(**json.loads(json.dumps(saved)))  # the same checkpoint's log again
+    lost = second.record_restart(20, run_dir, "d1", "checkpoint_20", 2)
+    assert (lost["cause"], lost["steps_redone"]) == ("worker failure", 1)
+    assert second.restarts == [preempted, lost] and second.attempt == 2
+    assert second.summary()["steps_redone"] == 8

@@ -102,9 +102,10 @@ def test_a_preempted_node_under_fsdp_checkpoints_its_shards_in_time_and_a_lost_n
     2. The node hosting a rank is drained (PREEMPTION, deadline 8 s) and goes at the deadline:
        every rank wrote its shards at the notice; the group waits for a new node and resumes from
        them, redoing only the steps taken after the newest checkpoint.
-    3. A node is lost without notice 2 steps past the restarted group's first checkpoint: the run
-       waits (15 s here) rather than give up, and resumes from that checkpoint when a node joins;
-       it ends as its schedule says.
+    3. A node is lost without notice 2 steps into the restarted group, before it writes a
+       checkpoint: the run waits (15 s here) rather than give up, and resumes from the same
+       checkpoint again when a node joins; summary.json lists both restarts. It ends as its
+       schedule says.
     4. The newest checkpoint's shard is cut off: `export` refuses it in one line and a rerun falls
        back to the one before."""
     run_dir = tmp_path / "faults"
@@ -126,8 +127,11 @@ def test_a_preempted_node_under_fsdp_checkpoints_its_shards_in_time_and_a_lost_n
             r.getMessage() for r in caplog.records if r.getMessage().startswith("train:")
         ]
         assert "on 2 node(s)" in train_line, train_line
-        # 60 steps: on a fast box the run is past step 40 by the preemption's deadline.
-        command = train_command(tmp_path, data_dir, "faults", "--max-steps", "60")
+        # Checkpoints every 20 steps leave room to lose a node between two; 80 steps, as a fast box
+        # is past step 40 by the preemption's deadline.
+        command = train_command(
+            tmp_path, data_dir, "faults", "--max-steps", "80", "--checkpoint-every-steps", "20"
+        )
         driver = Driver(command, cluster.address, tmp_path / "d.log")
         wait_for(lambda: progress_step(run_dir) >= 3, 300, "step 3")
         victim_rank, victim_node = next(
@@ -142,16 +146,16 @@ def test_a_preempted_node_under_fsdp_checkpoints_its_shards_in_time_and_a_lost_n
         step_at_drain = progress_step(run_dir)
         time.sleep(DEADLINE_S)
         cluster.remove_node(victim_node)  # the cloud reclaims the machine at the deadline
-        saved_before = registered_step(run_dir)  # where the restarted group resumes
+        resume_point = registered_step(run_dir)  # the newest complete checkpoint
         cluster.add_node(cpus=1)  # and the RayCluster's worker group gets a new pod
 
-        # The next loss comes 2 steps past a checkpoint of the restarted group: a restart after
-        # which no checkpoint is written is in no checkpoint's record of the run's restarts.
-        def past_a_new_checkpoint() -> int:
-            newest = registered_step(run_dir)
-            return newest if newest > saved_before and progress_step(run_dir) >= newest + 2 else 0
+        # The next loss comes 2 steps into the restarted group, before it writes a checkpoint: the
+        # one it resumes from again knows of neither restart (progress.json does).
+        def two_steps_into_the_restarted_group() -> bool:
+            note = progress_note(run_dir)
+            return (note.get("attempt") or 0) >= 1 and note.get("step", 0) >= resume_point + 2
 
-        resume_point = wait_for(past_a_new_checkpoint, 300, "a checkpoint after the restart")
+        wait_for(two_steps_into_the_restarted_group, 300, "2 steps after the restart")
         lost = next(n for n in cluster.train_workers().values() if not cluster.is_head(n))
         cluster.remove_node(lost)  # no drain: the raylet and the worker on it are killed
         time.sleep(15)
@@ -165,8 +169,8 @@ def test_a_preempted_node_under_fsdp_checkpoints_its_shards_in_time_and_a_lost_n
         assert step_before_drain <= preemption["checkpoint_step"] <= step_at_drain + 6
         preempted, lost_node = summary["restarts"]
         assert preempted["cause"] == "preemption" and preemption["restarted"]
-        # From the just-in-time checkpoint, or a regular one (every 10 steps) the run wrote later.
-        assert preempted["resumed_at_step"] >= preemption["checkpoint_step"]
+        # From the just-in-time checkpoint, or a regular one (every 20 steps) the run wrote later.
+        assert preempted["resumed_at_step"] == resume_point >= preemption["checkpoint_step"]
         assert (
             preempted["steps_redone"]
             == preempted["last_step_before"] - preempted["resumed_at_step"]
@@ -174,16 +178,18 @@ def test_a_preempted_node_under_fsdp_checkpoints_its_shards_in_time_and_a_lost_n
         print(
             f"preemption at step {preempted['resumed_at_step']}: {preempted['steps_redone']} redone"
         )
-        # A fixed-size run keeps its size: it waited for the node, then resumed from step 20.
+        # A fixed-size run keeps its size: it waited for the node, then resumed from the same
+        # checkpoint again, redoing the 2+ steps the restarted group had taken.
         assert (lost_node["cause"], lost_node["world_size_before"], lost_node["world_size"]) == (
             "worker failure",
             2,
             2,
         )
         assert lost_node["resumed_at_step"] == resume_point
-        assert summary["steps_done"] == 60
+        assert lost_node["last_step_before"] >= resume_point + 2
+        assert summary["steps_done"] == 80
         rows = read_metrics_csv(resolve_storage(run_dir / "metrics.csv"))
-        assert [int(r["step"]) for r in rows if "train_loss" in r] == list(range(1, 61))
+        assert [int(r["step"]) for r in rows if "train_loss" in r] == list(range(1, 81))
         assert summary["final"]["val_loss"] < 0.85 * summary["first"]["val_loss"]
         # Ranks on both nodes read the one token file in place: no node made a copy.
         assert not node_cache.exists()
@@ -217,15 +223,15 @@ def test_a_preempted_node_under_fsdp_checkpoints_its_shards_in_time_and_a_lost_n
         assert not (tmp_path / "export").exists()
 
         rerun = Driver(
-            train_command(tmp_path, data_dir, "faults", "--max-steps", "65"),
+            train_command(tmp_path, data_dir, "faults", "--max-steps", "85"),
             cluster.address,
             tmp_path / "rerun.log",
         )
         assert rerun.wait(timeout_s=600) == 0, rerun.log()
     again = json.loads((run_dir / "summary.json").read_text())
-    assert again["restarts"][-1]["resumed_at_step"] == 50  # the checkpoint before the torn one
+    assert again["restarts"][-1]["resumed_at_step"] == 60  # the checkpoint before the torn one
     assert again["restarts"][-1]["cause"] == "rerun"
-    assert again["steps_done"] == 65
+    assert again["steps_done"] == 85
     assert "skipping a torn checkpoint" in (tmp_path / "rerun.log").read_text()
 
 

@@ -3,7 +3,9 @@ every checkpoint and written to summary.json, and the one preemption check a tra
 
 A restart resumes from the newest complete checkpoint; the steps taken after it are lost and done
 again. To count them, rank 0 writes the last step it reached to `progress.json` in the run folder
-every few steps (one small atomic write), and the resumed attempt compares.
+every few steps (one small atomic write), and the resumed attempt compares. The note also carries
+the restarts so far: an attempt lost before its first checkpoint saved its own restart in no
+checkpoint, and the next restart reads it back from there.
 """
 
 from __future__ import annotations
@@ -82,6 +84,7 @@ class FaultLog:
         """Note a resume at `resumed_at`: how far the lost attempt had gone, what caused it, and the
         worker counts before and after (an elastic run shrinks after a loss and grows back)."""
         progress = read_progress(run_dir) or {}
+        self.adopt_unsaved_restarts(progress)
         before = progress.get("world_size")
         last = max(resumed_at, progress.get("step", resumed_at))
         # A notice saved in this checkpoint that no restart has followed yet. It caused this restart
@@ -117,6 +120,14 @@ class FaultLog:
         }
         self.restarts.append(restart)
         return restart
+
+    def adopt_unsaved_restarts(self, progress: dict[str, Any]) -> None:
+        """Take the restarts progress.json lists past this (checkpoint's) log: those of attempts
+        that were lost before they wrote a checkpoint. Two faults within one checkpoint interval
+        are then both in summary.json, and `attempt` counts both."""
+        noted = progress.get("restarts") or []
+        if len(noted) > len(self.restarts) and noted[: len(self.restarts)] == self.restarts:
+            self.restarts = [dict(restart) for restart in noted]
 
     @property
     def current_notice(self) -> dict[str, Any] | None:
@@ -183,9 +194,11 @@ def write_progress(
     world_size: int | None = None,
     attempt: int | None = None,
     notice: dict[str, Any] | None = None,
+    restarts: list[dict[str, Any]] | None = None,
 ) -> None:
     """The last step rank 0 reached (atomic write), so a restart knows how many steps it redoes,
-    and the preemption notice this attempt is acting on, if any (`FaultLog.current_notice`).
+    the preemption notice this attempt is acting on, if any (`FaultLog.current_notice`), and the
+    restarts so far (`FaultLog.adopt_unsaved_restarts`).
 
     Bookkeeping only: a storage hiccup costs a warning here, never the run (the checkpoint upload
     is where storage errors count).
@@ -201,6 +214,8 @@ def write_progress(
     }
     if notice is not None:
         progress["notice"] = notice
+    if restarts:
+        progress["restarts"] = restarts
     try:
         run_dir.join(PROGRESS_FILE).write_text(json.dumps(progress))
     except OSError as error:

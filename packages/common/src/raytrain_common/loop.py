@@ -143,21 +143,26 @@ class ValidationPolicy:
         return step % self.every_steps == 0 or step == self.last_step
 
 
-@dataclass(frozen=True)
+@dataclass
 class ProgressNotes:
-    """Rank 0 writes the last step reached to progress.json every `every_steps` steps and at every
-    checkpoint, so a restart knows how many steps it redoes (one small atomic write; storage errors
-    cost a warning, never the run). At a preemption notice's checkpoint it is written first, with
-    the notice, so a restart knows of the notice even when that checkpoint never completes."""
+    """Rank 0 writes the last step reached to progress.json every `every_steps` steps, at every
+    checkpoint and at an attempt's first step, so a restart knows how many steps it redoes (one
+    small atomic write; storage errors cost a warning, never the run). At a preemption notice's
+    checkpoint it is written first, with the notice, so a restart knows of the notice even when
+    that checkpoint never completes. Each note lists the restarts so far: the first one of an
+    attempt records its own restart before any checkpoint does. (It comes after that step's
+    gradient all-reduce, so every rank has read the lost attempt's note by then.)"""
 
     run_dir: StoragePath
     driver_id: str
     world_size: int
     every_steps: int
     rank: int
+    noted_attempt: int | None = field(default=None, init=False)
 
     def note(self, step: int, faults: FaultLog, checkpointing: bool = False) -> None:
-        if self.rank == 0 and (checkpointing or step % self.every_steps == 0):
+        first_of_attempt = faults.attempt != self.noted_attempt
+        if self.rank == 0 and (checkpointing or first_of_attempt or step % self.every_steps == 0):
             write_progress(
                 self.run_dir,
                 step,
@@ -165,7 +170,9 @@ class ProgressNotes:
                 self.world_size,
                 faults.attempt,
                 faults.current_notice,
+                faults.restarts,
             )
+            self.noted_attempt = faults.attempt
 
 
 @dataclass(frozen=True)
