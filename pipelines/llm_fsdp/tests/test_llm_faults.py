@@ -72,12 +72,17 @@ def progress_step(run_dir: Path) -> int:
 
 def registered_step(run_dir: Path) -> int:
     """The step of the newest checkpoint Ray Train has registered (every rank reported it and it is
-    whole in storage: its checkpoint manager's snapshot), 0 before the first."""
+    whole in storage: its checkpoint manager's snapshot), 0 before the first. Read from the
+    checkpoint's own state: a notice's checkpoint reports no step among its metrics."""
     try:
         snapshot = json.loads((run_dir / "checkpoint_manager_snapshot.json").read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return 0
-    return int((snapshot.get("latest_checkpoint_result") or {}).get("metrics", {}).get("step", 0))
+    latest = snapshot.get("latest_checkpoint_result")
+    if not latest:
+        return 0
+    state = run_dir / latest["checkpoint_dir_name"] / "train_state.json"
+    return int(json.loads(state.read_text())["step"])
 
 
 @pytest.fixture(scope="module")
