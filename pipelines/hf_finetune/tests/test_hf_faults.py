@@ -34,7 +34,13 @@ pytestmark = pytest.mark.faults
 # mid-upload at the deadline; the torn checkpoint was skipped and the run started over), and longer
 # than 22 s on one a third as fast (~180 images/s, beside another fault test: the run then started
 # over from step 0, no preemption recorded). Clouds give 30 s (GCP) to 2 minutes (AWS).
-DEADLINE_S = 60
+# The drain's deadline in this box's own steps, measured before the drain: twice what the notice's
+# evaluation and 272 MB checkpoint take (12 steps' time here: 8.4 s at 0.68 s a step; a fixed 25 s
+# was too short beside another test on a box at ~180 images/s), and short enough that the group
+# does not end its 64 steps first (a fixed 60 s is 88 steps at 0.68 s). Bounded, as a step
+# measured beside another test may not be the next one's.
+DEADLINE_STEPS = 24
+DEADLINE_BOUNDS_S = (20, 90)
 STEPS_PER_EPOCH = 32  # train_command's 1,024 rows at 32 rows a step
 
 
@@ -115,9 +121,9 @@ def test_a_preempted_node_then_a_lost_worker_cost_only_their_steps_and_the_check
 ) -> None:
     """One run of 2 workers, one per node, the faults of a cloud in turn, then what the run is for.
 
-    1. Drain (PREEMPTION, deadline 60 s) the node hosting a worker, remove it at the deadline: the
-       Trainer evaluated and saved at the notice, the restarted group resumed from that checkpoint
-       and redid only the steps taken after it.
+    1. Drain (PREEMPTION, a deadline of 24 of its steps' time, 20-90 s) the node hosting a
+       worker, remove it at the deadline: the Trainer evaluated and saved at the notice, the
+       restarted group resumed from that checkpoint and redid only the steps taken after it.
     2. Epoch 2: a worker of that group is SIGKILLed: the group restarts from epoch 1's checkpoint
        (resumed, not restarted: epoch 1's evaluation in metrics.csv is the one from before the
        kill), and the run ends as an uninterrupted one would, 64 steps (1,024 rows / 32 × 2).
@@ -133,7 +139,12 @@ def test_a_preempted_node_then_a_lost_worker_cost_only_their_steps_and_the_check
         driver = Driver(
             train_command(tmp_path, data_dir, "preempted"), cluster.address, tmp_path / "d.log"
         )
-        wait_for(lambda: progress_step(run_dir) >= 4, 300, "step 4")
+        wait_for(lambda: progress_step(run_dir) >= 4, 300, "step 4", poll_s=0.05)
+        started, from_step = time.monotonic(), progress_step(run_dir)
+        wait_for(lambda: progress_step(run_dir) >= from_step + 2, 120, "2 more steps", 0.05)
+        step_s = (time.monotonic() - started) / (progress_step(run_dir) - from_step)
+        low, high = DEADLINE_BOUNDS_S
+        deadline_s = round(min(max(DEADLINE_STEPS * step_s, low), high))
         victim_rank, victim_node = next(
             (rank, node)
             for rank, node in sorted(cluster.train_workers().items())
@@ -142,9 +153,9 @@ def test_a_preempted_node_then_a_lost_worker_cost_only_their_steps_and_the_check
         # Read before and after: the `ray drain-node` call takes seconds, and the workers may see
         # the notice (and checkpoint) before it returns.
         step_before_drain = progress_step(run_dir)
-        cluster.drain(victim_node, deadline_s=DEADLINE_S)
+        cluster.drain(victim_node, deadline_s=deadline_s)
         step_at_drain = progress_step(run_dir)
-        time.sleep(DEADLINE_S)
+        time.sleep(deadline_s)
         cluster.remove_node(victim_node)  # the cloud reclaims the machine
         seen = kill_a_worker_in_epoch_2(cluster, run_dir)
         assert driver.wait(timeout_s=600) == 0, driver.log()
@@ -162,7 +173,10 @@ def test_a_preempted_node_then_a_lost_worker_cost_only_their_steps_and_the_check
     # went (the end of epoch 1 when the deadline outlasts it).
     assert preempted["resumed_at_step"] >= preemption["checkpoint_step"]
     assert preempted["steps_redone"] == preempted["last_step_before"] - preempted["resumed_at_step"]
-    print(f"preemption at step {preemption['checkpoint_step']}: {preempted['steps_redone']} redone")
+    print(
+        f"preemption at step {preemption['checkpoint_step']} ({step_s:.2f} s a step, deadline "
+        f"{deadline_s} s): {preempted['steps_redone']} redone"
+    )
     # 2. The lost worker: resumed from epoch 1's checkpoint, not restarted.
     assert lost_worker["cause"] == "worker failure"
     assert lost_worker["resumed_at_step"] == STEPS_PER_EPOCH < seen["step"]
