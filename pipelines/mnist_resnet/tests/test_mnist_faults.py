@@ -132,15 +132,16 @@ def test_a_preempted_node_a_killed_driver_and_a_killed_worker_cost_only_their_st
        deadline.
     2. A node joins again (as KubeRay replaces it). The driver is SIGKILLed 4 steps past the
        restarted group's first checkpoint C in epoch 2 or later (every 8 steps; its controller
-       and workers go with it)
-       and the same command is run again: it resumes from C (the last complete checkpoint, even
-       when the kill came before the controller registered it), metrics.csv has each epoch once,
-       Ray's registry lists each checkpoint once and every one it lists is complete.
+       and workers go with it) and the same command is run again: it resumes from C (the last
+       complete checkpoint, even when the kill came before the controller registered it),
+       metrics.csv has each epoch once, Ray's registry lists each checkpoint once and every one
+       it lists is complete.
     3. The rerun's group loses a worker (SIGKILL) 2 steps past its first checkpoint, C + 8:
        FailureConfig restarts the group from that mid-epoch checkpoint, which trains exactly the
        rest of its epoch.
-    The steps are counted from what happened, not fixed: a fast box trains ~60 steps through the
-    deadline, a slow one ~15, so the run has 3 epochs and each fault waits for the one before.
+    The steps are counted from what happened, not fixed: alone here the preempted group trained
+    ~40 steps through an 8 s deadline, beside another fault test 4-7 through 10 s; so the run has
+    3 epochs and each fault waits for the one before.
     Through all of it every row of each epoch is trained exactly once (the --record-row-ids audit:
     a group that restarted an epoch would train its first batches' rows twice, one that skipped to
     the next epoch would leave rows out), and MLflow holds one run with every step once.
