@@ -33,12 +33,11 @@ pytestmark = pytest.mark.faults
 # are 272 MB, which with the evaluation took longer than 8 s on a 2-core box (the group was stopped
 # mid-upload at the deadline; the torn checkpoint was skipped and the run started over), and longer
 # than 22 s on one a third as fast (~180 images/s, beside another fault test: the run then started
-# over from step 0, no preemption recorded). Clouds give 30 s (GCP) to 2 minutes (AWS).
-# The drain's deadline in this box's own steps, measured before the drain: twice what the notice's
-# evaluation and 272 MB checkpoint take (12 steps' time here: 8.4 s at 0.68 s a step; a fixed 25 s
-# was too short beside another test on a box at ~180 images/s), and short enough that the group
-# does not end its 64 steps first (a fixed 60 s is 88 steps at 0.68 s). Bounded, as a step
-# measured beside another test may not be the next one's.
+# over from step 0, no preemption recorded). Clouds give 30 s (GCP) to 2 minutes (AWS). So the
+# drain's deadline is counted in the box's own steps, measured before the drain: twice what the
+# notice's checkpoint takes (12 steps' time here: 8.4 s at 0.68 s a step), and short enough that
+# the group does not end its 64 steps first (a fixed 60 s is 88 steps at 0.68 s). Bounded, as a
+# step measured beside another test may not be the next one's.
 DEADLINE_STEPS = 24
 DEADLINE_BOUNDS_S = (20, 90)
 STEPS_PER_EPOCH = 32  # train_command's 1,024 rows at 32 rows a step
