@@ -102,6 +102,13 @@ def kill_a_worker_in_epoch_2(cluster: MultiNodeCluster, run_dir: Path) -> dict[s
     raise TimeoutError("waited 400 s for step 34 of the restarted group")
 
 
+def seconds_a_step(run_dir: Path) -> float:
+    """The run's time per step now, over the next 2 steps of rank 0's progress note."""
+    started, from_step = time.monotonic(), progress_step(run_dir)
+    wait_for(lambda: progress_step(run_dir) >= from_step + 2, 120, "2 more steps", poll_s=0.05)
+    return (time.monotonic() - started) / (progress_step(run_dir) - from_step)
+
+
 def epoch_1_history(run_dir: Path) -> list[dict[str, Any]] | None:
     """The Trainer's log history in epoch 1's checkpoint (step 32), once it is in the run folder
     whole; None before."""
@@ -139,9 +146,7 @@ def test_a_preempted_node_then_a_lost_worker_cost_only_their_steps_and_the_check
             train_command(tmp_path, data_dir, "preempted"), cluster.address, tmp_path / "d.log"
         )
         wait_for(lambda: progress_step(run_dir) >= 4, 300, "step 4", poll_s=0.05)
-        started, from_step = time.monotonic(), progress_step(run_dir)
-        wait_for(lambda: progress_step(run_dir) >= from_step + 2, 120, "2 more steps", 0.05)
-        step_s = (time.monotonic() - started) / (progress_step(run_dir) - from_step)
+        step_s = seconds_a_step(run_dir)
         low, high = DEADLINE_BOUNDS_S
         deadline_s = round(min(max(DEADLINE_STEPS * step_s, low), high))
         victim_rank, victim_node = next(
