@@ -293,7 +293,7 @@ class MetricSink:
             queue.Queue()
         )
         self._last_step: dict[str, int] | None = None
-        self._client: Any = None  # the sender thread's MLflow client, made on first send
+        self._client: Any = None  # the sender thread's MLflow client, made as it starts
         self._thread: threading.Thread | None = None
         if tracked is not None:
             self._thread = threading.Thread(target=self._send_loop, name="mlflow-sink", daemon=True)
@@ -333,7 +333,11 @@ class MetricSink:
         """The sender thread: take what was queued, send it, retry every RETRY_EVERY_S while the
         store is away, and release the flushes waiting on it."""
         pending: list[Any] = []
-        failing_since: float | None = None
+        # Connect now, not at the first value: the store's start-up (MLflow's imports, SQLAlchemy's
+        # schema check: ~2.5 CPU-seconds) then overlaps the run's own start, where at the first
+        # checkpoint's flush it delayed the checkpoint. On a loaded 2-core box that took more than
+        # the 9 s a preemption notice had left, and the run lost the notice's checkpoint.
+        failing_since = self._send(pending, None)
         closing = False
         while not closing:
             try:
