@@ -119,8 +119,9 @@ def free_port() -> int:
 @pytest.fixture
 def mlflow_server(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """A real `mlflow server` on loopback (its own process group: it starts a worker process),
-    yielded once it answers its health check: its socket listens before its worker has imported
-    mlflow, and on a busy 2-core box a request in that gap waited past the client's 10 s timeout.
+    yielded once it answers its health check and a request to its store (`healthy`): its socket
+    listens before its worker has imported mlflow and made its store, and on a busy 2-core box a
+    request in that gap waited past the client's 10 s timeout.
     One worker, not MLflow's default 4: each is a process importing mlflow, and this test sends a
     few requests at a time."""
     port = free_port()
@@ -160,9 +161,16 @@ def mlflow_server(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]
 
 
 def healthy(url: str) -> bool:
-    """Whether the server at `url` answers its health check (a worker is serving)."""
+    """Whether the server at `url` answers its health check (a worker is serving) and then a
+    request that reads its store. The worker makes its store at the first such request (MLflow's
+    schema migrations on a new SQLite file): in CI, beside the image's build, that took past the
+    client's two 10 s tries, so the test's first request found tracking off."""
     try:
         with urllib.request.urlopen(f"{url}/health", timeout=5) as answer:
+            if answer.status != 200:
+                return False
+        store = f"{url}/api/2.0/mlflow/experiments/get-by-name?experiment_name=Default"
+        with urllib.request.urlopen(store, timeout=60) as answer:
             return answer.status == 200
     except OSError:  # refused, reset or timed out (URLError is an OSError)
         return False
