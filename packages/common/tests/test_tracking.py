@@ -119,7 +119,7 @@ def free_port() -> int:
 @pytest.fixture
 def mlflow_server(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """A real `mlflow server` on loopback (its own process group: it starts a worker process),
-    yielded once it answers its health check and a request to its store (`healthy`): its socket
+    yielded once it answers its health check and a request to its store (`serving`): its socket
     listens before its worker has imported mlflow and made its store, and on a busy 2-core box a
     request in that gap waited past the client's 10 s timeout.
     One worker, not MLflow's default 4: each is a process importing mlflow, and this test sends a
@@ -150,7 +150,7 @@ def mlflow_server(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 180  # ~15 s on an idle 2-core box
-        while not healthy(url):
+        while not serving(url):
             if time.monotonic() > deadline or server.poll() is not None:
                 log_text = (tmp_path / "server.log").read_text()[-2000:]
                 pytest.fail(f"mlflow server did not answer /health within 180 s:\n{log_text}")
@@ -160,11 +160,11 @@ def mlflow_server(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]
         with_group(server, signal.SIGKILL)
 
 
-def healthy(url: str) -> bool:
-    """Whether the server at `url` answers its health check (a worker is serving) and then a
-    request that reads its store. The worker makes its store at the first such request (MLflow's
-    schema migrations on a new SQLite file): in CI, beside the image's build, that took past the
-    client's two 10 s tries, so the test's first request found tracking off."""
+def serving(url: str) -> bool:
+    """Whether the server at `url` answers its health check (a worker is up) and then a request
+    that reads its store. The worker makes its store at the first such request (MLflow's schema
+    migrations on a new SQLite file): in a fresh clone's `.ci/run`, beside the image's build, that
+    took past the client's two 10 s tries, so the test's first request found tracking off."""
     try:
         with urllib.request.urlopen(f"{url}/health", timeout=5) as answer:
             if answer.status != 200:

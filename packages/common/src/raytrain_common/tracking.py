@@ -334,9 +334,8 @@ class MetricSink:
         store is away, and release the flushes waiting on it."""
         pending: list[Any] = []
         # Connect now, not at the first value: the store's start-up (MLflow's imports, SQLAlchemy's
-        # schema check: ~2.5 CPU-seconds) then overlaps the run's own start, where at the first
-        # checkpoint's flush it delayed the checkpoint. On a loaded 2-core box that took more than
-        # the 9 s a preemption notice had left, and the run lost the notice's checkpoint.
+        # schema check: ~2.5 CPU-seconds) overlaps the run's own start instead of delaying the
+        # first checkpoint's flush, which a preemption notice may leave only seconds for.
         failing_since = self._send(pending, None)
         closing = False
         while not closing:
