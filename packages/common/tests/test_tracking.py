@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -20,6 +21,7 @@ from mlflow.tracking import MlflowClient
 
 from raytrain_common.storage import resolve_storage
 from raytrain_common.tracking import (
+    CLIENT_ENV,
     MetricSink,
     TrackedRun,
     finish_tracked_run,
@@ -182,34 +184,127 @@ def with_group(process: subprocess.Popen[bytes], sig: signal.Signals) -> None:
     process.wait(timeout=30)
 
 
+class Relay:
+    """A TCP relay on loopback in front of the MLflow server. `cut` closes every connection through
+    it and then closes each new one at once, counting them: the store has gone away for the sink
+    (its pooled connections too). `mend` relays again: the store is back, with all it held."""
+
+    def __init__(self, server_url: str) -> None:
+        self._server_port = int(server_url.rsplit(":", 1)[1])
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        self._lock = threading.Lock()
+        self._open: list[socket.socket] = []
+        self._cut = False
+        self.refused = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def cut(self) -> None:
+        with self._lock:
+            self._cut = True
+            for connection in self._open:
+                close(connection)
+            self._open.clear()
+
+    def mend(self) -> None:
+        with self._lock:
+            self._cut = False
+
+    def close(self) -> None:
+        self.cut()
+        self._listener.close()
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):  # the listener was closed
+            while True:
+                client_side, _ = self._listener.accept()
+                with self._lock:
+                    if self._cut:
+                        self.refused += 1
+                        close(client_side)
+                        continue
+                    try:
+                        server_side = socket.create_connection(("127.0.0.1", self._server_port))
+                    except OSError:  # the server is gone: so is the connection
+                        close(client_side)
+                        continue
+                    self._open += [client_side, server_side]
+                for source, target in ((client_side, server_side), (server_side, client_side)):
+                    threading.Thread(target=pump, args=(source, target), daemon=True).start()
+
+
+def pump(source: socket.socket, target: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        while data := source.recv(65536):
+            target.sendall(data)
+    close(source)
+    close(target)
+
+
+def close(connection: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        connection.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in recv on it
+    connection.close()
+
+
+def wait_for_steps(tracked: TrackedRun, last: int) -> list[int]:
+    deadline = time.monotonic() + 60
+    while len(history(tracked, "loss")) < last and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return [step for step, _ in history(tracked, "loss")]
+
+
 def test_a_server_receives_the_run_and_its_loss_mid_run_costs_a_warning_not_the_run(
     tmp_path: Path,
     mlflow_server: tuple[str, subprocess.Popen[bytes]],
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    url, server = mlflow_server
-    tracked = open_run(tmp_path, tracking_uri=url)
-    assert tracked is not None and tracked.tracking_uri == url
+    server_url, server = mlflow_server
+    relay = Relay(server_url)
+    tracked = open_run(tmp_path, tracking_uri=relay.url)
+    assert tracked is not None and tracked.tracking_uri == relay.url
     assert not (tmp_path / "mlflow.db").exists()  # a server given: no local store
     sink = MetricSink(tracked)
     for step in range(1, 4):
         sink.log({"loss": float(step)}, step)
-    deadline = time.monotonic() + 60
-    while len(history(tracked, "loss")) < 3 and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert [step for step, _ in history(tracked, "loss")] == [1, 2, 3]
+    assert wait_for_steps(tracked, 3) == [1, 2, 3]
 
-    with_group(server, signal.SIGKILL)  # the server goes away mid-run
     with caplog.at_level(logging.WARNING):
+        # The server hangs: the sender's request for step 4 cannot be answered before the
+        # client's timeout, so a sink whose `log` waited on a send would take that long here.
+        os.killpg(server.pid, signal.SIGSTOP)
         started = time.monotonic()
         for step in range(4, 200):
             sink.log({"loss": float(step)}, step)  # training goes on: never blocks, never raises
-        assert time.monotonic() - started < 1.0
+        request_timeout_s = float(CLIENT_ENV["MLFLOW_HTTP_REQUEST_TIMEOUT"])
+        assert time.monotonic() - started < request_timeout_s / 2  # a bound, not a speed
+        os.killpg(server.pid, signal.SIGCONT)  # back within the timeout: nothing is lost
+        assert wait_for_steps(tracked, 199) == list(range(1, 200))
+
+        # The store goes away: a warning, and the store is tried again every RETRY_EVERY_S (10 s),
+        # not at every step: in a second of training at 50 steps/s, the failure (one connection
+        # and its one retry) and nothing since. A sink that tried at every step would make ~100.
+        relay.cut()
+        for step in range(200, 250):
+            sink.log({"loss": float(step)}, step)
+            time.sleep(0.02)
+        assert relay.refused <= 2
+        assert "cannot be reached" in caplog.text
+        relay.mend()  # back: the next retry sends what waited, once
+        assert wait_for_steps(tracked, 249) == list(range(1, 250))
+        assert "is back after" in caplog.text
+
+        # The server is lost for good: training goes on, and the run's end costs a warning too.
+        with_group(server, signal.SIGKILL)
+        caplog.clear()
+        for step in range(250, 260):
+            sink.log({"loss": float(step)}, step)
         sink.close(timeout_s=30)
-        finish_tracked_run(tracked)  # at the end too: a warning, no exception
+        finish_tracked_run(tracked)
     assert "cannot be reached" in caplog.text
     assert "could not finish MLflow run" in caplog.text
+    relay.close()
     # A run that starts while the server is down trains untracked, after a warning.
     with caplog.at_level(logging.WARNING):
-        assert open_run(tmp_path, run_name="later", tracking_uri=url) is None
+        assert open_run(tmp_path, run_name="later", tracking_uri=server_url) is None
     assert "MLflow tracking is off for this run" in caplog.text

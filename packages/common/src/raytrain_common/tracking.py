@@ -337,15 +337,21 @@ class MetricSink:
         # schema check: ~2.5 CPU-seconds) overlaps the run's own start instead of delaying the
         # first checkpoint's flush, which a preemption notice may leave only seconds for.
         failing_since = self._send(pending, None)
+        tried_at = time.monotonic()
         closing = False
         while not closing:
+            retry_in = tried_at + RETRY_EVERY_S - time.monotonic()
             try:
-                first: object = self._queue.get(timeout=RETRY_EVERY_S if pending else None)
+                first: object = self._queue.get(timeout=max(retry_in, 0.0) if pending else None)
             except queue.Empty:
                 first = _RETRY
             closing, flushes = self._take_queued(first, pending)
             del pending[:-PENDING_LIMIT]
-            failing_since = self._send(pending, failing_since)
+            # While the store is away, a value logged waits for the next retry: trying the store
+            # at every step would take the GIL from the training loop for each failed request.
+            if failing_since is None or closing or time.monotonic() >= tried_at + RETRY_EVERY_S:
+                failing_since = self._send(pending, failing_since)
+                tried_at = time.monotonic()
             for flushed in flushes:
                 flushed.set()
 
