@@ -94,11 +94,12 @@ def own_last_line(output: str) -> str:
     return own[-1]
 
 
-def test_a_healthy_two_node_cluster_passes_every_check_in_under_a_minute(
+def test_a_healthy_two_node_cluster_passes_every_check(
     two_nodes: MultiNodeCluster, tmp_path: Path
 ) -> None:
+    """Every check OK. How long it takes is a benchmark's figure (docs/benchmarks.md: 16 rows in
+    9 s on this box), not this test's: beside another test on CI's box it took 42 s."""
     storage = tmp_path / "runs"
-    start = time.monotonic()
     code, report, output = doctor(
         two_nodes.address,
         tmp_path,
@@ -113,9 +114,8 @@ def test_a_healthy_two_node_cluster_passes_every_check_in_under_a_minute(
         "--placement-strategy",
         "SPREAD",
     )
-    seconds = time.monotonic() - start
     assert code == 0, output
-    assert report["ok"] and seconds < 60, output
+    assert report["ok"], output
     assert {row["status"] for row in report["rows"]} == {"OK"}, output
     checks = {row["check"] for row in report["rows"]}
     assert {
