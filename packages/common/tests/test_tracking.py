@@ -268,6 +268,7 @@ def test_a_server_receives_the_run_and_its_loss_mid_run_costs_a_warning_not_the_
     for step in range(1, 4):
         sink.log({"loss": float(step)}, step)
     assert wait_for_steps(tracked, 3) == [1, 2, 3]
+    assert sink.flush()  # and the sender has its answer: a lost answer would send them again
 
     with caplog.at_level(logging.WARNING):
         # The server hangs: the sender's request for step 4 cannot be answered before the
@@ -280,6 +281,7 @@ def test_a_server_receives_the_run_and_its_loss_mid_run_costs_a_warning_not_the_
         assert time.monotonic() - started < request_timeout_s / 2  # a bound, not a speed
         os.killpg(server.pid, signal.SIGCONT)  # back within the timeout: nothing is lost
         assert wait_for_steps(tracked, 199) == list(range(1, 200))
+        assert sink.flush()
 
         # The store goes away: a warning, and the store is tried again every RETRY_EVERY_S (10 s),
         # not at every step: in a second of training at 50 steps/s, the failure (one connection
