@@ -155,7 +155,7 @@ def mlflow_server(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]
         while not serving(url):
             if time.monotonic() > deadline or server.poll() is not None:
                 log_text = (tmp_path / "server.log").read_text()[-2000:]
-                pytest.fail(f"mlflow server did not answer /health within 180 s:\n{log_text}")
+                pytest.fail(f"mlflow server did not serve its store within 180 s:\n{log_text}")
             time.sleep(0.5)
         yield url, server
     finally:
@@ -164,9 +164,8 @@ def mlflow_server(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]
 
 def serving(url: str) -> bool:
     """Whether the server at `url` answers its health check (a worker is up) and then a request
-    that reads its store. The worker makes its store at the first such request (MLflow's schema
-    migrations on a new SQLite file): in a fresh clone's `.ci/run`, beside the image's build, that
-    took past the client's two 10 s tries, so the test's first request found tracking off."""
+    that reads its store, which its worker makes at the first such request (MLflow's migrations on
+    a new SQLite file: past the client's two 10 s tries once, beside the image's build)."""
     try:
         with urllib.request.urlopen(f"{url}/health", timeout=5) as answer:
             if answer.status != 200:
@@ -203,7 +202,7 @@ class Relay:
         with self._lock:
             self._cut = True
             for connection in self._open:
-                close(connection)
+                close_socket(connection)
             self._open.clear()
 
     def mend(self) -> None:
@@ -221,12 +220,12 @@ class Relay:
                 with self._lock:
                     if self._cut:
                         self.refused += 1
-                        close(client_side)
+                        close_socket(client_side)
                         continue
                     try:
                         server_side = socket.create_connection(("127.0.0.1", self._server_port))
                     except OSError:  # the server is gone: so is the connection
-                        close(client_side)
+                        close_socket(client_side)
                         continue
                     self._open += [client_side, server_side]
                 for source, target in ((client_side, server_side), (server_side, client_side)):
@@ -237,11 +236,11 @@ def pump(source: socket.socket, target: socket.socket) -> None:
     with contextlib.suppress(OSError):
         while data := source.recv(65536):
             target.sendall(data)
-    close(source)
-    close(target)
+    close_socket(source)
+    close_socket(target)
 
 
-def close(connection: socket.socket) -> None:
+def close_socket(connection: socket.socket) -> None:
     with contextlib.suppress(OSError):
         connection.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in recv on it
     connection.close()

@@ -340,16 +340,18 @@ class MetricSink:
         tried_at = time.monotonic()
         closing = False
         while not closing:
-            retry_in = tried_at + RETRY_EVERY_S - time.monotonic()
+            retry_at = tried_at + RETRY_EVERY_S
             try:
-                first: object = self._queue.get(timeout=max(retry_in, 0.0) if pending else None)
+                first: object = self._queue.get(
+                    timeout=max(retry_at - time.monotonic(), 0.0) if pending else None
+                )
             except queue.Empty:
                 first = _RETRY
             closing, flushes = self._take_queued(first, pending)
             del pending[:-PENDING_LIMIT]
             # While the store is away, a value logged waits for the next retry: trying the store
             # at every step would take the GIL from the training loop for each failed request.
-            if failing_since is None or closing or time.monotonic() >= tried_at + RETRY_EVERY_S:
+            if failing_since is None or closing or time.monotonic() >= retry_at:
                 failing_since = self._send(pending, failing_since)
                 tried_at = time.monotonic()
             for flushed in flushes:
