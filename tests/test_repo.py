@@ -179,10 +179,22 @@ def test_the_common_wheel_ships_no_test_harness() -> None:
     harness = {p.stem for p in (ROOT / "packages/testkit/src/raytrain_testkit").glob("*.py")}
     assert {"multinode", "memory_cap", "scaling", "vocabulary"} <= harness
     assert not harness & {p.stem for p in common.glob("*.py")} - {"__init__"}
-    for source in [*common.glob("*.py"), *ROOT.glob("pipelines/*/src/*/*.py")]:
-        if source.stem.startswith("bench"):
-            continue  # benchmarks are run by nox sessions, where the harness is installed
+    for source in [*common.rglob("*.py"), *ROOT.glob("pipelines/*/src/*/*.py")]:
         assert "raytrain_testkit" not in source.read_text(), source
+
+
+def test_no_benchmark_ships_in_an_installed_package() -> None:
+    """Benchmarks live in benchmarks/<pipeline>/ and run from their nox sessions; a pipeline's
+    package holds what its copier trains with, and each session's module is there."""
+    shipped = [*ROOT.glob("pipelines/*/src/**/*.py"), *ROOT.glob("packages/*/src/**/*.py")]
+    assert not [p for p in shipped if p.stem.startswith("bench") or p.stem == "baseline"]
+    modules = set()
+    for sessions in ROOT.glob("pipelines/*/sessions.py"):
+        package = re.search(r'^PACKAGE = "(\w+)"', sessions.read_text(), re.M)
+        assert package, sessions
+        for module in re.findall(r'f"benchmarks\.\{PACKAGE\}\.(\w+)"', sessions.read_text()):
+            modules.add(ROOT / "benchmarks" / package.group(1) / f"{module}.py")
+    assert modules and all(module.is_file() for module in modules), modules
 
 
 @pytest.mark.parametrize("package", ["common", "testkit"])
@@ -228,7 +240,8 @@ def load_copy_tool(repo: Path) -> ModuleType:
 
 
 def copy_pipeline(repo: Path, origin: str) -> str:
-    """`origin` copied as `copy_of_<origin>` by the tool, once per scratch repository."""
+    """`origin` copied as `copy_of_<origin>` by the tool with its benchmarks, once per scratch
+    repository."""
     name = f"copy_of_{origin}"
     if not (repo / "pipelines" / name).exists():
         done = subprocess.run(
@@ -239,6 +252,7 @@ def copy_pipeline(repo: Path, origin: str) -> str:
                 origin,
                 "--name",
                 name,
+                "--with-benchmarks",
             ],
             capture_output=True,
             text=True,
@@ -316,6 +330,12 @@ def test_a_copied_pipeline_differs_from_its_origin_only_in_the_renamed_names(
             if a != b
         ]
         assert all(a and b and ALLOWED_CHANGES.match(a) for a, b in changed), (relative, changed)
+    benchmarks = scratch_repo / "benchmarks"
+    bench_files = sorted(p.name for p in (benchmarks / origin).glob("*.py"))
+    assert bench_files == sorted(p.name for p in (benchmarks / name).glob("*.py"))
+    for bench in bench_files:
+        text = (benchmarks / name / bench).read_text()
+        assert tool.rename(text, new, old) == (benchmarks / origin / bench).read_text(), bench
     changelog = (copy / "CHANGELOG.md").read_text()
     assert "## 0.1.0" in changelog and f"Copied from `{origin}` {old.version}" in changelog
 

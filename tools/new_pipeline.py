@@ -207,6 +207,25 @@ def copy_pipeline(origin: Path, target: Path, name: str, today: str) -> None:
     )
 
 
+def copy_benchmarks(origin: str, name: str, benchmarks_to: Path) -> Path | None:
+    """benchmarks/<origin>/ renamed into benchmarks_to/<name>/ (with the tree's __init__.py);
+    None when the origin has no benchmarks."""
+    source = ROOT / "benchmarks" / origin
+    if not source.is_dir():
+        return None
+    old, new = PipelineNames.of(ROOT / "pipelines" / origin), PipelineNames.new(name)
+    target = benchmarks_to / name
+    shutil.copytree(source, target, ignore=SKIPPED)
+    if not (benchmarks_to / "__init__.py").exists():
+        shutil.copy2(ROOT / "benchmarks" / "__init__.py", benchmarks_to / "__init__.py")
+    for path in sorted(target.rglob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        renamed = rename(text, old, new)
+        if renamed != text:
+            path.write_text(renamed, encoding="utf-8")
+    return target
+
+
 def write_manifest(repo_from: Path, origin: str, deploy_to: Path, name: str) -> None:
     """deploy/rayjob/<origin>.yaml renamed into deploy_to/rayjob/<name>.yaml."""
     source = repo_from / "deploy" / "rayjob" / f"{origin}.yaml"
@@ -309,16 +328,19 @@ STANDALONE_FILES = [
 ]
 
 
-def packages_needed(pipeline: Path) -> list[str]:
+def packages_needed(pipeline: Path, benchmarks: Path | None = None) -> list[str]:
     """The shared packages a standalone copy takes: common always; testkit (multi-node clusters,
-    memory caps) only when one of the copied tests imports it, for it is not needed to train."""
-    tests = (pipeline / "tests").rglob("*.py")
+    memory caps, scaling measures) only when a copied test or benchmark imports it, for it is not
+    needed to train."""
+    tests = [*(pipeline / "tests").rglob("*.py"), *(benchmarks.rglob("*.py") if benchmarks else [])]
     return ["common"] + (
         ["testkit"] if any("raytrain_testkit" in t.read_text() for t in tests) else []
     )
 
 
-def write_standalone(origin: str, name: str, out: Path, today: str) -> None:
+def write_standalone(
+    origin: str, name: str, out: Path, today: str, with_benchmarks: bool = False
+) -> None:
     """A project of its own in `out`: the pipeline, packages/common, the noxfile, deploy, tests."""
     if out.exists() and any(out.iterdir()):
         raise CopyError(f"--out {out} is not empty: give a new or empty folder")
@@ -326,7 +348,10 @@ def write_standalone(origin: str, name: str, out: Path, today: str) -> None:
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
         copy_pipeline(ROOT / "pipelines" / origin, staging / "pipelines" / name, name, today)
-        packages = packages_needed(staging / "pipelines" / name)
+        benchmarks = (
+            copy_benchmarks(origin, name, staging / "benchmarks") if with_benchmarks else None
+        )
+        packages = packages_needed(staging / "pipelines" / name, benchmarks)
         for package in packages:
             shutil.copytree(
                 ROOT / "packages" / package, staging / "packages" / package, ignore=SKIPPED
@@ -361,22 +386,29 @@ def write_overlay(deploy: Path, rayjob: str) -> None:
     write_atomically(deploy / "overlays" / "example" / "kustomization.yaml", patched)
 
 
-def add_to_repo(origin: str, name: str, today: str) -> list[Path]:
-    """pipelines/<name> and deploy/rayjob/<name>.yaml in this repository; the kustomize list."""
+def add_to_repo(origin: str, name: str, today: str, with_benchmarks: bool = False) -> list[Path]:
+    """pipelines/<name> and deploy/rayjob/<name>.yaml in this repository (and benchmarks/<name>
+    when asked); the kustomize list."""
     target = ROOT / "pipelines" / name
     staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=ROOT / "pipelines"))
     staging.rmdir()  # copytree creates it
     manifest = ROOT / "deploy" / "rayjob" / f"{name}.yaml"
+    benchmarks: Path | None = None
     try:
         copy_pipeline(ROOT / "pipelines" / origin, staging, name, today)
         write_manifest(ROOT, origin, ROOT / "deploy", name)
+        if with_benchmarks and (ROOT / "benchmarks" / name).exists():
+            raise CopyError(f"benchmarks/{name} exists: choose another --name, or delete it first")
+        benchmarks = copy_benchmarks(origin, name, ROOT / "benchmarks") if with_benchmarks else None
         staging.rename(target)
         write_kustomization(ROOT / "deploy" / "rayjob")
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         manifest.unlink(missing_ok=True)
+        if benchmarks is not None:
+            shutil.rmtree(benchmarks, ignore_errors=True)
         raise
-    return [target, manifest]
+    return [target, manifest, *([benchmarks] if benchmarks else [])]
 
 
 def tidy(paths: list[Path]) -> None:
@@ -400,6 +432,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--from", dest="origin", required=True, help="the pipeline to copy")
     parser.add_argument("--name", required=True, help="the copy's package name, e.g. my_vision")
     parser.add_argument("--out", type=Path, help="write a standalone project into this folder")
+    parser.add_argument(
+        "--with-benchmarks",
+        action="store_true",
+        help="also copy benchmarks/<from>/ as benchmarks/<name>/ (its bench_* sessions need it)",
+    )
     return parser.parse_args(argv)
 
 
@@ -415,14 +452,14 @@ def main(argv: list[str] | None = None) -> int:
             raise CopyError(f"--out {out} is inside this repository: give a folder outside it")
         check_name(args.name, args.origin, ROOT, out)
         if out is not None:
-            write_standalone(args.origin, args.name, out, today)
+            write_standalone(args.origin, args.name, out, today, args.with_benchmarks)
             tidy([out])
             print(
                 f"wrote the standalone project {out}: cd there, then `nox -s lint tests manifests faults`"
             )
         else:
-            written = add_to_repo(args.origin, args.name, today)
-            tidy([written[0]])
+            written = add_to_repo(args.origin, args.name, today, args.with_benchmarks)
+            tidy([written[0], *written[2:]])
             shown = ", ".join(str(p.relative_to(ROOT)) for p in written)
             print(
                 f"wrote {shown}; its sessions: `nox -s {args.name}`, `nox -s {args.name}_gpu`, "

@@ -149,6 +149,18 @@ def run_in_stack(session: nox.Session, python: str, *args: str) -> None:
     session.run(python, *args, external=True, env=RUN_ENV)
 
 
+def run_benchmark(session: nox.Session, python: str, module: str, *args: str) -> None:
+    """`python -m module args` for a benchmark under benchmarks/ (never part of an installed
+    package); a copy made without `--with-benchmarks` says how to get them instead of failing
+    on an import."""
+    if not (ROOT / Path(*module.split("."))).with_suffix(".py").is_file():
+        session.error(
+            f"{module} is not here: this copy was made without its benchmarks "
+            "(`nox -s new_pipeline -- ... --with-benchmarks` copies them)"
+        )
+    run_in_stack(session, python, "-m", module, *args)
+
+
 def require_gpus(session: nox.Session, *, cpu_session: str, manifest: str) -> int:
     """The visible GPU count; a GPU session without one stops before installing anything."""
     gpus = visible_gpus()

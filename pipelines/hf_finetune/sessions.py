@@ -7,7 +7,7 @@ from pathlib import Path
 
 import nox
 
-from nox_stack import require_gpus, run_in_stack, run_location, stack_python
+from nox_stack import require_gpus, run_benchmark, run_in_stack, run_location, stack_python
 
 PACKAGE = "hf_finetune"
 SESSION = "hf_finetune"  # also names `<SESSION>_gpu`
@@ -56,7 +56,7 @@ def gpu(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Pre-tokenisation rows/s: Ray Data ÷ `datasets.map(batched=True)`, same rows, same cores."""
     python = stack_python(session)
-    run_in_stack(session, python, "-m", f"{PACKAGE}.bench_tokenize", *session.posargs)
+    run_benchmark(session, python, f"benchmarks.{PACKAGE}.bench_tokenize", *session.posargs)
 
 
 @nox.session(name=SWEEP_SESSION, venv_backend="none")

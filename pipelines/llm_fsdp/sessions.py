@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import nox
 
-from nox_stack import require_gpus, run_in_stack, run_location, stack_python, visible_gpus
+from nox_stack import (
+    require_gpus,
+    run_benchmark,
+    run_in_stack,
+    run_location,
+    stack_python,
+    visible_gpus,
+)
 
 PACKAGE = "llm_fsdp"
 SESSION = "llm_fsdp"  # also names `<SESSION>_gpu`
@@ -56,10 +63,10 @@ def gpu(session: nox.Session) -> None:
 @nox.session(name="bench_llm_validation", venv_backend="none")
 def bench_validation(session: nox.Session) -> None:
     """Training steps/s with --validation async ÷ inline, runs alternated on the same blocks
-    (`python -m llm_fsdp.bench_validation`; ~8 minutes here)."""
+    (`python -m benchmarks.llm_fsdp.bench_validation`; ~8 minutes here)."""
     python = stack_python(session)
     run_in_stack(session, python, "-m", PACKAGE, "prepare")
-    run_in_stack(session, python, "-m", f"{PACKAGE}.bench_validation", *session.posargs)
+    run_benchmark(session, python, f"benchmarks.{PACKAGE}.bench_validation", *session.posargs)
 
 
 @nox.session(name=BENCH_SESSION, venv_backend="none")
@@ -70,30 +77,30 @@ def bench(session: nox.Session) -> None:
     run_in_stack(
         session, python, "-m", PACKAGE, *(SMOLLM2_PREPARE if visible_gpus() else ["prepare"])
     )
-    run_in_stack(session, python, "-m", f"{PACKAGE}.bench", *session.posargs)
+    run_benchmark(session, python, f"benchmarks.{PACKAGE}.bench", *session.posargs)
 
 
 @nox.session(name="bench_llm_prepare", venv_backend="none")
 def bench_prepare(session: nox.Session) -> None:
     """prepare's tokenise-and-pack tokens/s: Ray tasks ÷ the previous Ray Data actors and ÷
     `datasets.map` on every core, same tokenizer and documents (`python -m
-    llm_fsdp.bench_prepare`)."""
+    benchmarks.llm_fsdp.bench_prepare`)."""
     python = stack_python(session)
-    run_in_stack(session, python, "-m", f"{PACKAGE}.bench_prepare", *session.posargs)
+    run_benchmark(session, python, f"benchmarks.{PACKAGE}.bench_prepare", *session.posargs)
 
 
 @nox.session(name="bench_order", venv_backend="none")
 def bench_order(session: nox.Session) -> None:
     """The cost of choosing one step's rows at 10^5, 10^7 and 10^9 rows: the keyed bijection of
-    `order.py` against drawing the whole permutation (`python -m llm_fsdp.bench_order`)."""
+    `order.py` against drawing the whole permutation (`python -m benchmarks.llm_fsdp.bench_order`)."""
     python = stack_python(session)
-    run_in_stack(session, python, "-m", f"{PACKAGE}.bench_order", *session.posargs)
+    run_benchmark(session, python, f"benchmarks.{PACKAGE}.bench_order", *session.posargs)
 
 
 @nox.session(name="bench_tokens", venv_backend="none")
 def bench_tokens(session: nox.Session) -> None:
     """A step's token reads from S3 (a loopback server) by ranged requests, inline and read ahead,
     against the local file's `preadv`: bytes, requests and ms per step (`python -m
-    llm_fsdp.bench_tokens`)."""
+    benchmarks.llm_fsdp.bench_tokens`)."""
     python = stack_python(session)
-    run_in_stack(session, python, "-m", f"{PACKAGE}.bench_tokens", *session.posargs)
+    run_benchmark(session, python, f"benchmarks.{PACKAGE}.bench_tokens", *session.posargs)

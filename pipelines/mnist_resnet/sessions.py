@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import nox
 
-from nox_stack import require_gpus, run_in_stack, run_location, stack_python
+from nox_stack import require_gpus, run_benchmark, run_in_stack, run_location, stack_python
 
 PACKAGE = "mnist_resnet"
 SESSION = "mnist"  # also names `<SESSION>_gpu`
@@ -54,34 +54,34 @@ def bench(session: nox.Session) -> None:
     here, or the gpu preset with one worker per GPU (MFU, peak memory) where there are GPUs."""
     python = stack_python(session)
     run_in_stack(session, python, "-m", PACKAGE, "prepare")
-    run_in_stack(session, python, "-m", f"{PACKAGE}.bench", *session.posargs)
+    run_benchmark(session, python, f"benchmarks.{PACKAGE}.bench", *session.posargs)
 
 
 @nox.session(name="bench_validation", venv_backend="none")
 def bench_validation(session: nox.Session) -> None:
     """Training steps/s with --validation async ÷ inline, runs alternated on the same rows
-    (`python -m mnist_resnet.bench_validation`; ~6 minutes here)."""
+    (`python -m benchmarks.mnist_resnet.bench_validation`; ~6 minutes here)."""
     python = stack_python(session)
     run_in_stack(session, python, "-m", PACKAGE, "prepare")
-    run_in_stack(session, python, "-m", f"{PACKAGE}.bench_validation", *session.posargs)
+    run_benchmark(session, python, f"benchmarks.{PACKAGE}.bench_validation", *session.posargs)
 
 
 @nox.session(name=f"{BENCH_SESSION}_order", venv_backend="none")
 def bench_order(session: nox.Session) -> None:
     """An image tree's fresh order every epoch: the window mix against a random_shuffle of the
     whole list, on 1.28 M prepared rows, time to the first batch and per epoch
-    (`python -m mnist_resnet.bench_epoch_order`)."""
+    (`python -m benchmarks.mnist_resnet.bench_epoch_order`)."""
     python = stack_python(session)
-    run_in_stack(session, python, "-m", f"{PACKAGE}.bench_epoch_order", *session.posargs)
+    run_benchmark(session, python, f"benchmarks.{PACKAGE}.bench_epoch_order", *session.posargs)
 
 
 @nox.session(name="bench_images", venv_backend="none")
 def bench_images(session: nox.Session) -> None:
     """A synthetic JPEG tree at 1×, 4× and 16× 80,000 files, in place and as shards: prepare's
     time and driver memory, train's first step and memory, ratios to 1×
-    (`python -m mnist_resnet.bench_images`; ~15 minutes and 6 GB of disk here)."""
+    (`python -m benchmarks.mnist_resnet.bench_images`; ~15 minutes and 6 GB of disk here)."""
     python = stack_python(session)
-    run_in_stack(session, python, "-m", f"{PACKAGE}.bench_images", *session.posargs)
+    run_benchmark(session, python, f"benchmarks.{PACKAGE}.bench_images", *session.posargs)
 
 
 @nox.session(name=SWEEP_SESSION, venv_backend="none")

@@ -33,11 +33,11 @@ from pathlib import Path
 
 import pytest
 
-from hf_finetune.bench_data import write_dataset
 from hf_finetune.data import read_vader
 from raytrain_common.pretokenize import STATS_FILE
 from raytrain_testkit.memory_cap import unavailable
 from raytrain_testkit.multinode import Driver, train_capped_after_baseline
+from raytrain_testkit.scaling import write_labelled_csv
 
 pytestmark = [
     pytest.mark.memory_cap,
@@ -56,7 +56,7 @@ def prepare_csv(vader_sdist: Path, root: Path) -> Path:
     vader = read_vader(vader_sdist)
     sentences = list(zip(vader["text"].to_pylist(), vader["label"].to_pylist(), strict=True))
     source, data_dir = root / "reviews.csv", root / "data-1x"
-    write_dataset(sentences, len(sentences), source)
+    write_labelled_csv(sentences, len(sentences), source)
     subprocess.run(
         [
             sys.executable,

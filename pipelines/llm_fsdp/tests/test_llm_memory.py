@@ -30,11 +30,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from llm_fsdp.bench_data import write_corpus
 from llm_fsdp.data import GPT2_TOKENIZER, read_shakespeare
 from llm_fsdp.tokens import HEADER_BYTES, TOKEN_FILE, TokenBlocks, TokenFileWriter
 from raytrain_testkit.memory_cap import unavailable
 from raytrain_testkit.multinode import Driver, train_capped_after_baseline
+from raytrain_testkit.scaling import write_document_copies
 
 pytestmark = [
     pytest.mark.memory_cap,
@@ -53,7 +53,7 @@ def prepare_corpus(works: list[str], root: Path) -> Path:
     """Shakespeare prepared with GPT-2's tokenizer by the CLI, in a process and a local cluster of
     its own (not under the cap: the cap is on training)."""
     corpus, data_dir = root / "corpus", root / "data-1x"
-    write_corpus(works, 1, corpus)
+    write_document_copies(works, 1, corpus)
     subprocess.run(
         [
             sys.executable,

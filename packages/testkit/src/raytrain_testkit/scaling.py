@@ -15,6 +15,7 @@ summary.json's `worker_peak_rss_mb`).
 
 from __future__ import annotations
 
+import csv
 import json
 import runpy
 import subprocess
@@ -24,7 +25,33 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from raytrain_common.hardware import peak_rss_mb
+
+
+def write_labelled_csv(sentences: list[tuple[str, str]], rows: int, path: Path) -> None:
+    """`rows` labelled sentences as a CSV (text, label): VADER's in a seeded order (its file holds
+    one source after another, amazon reviews first, so its first rows are shorter than the
+    whole), repeated, every row marked with its copy number so no two rows are equal and every
+    size has the same length distribution (throughput at 1× and 16× is then comparable)."""
+    order = np.random.default_rng(0).permutation(len(sentences))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="", encoding="utf-8") as stream:
+        writer = csv.writer(stream)
+        writer.writerow(["text", "label"])
+        for index in range(rows):
+            text, label = sentences[order[index % len(sentences)]]
+            writer.writerow([f"{text} ({index // len(sentences)})", label])
+
+
+def write_document_copies(works: list[str], copies: int, folder: Path) -> None:
+    """`copies` copies of every work, one text file each (what a folder of documents looks like)."""
+    for copy in range(copies):
+        part = folder / f"copy{copy:03d}"
+        part.mkdir(parents=True, exist_ok=True)
+        for index, work in enumerate(works):
+            (part / f"work{index:02d}.txt").write_text(work, encoding="utf-8")
 
 
 @dataclass

@@ -1,10 +1,9 @@
-"""`mnist-resnet prepare | train | baseline | predict`: the commands a user runs, each with
+"""`mnist-resnet prepare | train | sweep | predict`: the commands a user runs, each with
 --help."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 import tempfile
@@ -70,12 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_config_options(prepare, PrepareConfig)
 
-    for name, text in (
-        ("train", "train with Ray Train; rerun with the same --run-name to continue"),
-        ("baseline", "the same training in one plain PyTorch process"),
-    ):
-        sub = commands.add_parser(name, help=text)
-        add_config_options(sub, TrainConfig, PRESETS)
+    train = commands.add_parser(
+        "train", help="train with Ray Train; rerun with the same --run-name to continue"
+    )
+    add_config_options(train, TrainConfig, PRESETS)
 
     sweep = commands.add_parser(
         "sweep",
@@ -238,14 +235,6 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_baseline(args: argparse.Namespace) -> int:
-    from mnist_resnet.baseline import run_baseline
-
-    result = run_baseline(config_from_args(args, TrainConfig, PRESETS))
-    print(json.dumps(result, indent=2))
-    return 0
-
-
 def cmd_predict(args: argparse.Namespace) -> int:
     from mnist_resnet.predict import classify_files, predict, predict_files
 
@@ -284,6 +273,5 @@ COMMANDS = {
     "prepare": cmd_prepare,
     "train": cmd_train,
     "sweep": cmd_sweep,
-    "baseline": cmd_baseline,
     "predict": cmd_predict,
 }

@@ -69,7 +69,7 @@ class ResNet18(nn.Module):
 
     `width` is the first stage's channels; each later stage doubles them. 64 is the published
     ResNet18 (11.2 M parameters). 16 has 0.7 M and trains ~11× the images a second on a 2-core
-    CPU (`mnist-resnet baseline`, docs/benchmarks.md): for smoke runs, and for the tests, whose
+    CPU (`python -m benchmarks.mnist_resnet.baseline`, docs/benchmarks.md): for smoke runs, and for the tests, whose
     runs check the pipeline (every row once, resumes, faults), not the network.
     """
 

@@ -80,7 +80,7 @@ def fetch(root: StoragePath, paths: list[str]) -> list[io.BytesIO | OSError]:
 
     Not Ray Data's `with_column(..., download(...))`, for two reasons: it returns None for a file
     it cannot read and logs why only at debug level, where prepare's bad_files.csv and training's
-    skip line name the cause; and it is slower here. `python -m mnist_resnet.bench_fetch` (2,048
+    skip line name the cause; and it is slower here. `python -m benchmarks.mnist_resnet.bench_fetch` (2,048
     PNG files of 0.9 KB, blocks of 256, best of 3 alternated rounds in one run, 2-core box shared
     with a training run, 2026-11-26): 1,777 ÷ 552 files/s = 3.22 from a local folder, 186 ÷ 108
     = 1.72 from an S3 protocol server on loopback."""

@@ -9,48 +9,30 @@ training rows/s (summary.json's `sentences_per_s`: over the progress windows aft
 neither start-up nor the validation pass at the stop, which grows with the split, counts), and the
 ratios largest ÷ smallest.
 
-    python -m hf_finetune.bench_data [--scales 1,4,16] [--base 4096] [--steps 100] [--folder DIR]
+    python -m benchmarks.hf_finetune.bench_data [--scales 1,4,16] [--base 4096] [--steps 100] [--folder DIR]
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
-
 from hf_finetune.data import download_vader, read_vader
-from raytrain_testkit.scaling import ScalePoint, run_measured, scaling_table
+from raytrain_testkit.scaling import ScalePoint, run_measured, scaling_table, write_labelled_csv
 
 GLOBAL_BATCH = 32
 LOG_EVERY = 10  # steps per progress window
-
-
-def write_dataset(sentences: list[tuple[str, str]], rows: int, path: Path) -> None:
-    """`rows` labelled sentences as a CSV (text, label): VADER's in a seeded order (its file holds
-    one source after another, amazon reviews first, so its first rows are shorter than the
-    whole), repeated, every row marked with its copy number so no two rows are equal and every
-    size has the same length distribution (throughput at 1× and 16× is then comparable)."""
-    order = np.random.default_rng(0).permutation(len(sentences))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="", encoding="utf-8") as stream:
-        writer = csv.writer(stream)
-        writer.writerow(["text", "label"])
-        for index in range(rows):
-            text, label = sentences[order[index % len(sentences)]]
-            writer.writerow([f"{text} ({index // len(sentences)})", label])
 
 
 def measure(
     scale: int, base: int, steps: int, sentences: list[tuple[str, str]], root: Path
 ) -> ScalePoint:
     source, data_dir = root / f"reviews-{scale}x.csv", root / f"data-{scale}x"
-    write_dataset(sentences, scale * base, source)
+    write_labelled_csv(sentences, scale * base, source)
     env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
     prepare_mb, prepare_s = run_measured(
         "hf_finetune",

@@ -8,7 +8,7 @@ Ray cluster, as a user runs them. Printed: the peak resident memory of the prepa
 train driver and of the largest training worker, images/s, the bytes of the prepared folder
 beside the tree's (no copy of the images is made), and the ratios largest ÷ smallest.
 
-    python -m mnist_resnet.bench_data [--scales 1,4,16] [--base 2048] [--folder DIR]
+    python -m benchmarks.mnist_resnet.bench_data [--scales 1,4,16] [--base 2048] [--folder DIR]
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`python -m mnist_resnet.bench_fetch`: an image tree's files fetched inside Ray Data, by this
+"""`python -m benchmarks.mnist_resnet.bench_fetch`: an image tree's files fetched inside Ray Data, by this
 pipeline's threaded fetch (`transforms.fetch`, READ_THREADS a task) against Ray Data's own
 `with_column(..., ray.data.expressions.download(...))`, from an S3 protocol server on loopback
 (moto) and from a local folder, in one run on the same cluster: files/s and the ratio."""

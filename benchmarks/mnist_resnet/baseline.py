@@ -27,7 +27,7 @@ from mnist_resnet.train import (
 from raytrain_common.hardware import peak_memory_gb
 from raytrain_common.storage import resolve_storage
 
-log = logging.getLogger("mnist_resnet.baseline")
+log = logging.getLogger("benchmarks.mnist_resnet.baseline")
 
 
 def run_baseline(config: TrainConfig) -> dict[str, Any]:
@@ -88,3 +88,24 @@ def run_baseline(config: TrainConfig) -> dict[str, Any]:
         history.append(row)
         log.info("epoch %d  val accuracy %.4f  %.0f img/s", epoch, accuracy, rate)
     return {"history": history, "threads": torch.get_num_threads(), "device": str(device)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m benchmarks.mnist_resnet.baseline [train flags]`: the plain run, its metrics as
+    JSON (what `mnist-resnet baseline` printed before it left the installed package)."""
+    import argparse
+    import json
+
+    from mnist_resnet.config import PRESETS
+    from raytrain_common.cli import add_config_options, config_from_args
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.mnist_resnet.baseline")
+    add_config_options(parser, TrainConfig, PRESETS)
+    result = run_baseline(config_from_args(parser.parse_args(argv), TrainConfig, PRESETS))
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

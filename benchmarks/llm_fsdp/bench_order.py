@@ -9,7 +9,7 @@ in llm_fsdp: reading one rank's micro-batch of rows (16 × 2,049 uint16 tokens) 
 those rows' offsets in a 1 GiB file, as `llm_fsdp.tokens.TokenBlocks.take` does (page cache warm:
 the file was just written).
 
-    python -m llm_fsdp.bench_order [--global-batch 512] [--steps 200] [--baseline-at-billion]
+    python -m benchmarks.llm_fsdp.bench_order [--global-batch 512] [--steps 200] [--baseline-at-billion]
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ start), seconds for the whole epoch, and how mixed the first batch is (classes a
 tree listed class by class), then the ratios. Defaults to 1.28 M rows (ImageNet's training
 split).
 
-    python -m mnist_resnet.bench_epoch_order [--rows 1280000] [--epochs 2]
+    python -m benchmarks.mnist_resnet.bench_epoch_order [--rows 1280000] [--epochs 2]
 """
 
 from __future__ import annotations

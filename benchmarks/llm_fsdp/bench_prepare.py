@@ -10,7 +10,7 @@ shards by `prepare`'s reader (Ray tasks for a corpus of 64 MiB or more; its rate
 Ray's start-up and one warm-up round of each path on a single copy are left out of the timings (a
 cluster pays them once).
 
-    python -m llm_fsdp.bench_prepare [--copies 16] [--tokenizer gpt2] [--seq-len 1024]
+    python -m benchmarks.llm_fsdp.bench_prepare [--copies 16] [--tokenizer gpt2] [--seq-len 1024]
 """
 
 from __future__ import annotations

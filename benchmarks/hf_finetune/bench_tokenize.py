@@ -5,7 +5,7 @@ Both tokenise the same VADER sentences (repeated to a size where fixed costs sto
 the same fast tokenizer and truncation, on the same cores, and both end with Parquet on disk. Ray's
 start-up and its first-dataset warm-up are timed apart: a cluster pays them once, not per dataset.
 
-    python -m hf_finetune.bench_tokenize [--copies 8] [--rounds 3]
+    python -m benchmarks.hf_finetune.bench_tokenize [--copies 8] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from hf_finetune.data import download_vader, read_vader
 from hf_finetune.model import default_model
 from raytrain_common.storage import resolve_storage
 
-log = logging.getLogger("hf_finetune.bench_tokenize")
+log = logging.getLogger("benchmarks.hf_finetune.bench_tokenize")
 
 
 def corpus(sdist: Path | None, copies: int, download_dir: Path) -> pa.Table:
@@ -87,7 +87,7 @@ def run_ray_data(
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     parser = argparse.ArgumentParser(
-        prog="python -m hf_finetune.bench_tokenize", description=__doc__
+        prog="python -m benchmarks.hf_finetune.bench_tokenize", description=__doc__
     )
     parser.add_argument("--copies", type=int, default=8, help="VADER copies (23,703 rows each)")
     parser.add_argument("--rounds", type=int, default=3, help="measured runs of each")

@@ -8,7 +8,7 @@ end is in (it comes before the report), and so is what an async validation task 
 training workers' cores. On a CPU-only box the task shares the training workers' CPUs; on GPUs it
 would take a GPU or CPUs of its own (--validation-gpus / --validation-cpus).
 
-    python -m mnist_resnet.bench_validation [--rounds 2] [--epochs 4] [--rows 4096]
+    python -m benchmarks.mnist_resnet.bench_validation [--rounds 2] [--epochs 4] [--rows 4096]
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def steps_per_s(config: TrainConfig, validation: str, name: str, folder: Path) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mnist_resnet.bench_validation")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.mnist_resnet.bench_validation")
     parser.add_argument("--rounds", type=int, default=2, help="inline/async pairs, alternated")
     parser.add_argument("--epochs", type=int, default=4, help="epochs per run (≥ 3)")
     parser.add_argument("--rows", type=int, default=4096, help="training rows per epoch")
@@ -80,7 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return measure(args)
     except USER_ERRORS as error:
-        print(f"python -m mnist_resnet.bench_validation: error: {error}", file=sys.stderr)
+        print(
+            f"python -m benchmarks.mnist_resnet.bench_validation: error: {error}", file=sys.stderr
+        )
         return 2
 
 

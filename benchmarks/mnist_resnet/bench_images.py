@@ -11,7 +11,7 @@ and the largest worker's peak memory; then the ratios to 1×. The goals (issue 4
 The images are 16×16 RGB JPEGs of 100 classes (a colour per class, noise over it; 32 encodings per
 class reused, so writing 1.28 M files takes a minute), trained at 28×28 for 10 steps.
 
-    python -m mnist_resnet.bench_images [--scales 1,4,16] [--base 80000] [--folder DIR]
+    python -m benchmarks.mnist_resnet.bench_images [--scales 1,4,16] [--base 80000] [--folder DIR]
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ batch are reported apart, and first, start-up as a user meets it: `mnist-resnet 
 process (its own local Ray cluster), seconds to its first optimiser step, phase by phase
 (summary.json's `startup_phases`).
 
-    python -m mnist_resnet.bench [--preset cpu|gpu] [--rows N] [--epochs N] [--storage-path ./runs]
+    python -m benchmarks.mnist_resnet.bench [--preset cpu|gpu] [--rows N] [--epochs N] [--storage-path ./runs]
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from mnist_resnet.baseline import run_baseline
+from benchmarks.mnist_resnet.baseline import run_baseline
 from mnist_resnet.cli import USER_ERRORS
 from mnist_resnet.config import PRESETS, TrainConfig
 from mnist_resnet.data import inspect_dataset
@@ -56,7 +56,7 @@ RUN_NAME = "bench_mnist"
 # The last version that read rows from node-local row files instead of Ray Data (mnist-resnet
 # 0.10.0).
 PREVIOUS = "caf810e"
-REPOSITORY = Path(__file__).resolve().parents[4]
+REPOSITORY = Path(__file__).resolve().parents[2]
 
 
 def plain_ddp_worker(rank: int, world: int, port: int, config: TrainConfig, results: dict) -> None:
@@ -180,7 +180,9 @@ def training_flops_per_image(num_classes: int, height: int, width: int) -> float
 
 def main(argv: list[str] | None = None) -> int:
     on_gpu = torch.cuda.is_available()
-    parser = argparse.ArgumentParser(prog="python -m mnist_resnet.bench", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.mnist_resnet.bench", description=__doc__
+    )
     preset_default = "gpu" if on_gpu else "cpu"
     parser.add_argument(
         "--preset",
@@ -215,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return measure(args)
     except USER_ERRORS as error:
-        print(f"python -m mnist_resnet.bench: error: {error}", file=sys.stderr)
+        print(f"python -m benchmarks.mnist_resnet.bench: error: {error}", file=sys.stderr)
         return 2
 
 

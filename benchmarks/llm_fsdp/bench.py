@@ -6,7 +6,7 @@ preset (the tiny model) with 2 workers on the CPU cores. Both runs take the same
 blocks with the preset's learning rate, after warm-up steps that hold the compilation; Ray's
 start-up is left out (it is paid once per job).
 
-    python -m llm_fsdp.bench [--preset gpu] [--steps 30] [--warm-up 5] [--workers N]
+    python -m benchmarks.llm_fsdp.bench [--preset gpu] [--steps 30] [--warm-up 5] [--workers N]
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from raytrain_common.hardware import mfu, peak_memory_gb
 from raytrain_common.metrics import read_metrics_csv, write_metrics_csv
 from raytrain_common.storage import resolve_storage
 
-log = logging.getLogger("llm_fsdp.bench")
+log = logging.getLogger("benchmarks.llm_fsdp.bench")
 RUN_NAME = "bench_llm"
 
 
@@ -167,7 +167,9 @@ def bench_config(args: argparse.Namespace) -> TrainConfig:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    parser = argparse.ArgumentParser(prog="python -m llm_fsdp.bench", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.llm_fsdp.bench", description=__doc__
+    )
     default_preset = "gpu" if torch.cuda.is_available() else "cpu"
     parser.add_argument(
         "--preset",
@@ -195,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return measure(args)
     except USER_ERRORS as error:
-        print(f"python -m llm_fsdp.bench: error: {error}", file=sys.stderr)
+        print(f"python -m benchmarks.llm_fsdp.bench: error: {error}", file=sys.stderr)
         return 2
 
 

@@ -1,4 +1,4 @@
-"""`python -m mnist_resnet.bench_augment --source TREE`: which augmentation to train an RGB image
+"""`python -m benchmarks.mnist_resnet.bench_augment --source TREE`: which augmentation to train an RGB image
 tree with, measured. The tree is prepared once; each recipe (none, the photo recipe at two crop
 scales, the pad-and-crop with flip) trains from the same weights' seed for each epoch count on one
 cluster, and the table prints the chosen checkpoint's test accuracy and the last epoch's training

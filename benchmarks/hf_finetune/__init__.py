@@ -1,0 +1,1 @@
+"""hf_finetune's benchmarks, run by its nox sessions (pipelines/hf_finetune/sessions.py)."""
