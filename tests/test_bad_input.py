@@ -325,7 +325,7 @@ CASES = [
             *storage(r),
         ],
         r"was trained with --model-width 64, not 16: .*Continue it with --model-width 64, or "
-        r"train this width as a new run \(another --run-name\)",
+        r"train with --model-width 16 as a new run \(another --run-name\)",
         needs_ray=True,
     ),
     Case(
@@ -682,10 +682,10 @@ def run_with_a_checkpoint(root: Path, fingerprint: str | None = None) -> Path:
     """A tree prepared (a real prepare), and a run whose newest checkpoint was trained on it with
     the default --model-width (64), or, given `fingerprint`, on other prepared data: what a tree
     edited and prepared again between a stop and the rerun leaves. Returns the data folder."""
-    from mnist_resnet.data import inspect_dataset
-    from mnist_resnet.ingest import POSITION_FILE, SavedPosition
     from mnist_resnet.prepare import prepare
     from raytrain_common.checkpoint import save_state, write_manifest
+    from raytrain_common.images.dataset import inspect_dataset
+    from raytrain_common.ingest.epochs import POSITION_FILE, SavedPosition
     from raytrain_common.storage import resolve_storage
 
     for name in ("cat", "dog"):

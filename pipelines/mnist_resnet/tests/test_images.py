@@ -23,9 +23,9 @@ import pytest
 from PIL import Image
 
 from mnist_resnet.cli import main
-from mnist_resnet.data import DatasetInfo
-from mnist_resnet.ingest import DataChangedError
 from mnist_resnet.train import run
+from raytrain_common.images.dataset import DatasetInfo
+from raytrain_common.ingest.epochs import DataChangedError
 from raytrain_common.storage import resolve_storage
 from raytrain_testkit.console import console_noise
 
@@ -444,7 +444,7 @@ def test_a_tar_shard_is_read_in_a_few_large_reads_not_one_a_member(tmp_path: Pat
     from fsspec.implementations.local import LocalFileSystem
     from pyarrow.fs import FSSpecHandler, PyFileSystem
 
-    from mnist_resnet.prepare_shards import samples_of
+    from raytrain_common.images.shards import samples_of
     from raytrain_common.storage import StoragePath
 
     reads = 0

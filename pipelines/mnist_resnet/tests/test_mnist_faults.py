@@ -22,11 +22,11 @@ import pytest
 import torch
 from ray.util.state import list_actors
 
-from mnist_resnet.data import DatasetInfo
-from mnist_resnet.ingest import read_split_arrays
 from mnist_resnet.predict import evaluate_arrays, load_best_model
 from raytrain_common.checkpoint import TornCheckpointError, verify_checkpoint
 from raytrain_common.faults import read_progress
+from raytrain_common.images.dataset import DatasetInfo
+from raytrain_common.images.stream import read_split_arrays
 from raytrain_common.metrics import read_metrics_csv
 from raytrain_common.storage import StoragePath, resolve_storage
 from raytrain_testkit.multinode import Driver, MultiNodeCluster, multinode_cluster, wait_for

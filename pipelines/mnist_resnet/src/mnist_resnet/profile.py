@@ -33,7 +33,7 @@ def train_config(argv: Sequence[str]) -> Any:
 
 
 def image_shape(config: Any) -> dict[str, int]:
-    from mnist_resnet.data import DATASET_FILE
+    from raytrain_common.images.dataset import DATASET_FILE
     from raytrain_common.storage import resolve_storage
 
     marker = resolve_storage(config.resolved_data_dir()).join(DATASET_FILE)

@@ -12,9 +12,9 @@ import ray.train
 import torch
 
 from mnist_resnet.config import TrainConfig
-from mnist_resnet.data import DatasetInfo
 from raytrain_common.configs import per_worker_batch_size
 from raytrain_common.faults import FaultLog
+from raytrain_common.images.dataset import DatasetInfo
 from raytrain_common.storage import StoragePath, resolve_storage
 
 
@@ -30,7 +30,7 @@ class EpochPosition:
     seen: float = 0.0
     train_s: float = 0.0
     skipped: float = 0.0  # rows whose file could not be decoded (counted as trained)
-    trained_rows: torch.Tensor | None = None  # the epoch's rows trained, a bitmap (EpochRows)
+    trained_rows: torch.Tensor | None = None  # the epoch's rows trained, a bitmap (TrainingRows)
 
 
 @dataclass
@@ -43,7 +43,6 @@ class RunState:
     step_log: list[dict[str, float]] = dataclasses.field(default_factory=list)
     position: EpochPosition | None = None
     faults: FaultLog = dataclasses.field(default_factory=FaultLog)
-    decoded_on: dict[str, int] = dataclasses.field(default_factory=dict)  # rank 0's batches by node
     compute_dtype: str | None = None
     startup_s: float | None = None  # from the command's start to the first optimiser step
     startup_phases: dict[str, float] | None = None  # those seconds, phase by phase (StartupClock)

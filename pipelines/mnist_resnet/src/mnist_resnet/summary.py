@@ -16,7 +16,6 @@ import ray.train
 from mnist_resnet import __version__
 from mnist_resnet.checkpointer import SCORE
 from mnist_resnet.config import TrainConfig
-from mnist_resnet.data import DatasetInfo
 from mnist_resnet.predict import checkpoint_test_metrics
 from mnist_resnet.validator import read_async_validations
 from raytrain_common.checkpoint import (
@@ -25,6 +24,7 @@ from raytrain_common.checkpoint import (
     newest_complete_checkpoint,
 )
 from raytrain_common.faults import FaultLog
+from raytrain_common.images.dataset import DatasetInfo
 from raytrain_common.metrics import (
     CURVES_FILE,
     METRICS_FILE,

@@ -17,11 +17,11 @@ import torch.distributed as dist
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
-from mnist_resnet.transforms import SKIPPED_LABEL
 from raytrain_common.checkpoint import unwrap
+from raytrain_common.images.decode import SKIPPED_LABEL
 
 if TYPE_CHECKING:
-    from mnist_resnet.data import DatasetInfo
+    from raytrain_common.images.dataset import DatasetInfo
 
 
 class BasicBlock(nn.Module):

@@ -6,7 +6,8 @@ click away: `metrics_logger.py` (what is logged, when), `validator.py` (when and
 validation split is scored), `checkpointer.py` (when to checkpoint, what a checkpoint holds,
 `ray.train.report`, how a run resumes), and `summary.py` (summary.json and the test split, once).
 
-Data: Ray Data reads, shuffles, decodes and augments the images (ingest.py) and streams each worker
+Data: Ray Data reads, shuffles, decodes and augments the images (`raytrain_common.images`, this
+pipeline's augmentation in transforms.py) and streams each worker
 its shard: `ray.train.get_dataset_shard("train").iter_torch_batches(...)`. Every epoch is a fresh
 permutation; every row is trained once per epoch, also across a resume on another worker count
 (the checkpoint keeps the epoch's trained rows; a resumed epoch reads the rest).
@@ -32,22 +33,13 @@ from ray.train.torch import TorchTrainer
 from torch import nn
 
 from mnist_resnet import __version__
-from mnist_resnet.checkpointer import SCORE, Checkpointer, read_state, restore_run
-from mnist_resnet.config import TrainConfig
-from mnist_resnet.data import DatasetInfo, inspect_dataset
-from mnist_resnet.data_config import REST_OF_EPOCH, TRAIN, VAL, EvenTrainingEveryValidationRow
-from mnist_resnet.ingest import (
-    ImageData,
-    TrainingBatch,
-    TrainingRows,
-    check_resumable,
-    epoch_seed,
-)
-from mnist_resnet.ingest_watch import IngestNodeWatch, check_cpus_for_ingest
+from mnist_resnet.checkpointer import SCORE, Checkpointer, read_state, restore_run, resumed_rows
+from mnist_resnet.config import PREPARE_COMMAND, TrainConfig
 from mnist_resnet.metrics_logger import THROUGHPUT_SKIP_STEPS, EpochTotals, MetricsLogger
 from mnist_resnet.run_state import WorkerContext, steps_per_epoch, training_rows
 from mnist_resnet.summary import finished_run_summary, write_run_outputs
 from mnist_resnet.task import autocast, build_model, loss_fn, on_device
+from mnist_resnet.transforms import augment
 from mnist_resnet.validator import Validator, async_validation
 from raytrain_common.checkpoint import load_model_weights, resume_checkpoint
 from raytrain_common.configs import (
@@ -57,6 +49,17 @@ from raytrain_common.configs import (
     build_torch_config,
     node_labels,
 )
+from raytrain_common.images.dataset import DatasetInfo, inspect_dataset
+from raytrain_common.images.stream import ImageData, TrainingBatch
+from raytrain_common.ingest.data_config import (
+    REST_OF_EPOCH,
+    TRAIN,
+    VAL,
+    EvenTrainingEveryValidationRow,
+)
+from raytrain_common.ingest.epochs import TrainingRows, check_resumable
+from raytrain_common.ingest.order import epoch_seed
+from raytrain_common.ingest.watch import IngestNodeWatch, check_cpus_for_ingest
 from raytrain_common.loop import StartupClock
 from raytrain_common.ray_start import quiet_ray_output, start_ray_for_run
 from raytrain_common.runs import fit_failures_named, locate_run
@@ -186,7 +189,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     """Runs on every worker: build → restore → for each batch of this worker's shard: step, log,
     maybe validate, maybe checkpoint → finish. When to log, validate and checkpoint, and what a
     checkpoint holds, are the components' (MetricsLogger, Validator, Checkpointer, above); which
-    rows an epoch reads, so that each is trained once per epoch, is TrainingRows' (ingest.py)."""
+    rows an epoch reads, so that each is trained once per epoch, is TrainingRows' (the library's
+    `raytrain_common.ingest`)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     context = WorkerContext.parse(loop_config)  # the typed config, the dataset, the epoch's size
     config, info = context.config, context.info
@@ -200,14 +204,22 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     model, optimizer = build_training(info, config, state)
     run = restore_run(state, context)
     clock.mark("model_build")
-    rows = TrainingRows(context)
+    rows = TrainingRows(
+        context.run_dir,
+        context.rank,
+        context.train_rows,
+        context.steps,
+        config.global_batch_size,
+        config.record_row_ids,
+    )
+    rows.load_state_dict(resumed_rows(state, run))  # a resumed epoch reads only the rest
     logger = MetricsLogger(context, run, clock)
     validator = Validator(model, context)
     checkpointer = Checkpointer(model, optimizer, context, rows, logger)
     try:
         for epoch in checkpointer.epochs_left(run):
             # A resumed epoch reads only the rows it has not trained; a new one all, in a new order.
-            shard = ray.train.get_dataset_shard(rows.dataset(run))
+            shard = ray.train.get_dataset_shard(rows.dataset())
             batches = shard.iter_torch_batches(
                 batch_size=context.rows_per_step,
                 drop_last=True,  # every rank takes the same number of steps
@@ -215,7 +227,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                 local_shuffle_buffer_size=loop_config["local_shuffle_rows"],
                 local_shuffle_seed=epoch_seed(config.seed + context.rank, epoch),
             )
-            for batch in logger.timed(rows.counted(batches, run, epoch)):
+            for batch in logger.timed(rows.counted(batches, epoch, run.step)):
                 lr = learning_rate(run.step, context.last_step, config)
                 totals = logger.totals  # the epoch's sums, which the step adds to
                 run.compute_dtype = train_step(model, optimizer, lr, batch, info, config, totals)
@@ -252,7 +264,7 @@ def run(
     clock = StartupClock(started_at)  # summary.json's startup_s, phase by phase
     clock.mark("imports")  # Python, imports and the command line, when `started_at` is given
     storage, data_dir = locate_run(config)
-    info = decoded_side(inspect_dataset(data_dir), config.image_size)
+    info = decoded_side(inspect_dataset(data_dir, PREPARE_COMMAND), config.image_size)
     train_rows = training_rows(info, config)
     steps = steps_per_epoch(train_rows, config.global_batch_size)
     if steps < 1:
@@ -268,7 +280,9 @@ def run(
         )
     config = dataclasses.replace(config, storage_path=storage.uri, data_dir=data_dir.uri)
     run_dir = storage.join(config.run_name)
-    check_resumable(run_dir, dataclasses.asdict(info), config.model_width)  # edited data, width
+    # Refused before Ray starts: a resume on edited data, or with weights of another width.
+    width = {"--model-width": (config.model_width, 64)}  # 64: before checkpoints saved it
+    check_resumable(run_dir, info.fingerprint, info.train_rows, width)
     last_step = steps * config.epochs  # or --stop-at-step, when it comes first
     if config.stop_at_step is not None:
         last_step = min(last_step, config.stop_at_step)
@@ -293,15 +307,17 @@ def run(
     tracked = open_for_config(config, storage, pipeline="mnist_resnet", version=__version__)
     clock.mark("tracking")
 
-    # Ray Data reads, shuffles and decodes the images on the cluster's CPUs (ingest.py). Ray calls
-    # these factories at every worker-group start, so a restart reads the newest checkpoint's place.
+    # Ray Data reads, shuffles and decodes the images on the cluster's CPUs (the library's
+    # ImageData), then augments them (transforms.py). Ray calls these factories at every
+    # worker-group start, so a restart reads the newest checkpoint's place.
     data = ImageData(
         data_dir=data_dir.uri,
         info=dataclasses.asdict(info),
         run_dir=run_dir.uri,
         seed=config.seed,
-        augment=augmentation,
-        crop_scale=config.crop_scale,
+        crop_scale=config.crop_scale if augmentation == "photo" else None,  # while decoding
+        augment=augment if augmentation in ("crop", "crop-flip") else None,
+        augment_kwargs={"pad": max(1, info.height // 8), "flip": augmentation == "crop-flip"},
         limit_train_rows=config.limit_train_rows,
         limit_val_rows=config.limit_val_rows,
         progress_bars=config.verbose,

@@ -14,10 +14,10 @@ from ray.train import ValidationConfig, ValidationTaskConfig
 from torch import nn
 
 from mnist_resnet.config import TrainConfig
-from mnist_resnet.data_config import VAL
 from mnist_resnet.predict import checkpoint_split_metrics
 from mnist_resnet.run_state import WorkerContext
 from mnist_resnet.task import evaluate, on_device
+from raytrain_common.ingest.data_config import VAL
 from raytrain_common.loop import ValidationPolicy
 from raytrain_common.storage import StoragePath, resolve_storage
 

@@ -5,7 +5,7 @@ evicted, a spot node reclaimed), Ray runs the tasks it held again and rebuilds t
 it from their lineage, on the ingest nodes left or, when none is left, on a replacement once one
 joins (KubeRay replaces a lost pod of a RayCluster's worker group); the ranks wait for their next
 batch meanwhile and go on where they were, every row still trained once in the epoch
-(`test_mnist_faults.py` kills the node mid-epoch). Neither Ray nor the ranks say any of this: a
+(the image pipeline's fault test kills the node mid-epoch). Neither Ray nor the ranks say any of this: a
 rank blocked on its next batch looks like a hang. This watch says it in the driver's log, and
 bounds the wait: with no ingest node alive for --ingest-wait-s, it stops the run as Ctrl-C does
 (Ray Train's own SIGINT handler aborts the run's controller), and the run ends in one line saying
@@ -28,7 +28,7 @@ from raytrain_common.faults import read_progress
 from raytrain_common.ray_start import ResourceError
 from raytrain_common.storage import StoragePath
 
-log = logging.getLogger("mnist_resnet")
+log = logging.getLogger(__name__)
 
 
 class IngestLostError(RuntimeError):

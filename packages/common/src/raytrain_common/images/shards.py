@@ -1,4 +1,4 @@
-"""`mnist-resnet prepare` for a source that is already shards, local, NFS, s3:// or gs://:
+"""`prepare` of a source that is already shards, local, NFS, s3:// or gs://:
 WebDataset tars (each sample an image member and a `.cls` member holding its class, as
 `webdataset` writes them) or Parquet files of encoded images (a binary column, or Hugging Face's
 `{bytes, path}` struct) with a label column. The output is what `prepare --shards` writes for a
@@ -11,14 +11,14 @@ its split, rows numbered in a seeded random order.
   (images.check_image) and its class read; the rows it yields carry no bytes, only where the
   sample is (`path`: "<shard>#<key>"), its class, and the check's outcome. The list is
   materialised in Ray's object store (~150 bytes an image).
-- From there it is a tree's plan (prepare_tree.py): the same counters, refusals, stratified carve
+- From there it is a tree's plan (tree_prep.py): the same counters, refusals, stratified carve
   and seeded order, each class's smallest hashes held out. The driver streams that order and
   puts each output shard's rows into the object store (a reference per 1,000 images).
 - The bytes then move once, in two Ray Data shuffles: the rows grouped by source shard
   (`copy_samples`: a task reads its shard again and attaches each sample's bytes), then by output
   shard (`write_group`: a task writes one Parquet file, its rows in order). That all-to-all is
   what turns class-sorted shards (a tar per class is common) into shards that are each a uniform
-  sample, which training's cheap per-epoch order relies on (ingest.py).
+  sample, which training's cheap per-epoch order relies on (`images.stream`).
 
 Not Ray Data's `read_webdataset`: it yields each sample's bytes with no way to know which shard
 and member a row came from, so a sample could not be named in bad_files.csv nor found again
@@ -38,9 +38,9 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from mnist_resnet import images as image_tree
-from mnist_resnet.data import DataError
-from mnist_resnet.prepare_tree import (
+from raytrain_common.images import files as image_files
+from raytrain_common.images.dataset import DataError
+from raytrain_common.images.tree import (
     IMAGE,
     LIST_PAGE,
     ORDER_KEY,
@@ -130,7 +130,7 @@ def tar_samples(stream: Any) -> Iterator[Sample]:
             assert data is not None  # a regular file
             if extension.lower() == CLASS_MEMBER:
                 label = data.read().decode("utf-8", "replace").strip()
-            elif image is None and f".{extension.lower()}" in image_tree.IMAGE_SUFFIXES:
+            elif image is None and f".{extension.lower()}" in image_files.IMAGE_SUFFIXES:
                 image = data.read()
     if key is not None:
         yield key, image, label, first
@@ -190,10 +190,10 @@ def samples_of(
 def scan_shard(
     batch: dict[str, np.ndarray], root_uri: str, seed: int, image_column: str, label_column: str
 ) -> Iterator[dict[str, np.ndarray]]:
-    """One shard → its samples checked, LIST_PAGE rows to a block, in prepare_tree's checked-list
+    """One shard → its samples checked, LIST_PAGE rows to a block, in `tree`'s checked-list
     columns (split, class_name, path, kind, id, order_key, side, mode, error): no bytes."""
-    from mnist_resnet.images import check_image
-    from mnist_resnet.transforms import image_root
+    from raytrain_common.images.decode import image_root
+    from raytrain_common.images.files import check_image
 
     root = image_root(root_uri)
     order = seed_key(seed, ORDER_KEY)
@@ -250,7 +250,7 @@ def page(rows: list[Checked], split: str, order: bytes) -> dict[str, np.ndarray]
 def copy_samples(group: pa.Table, root_uri: str, image_column: str, label_column: str) -> pa.Table:
     """The rows of one source shard (its group) with each sample's bytes, read from the shard again:
     (target, row, id, encoded, label)."""
-    from mnist_resnet.transforms import image_root
+    from raytrain_common.images.decode import image_root
 
     root = image_root(root_uri)
     shard = group.column("shard")[0].as_py()
@@ -302,7 +302,7 @@ def check_source(
     source: str, suffix: str, seed: int, max_bad_fraction: float, columns: tuple[str, str]
 ) -> CheckedTree:
     """Every shard read and every sample checked (Ray Data tasks, one per shard); refused as a tree
-    is (prepare_tree.check_tree), naming the shard and sample."""
+    is (tree_prep.check_tree), naming the shard and sample."""
     import ray.data
 
     from raytrain_common.ray_start import init_ray

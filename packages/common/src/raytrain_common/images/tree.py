@@ -1,17 +1,17 @@
-"""`mnist-resnet prepare` for a class-per-folder image tree (local, NFS, s3://, gs://; layouts in
-images.py), streamed: nothing in the driver grows with the number of files.
+"""`prepare` of a class-per-folder image tree (local, NFS, s3://, gs://; layouts in
+`images.files`), streamed: nothing in the driver grows with the number of files.
 
 - The driver lists only the tree's top folders: its splits and class folders (at most
   MAX_CLASSES each).
 - Ray Data tasks list every class folder, a page of LIST_PAGE files at a time (`list_folders`),
-  then read and decode each file once (`transforms.check_files`, a page a task, 16 fetched at
+  then read and decode each file once (`decode.check_files`, a page a task, 16 fetched at
   once). The checked list is materialised in Ray's object store (spilled to disk past
   it), ~150 bytes a file: 15 GB at 100 M files, spread over the cluster.
 - Each block of that list is summed into a few counters (`summarise`: files per class, modes,
   shorter sides, files left out); the driver adds up one small record per block.
 - Ray Data sorts the good files by a seeded hash of each path (`order_key`: a uniform random
   order; training's cheap fresh order every epoch relies on each file being a uniform sample,
-  see ingest.py). The driver streams them in that order (`SplitWriter`): each class's first
+  see `images.stream`). The driver streams them in that order (`SplitWriter`): each class's first
   rows, as many as the stratified carve holds out, go to the test split, the next to validation,
   the rest to training, each split into Parquet files of ROWS_PER_FILE rows, numbered. It holds
   one file's rows and a counter per class. Held out are thus each class's files with the smallest
@@ -41,8 +41,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from mnist_resnet import images as image_tree
-from mnist_resnet.data import DataError
+from raytrain_common.images import files as image_files
+from raytrain_common.images.dataset import DataError
 from raytrain_common.storage import StoragePath, join_uri
 
 log = logging.getLogger(__name__)
@@ -96,7 +96,7 @@ def entries(folder: StoragePath) -> tuple[list[str], list[str]]:
             for info in folder.filesystem.get_file_info(selector)
         ]
     visible = sorted(item for item in items if not item[0].startswith("."))
-    folders = [image_tree.utf8_name(name) for name, is_dir in visible if is_dir]
+    folders = [image_files.utf8_name(name) for name, is_dir in visible if is_dir]
     return folders, [name for name, is_dir in visible if not is_dir]
 
 
@@ -105,8 +105,8 @@ def split_folders(root: StoragePath) -> dict[str, str]:
     else {"all": ""} (the whole source, carved)."""
     top, _ = entries(root)
     by_lower = {name.lower(): name for name in sorted(top, reverse=True)}
-    test_name = next((name for name in image_tree.TEST_FOLDERS if name in by_lower), None)
-    val_name = next((n for n in image_tree.VAL_FOLDERS if n in by_lower and n != test_name), None)
+    test_name = next((name for name in image_files.TEST_FOLDERS if name in by_lower), None)
+    val_name = next((n for n in image_files.VAL_FOLDERS if n in by_lower and n != test_name), None)
     if "train" not in by_lower or not test_name:
         return {"all": ""}
     roots = {"train": by_lower["train"], "test": by_lower[test_name]}
@@ -124,7 +124,7 @@ def find_layout(root: StoragePath) -> Layout:
         where = root.join(prefix) if prefix else root
         folders, files = entries(where)
         loose = sum(
-            posixpath.splitext(name)[1].lower() in image_tree.IMAGE_SUFFIXES for name in files
+            posixpath.splitext(name)[1].lower() in image_files.IMAGE_SUFFIXES for name in files
         )
         if loose and not folders:
             raise DataError(
@@ -166,7 +166,7 @@ def list_folders(
 ) -> Iterator[dict[str, np.ndarray]]:
     """Class folders → their files, LIST_PAGE to a block: (split, class_name, path, kind, id, and
     the seeded hash the carves and the row order use)."""
-    from mnist_resnet.transforms import image_root
+    from raytrain_common.images.decode import image_root
 
     root = image_root(root_uri)
     for split, name, folder in zip(
@@ -186,13 +186,13 @@ def listed_page(paths: list[str], split: str, class_name: str, seed: int) -> dic
     kinds, names = [], []
     for path in paths:
         try:
-            image_tree.utf8_name(path)
-        except image_tree.ImageFolderError as error:
+            image_files.utf8_name(path)
+        except image_files.ImageFolderError as error:
             kinds.append(BAD_NAME)
             names.append(str(error))
             continue
         suffix = posixpath.splitext(path)[1].lower()
-        kinds.append(IMAGE if suffix in image_tree.IMAGE_SUFFIXES else OTHER)
+        kinds.append(IMAGE if suffix in image_files.IMAGE_SUFFIXES else OTHER)
         names.append(path)
     usable = [name if kind != BAD_NAME else "" for name, kind in zip(names, kinds, strict=True)]
     columns: dict[str, np.ndarray] = {
@@ -295,7 +295,7 @@ def held_out_counts(counts: dict[str, int], fraction: float) -> dict[str, int]:
     total = sum(counts.values())
     if total == 0:
         return {name: 0 for name in counts}
-    target = image_tree.held_out_rows(total, fraction)
+    target = image_files.held_out_rows(total, fraction)
     return {
         name: min(count - 1, max(1, round(target * count / total)))
         for name, count in counts.items()
@@ -438,7 +438,7 @@ def check_classes(root: StoragePath, layout: Layout, found: dict[str, list[str]]
         what = f"one class ({classes[0]!r})" if classes else "no class folder with images"
         raise DataError(
             f"{where} has {what}: a classifier needs at least two class folders, each holding "
-            f"images ({', '.join(image_tree.IMAGE_SUFFIXES)})"
+            f"images ({', '.join(image_files.IMAGE_SUFFIXES)})"
         )
     for held_out in ("test", "val"):
         unknown = sorted(set(found.get(held_out, [])) - set(classes))
@@ -468,14 +468,14 @@ def check_tree(source: str, seed: int, max_bad_fraction: float) -> CheckedTree:
     classes with good images, a held-out class training lacks."""
     import ray.data
 
-    from mnist_resnet.transforms import check_files
+    from raytrain_common.images.decode import check_files
     from raytrain_common.ray_start import init_ray
     from raytrain_common.storage import resolve_storage
 
     root = resolve_storage(source)
     try:
         layout = find_layout(root)
-    except image_tree.ImageFolderError as error:
+    except image_files.ImageFolderError as error:
         raise DataError(str(error)) from error
     folders = [
         {"split": split, "class_name": name, "folder": folder}
@@ -641,7 +641,7 @@ def write_shard(rows: pa.Table, root_uri: str, target_uri: str) -> int:
 
     import pyarrow.parquet as pq
 
-    from mnist_resnet.transforms import fetch, image_root
+    from raytrain_common.images.decode import fetch, image_root
     from raytrain_common.storage import resolve_storage, write_atomic
 
     root = image_root(root_uri)

@@ -212,7 +212,7 @@ def held_out_rows(rows: int, fraction: float) -> int:
 def carve_held_out(labels: np.ndarray, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """(kept, held out) indices: the held-out split `held_out_rows` long, shared over the classes
     in proportion (each class keeping an image for training), each class's drawn with a seed.
-    An image tree's carve keys each file by a seeded hash of its path instead (prepare_tree.py)."""
+    An image tree's carve keys each file by a seeded hash of its path instead (tree_prep.py)."""
     rng = np.random.default_rng(seed)
     target = held_out_rows(len(labels), fraction)
     train, test = [], []

@@ -1,5 +1,6 @@
-"""MNIST, an IDX dataset or a class-per-folder image tree (local, NFS, S3, GCS) → a prepared
-folder of small Parquet rows, and its checks. Ray Data reads it in training (ingest.py).
+"""A prepared image dataset: the folder `prepare` writes (from an array source such as MNIST or an
+IDX folder, an image tree or shards; local, NFS, S3, GCS) of small Parquet rows, and the checks a
+run makes of it before any worker starts. Ray Data reads it in training (`images.stream`).
 
 Layout of a prepared dataset folder:
     train/part-000.parquet …       columns id (0..N-1), label (int64), and either image (binary:
@@ -13,7 +14,7 @@ Layout of a prepared dataset folder:
 
 Every split is written in a seeded random order with ids in that order, so its first N ids
 (`--limit-*-rows`) are a fair sample even when the source was sorted by class; training reshuffles
-every epoch (ingest.py).
+every epoch (`images.stream`).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ FORMAT = 3  # 3: rows carry a position (`row`) and a stable `id`; 2 had one dens
 
 
 # The folder each split is written to: `validation/` for the validation split, as in the text
-# pipelines and Hugging Face datasets (mnist-resnet 0.12 and earlier wrote `val/`, still read).
+# pipelines and Hugging Face datasets (folders written with `val/` before are still read).
 SPLIT_FOLDERS = {"train": "train", "val": "validation", "test": "test"}
 FORMER_VAL_FOLDER = "val"
 
@@ -56,7 +57,7 @@ def split_folder(data_dir: StoragePath, split: str) -> StoragePath:
 
 
 class DataError(ValueError):
-    """Data this pipeline cannot train on; the message names the file, the problem and the fix."""
+    """Data a run cannot train on; the message names the file, the problem and the fix."""
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,7 @@ class DatasetInfo:
     test_rows: int
     val_rows: int = 0  # 0: prepared by a version without a validation split (refused by train)
     channels: int = 1
-    class_names: list[str] | None = None  # an image tree's folder names; MNIST's are its digits
+    class_names: list[str] | None = None  # an image tree's folder names; None: the labels' digits
     notes: dict[str, Any] = field(default_factory=dict)  # how an image tree was read and split
     image_root: str | None = None  # an image tree's location; its splits list files under it
     format: int = 1  # FORMAT since rows carry stable ids; 1 and 2: earlier versions
@@ -109,39 +110,40 @@ class Split:
         return Split(self.images[rows], self.labels[rows], self.ids[rows])  # type: ignore[index]
 
 
-def inspect_dataset(data_dir: StoragePath) -> DatasetInfo:
+def inspect_dataset(data_dir: StoragePath, prepare_command: str = "prepare") -> DatasetInfo:
     """Check a prepared dataset before any worker starts from its marker and its Parquet footers
     alone (schema, row counts, column statistics), never its rows: a train start costs the same
-    at 100 M images as at 10 k (one footer per 10,000 rows)."""
+    at 100 M images as at 10 k (one footer per 10,000 rows). Errors name `prepare_command`, the
+    pipeline's own command that writes the folder, as the fix."""
     marker = data_dir.join(DATASET_FILE)
     if not marker.exists():
         raise DataError(
             f"no prepared dataset at {data_dir} ({DATASET_FILE} is missing): run "
-            f"`mnist-resnet prepare --data-dir {data_dir}` first"
+            f"`{prepare_command} --data-dir {data_dir}` first"
         )
     info = DatasetInfo(**json.loads(marker.read_text()))
     if info.format != FORMAT or not info.val_rows:
         raise DataError(
             f"{data_dir} was prepared by an earlier version (rows without stable ids): rerun "
-            f"`mnist-resnet prepare --force --data-dir {data_dir}`"
+            f"`{prepare_command} --force --data-dir {data_dir}`"
         )
     expected_rows = {"train": info.train_rows, "val": info.val_rows, "test": info.test_rows}
     for split in SPLITS:
         folder = split_folder(data_dir, split)
         files = folder.list_files(".parquet")
         if not files:
-            raise DataError(f"no Parquet files in {folder}: rerun `mnist-resnet prepare --force`")
-        rows = sum(check_parquet_file(file, info) for file in files)
+            raise DataError(f"no Parquet files in {folder}: rerun `{prepare_command} --force`")
+        rows = sum(check_parquet_file(file, info, prepare_command) for file in files)
         if rows != expected_rows[split]:
             raise DataError(
                 f"{folder} holds {rows} rows in {len(files)} Parquet file(s), but {DATASET_FILE} "
                 f"says {expected_rows[split]}: a file is missing, added or cut short; rerun "
-                f"`mnist-resnet prepare --force --data-dir {data_dir}`"
+                f"`{prepare_command} --force --data-dir {data_dir}`"
             )
     return info
 
 
-def check_parquet_file(file: StoragePath, info: DatasetInfo) -> int:
+def check_parquet_file(file: StoragePath, info: DatasetInfo, prepare_command: str) -> int:
     """A prepared file's footer checked against dataset.json; its number of rows."""
     try:
         with file.filesystem.open_input_file(file.path) as stream:
@@ -149,21 +151,23 @@ def check_parquet_file(file: StoragePath, info: DatasetInfo) -> int:
     except (pa.ArrowInvalid, OSError) as error:
         raise DataError(
             f"{file} cannot be read as Parquet ({str(error).splitlines()[0]}): rerun "
-            "`mnist-resnet prepare --force`"
+            f"`{prepare_command} --force`"
         ) from error
-    check_columns(file, metadata.schema.to_arrow_schema(), info)
-    labels = column_range(file, metadata, "label")
+    check_columns(file, metadata.schema.to_arrow_schema(), info, prepare_command)
+    labels = column_range(file, metadata, "label", prepare_command)
     if labels is not None and (labels[0] < 0 or labels[1] >= info.num_classes):
         raise DataError(
             f"{file} has labels {labels[0]}..{labels[1]}, outside 0..{info.num_classes - 1} "
             f"(num_classes={info.num_classes} in {DATASET_FILE})"
         )
     if info.content == "image":
-        check_pixel_lengths(file, metadata, info)
+        check_pixel_lengths(file, metadata, info, prepare_command)
     return int(metadata.num_rows)
 
 
-def check_columns(file: StoragePath, schema: pa.Schema, info: DatasetInfo) -> None:
+def check_columns(
+    file: StoragePath, schema: pa.Schema, info: DatasetInfo, prepare_command: str
+) -> None:
     content = info.content
     expected = {"row": pa.types.is_integer, "id": pa.types.is_integer, "label": pa.types.is_integer}
     expected[content] = pa.types.is_string if content == "path" else pa.types.is_binary
@@ -173,7 +177,7 @@ def check_columns(file: StoragePath, schema: pa.Schema, info: DatasetInfo) -> No
         raise DataError(
             f"{file} lacks column(s) {sorted(missing)} (it has {schema.names}); expected "
             f"row and id (integers), {content} and label (integer class id): rerun "
-            "`mnist-resnet prepare --force`"
+            f"`{prepare_command} --force`"
         )
     wrong = [name for name, test in expected.items() if not test(schema.field(name).type)]
     if wrong:
@@ -184,7 +188,9 @@ def check_columns(file: StoragePath, schema: pa.Schema, info: DatasetInfo) -> No
         )
 
 
-def column_range(file: StoragePath, metadata: Any, name: str) -> tuple[Any, Any] | None:
+def column_range(
+    file: StoragePath, metadata: Any, name: str, prepare_command: str
+) -> tuple[Any, Any] | None:
     """(least, greatest) value of a column over the file's row groups, from the statistics its
     writer stored (pyarrow, Spark and Ray Data store them by default); None for an empty file."""
     index = metadata.schema.to_arrow_schema().get_field_index(name)
@@ -198,17 +204,19 @@ def column_range(file: StoragePath, metadata: Any, name: str) -> tuple[Any, Any]
             raise DataError(
                 f"{file} has no statistics for its {name!r} column (written without them), "
                 "which the check before training reads instead of the rows: rerun "
-                "`mnist-resnet prepare --force`"
+                f"`{prepare_command} --force`"
             )
         lows.append(statistics.min)
         highs.append(statistics.max)
     return (min(lows), max(highs)) if lows else None
 
 
-def check_pixel_lengths(file: StoragePath, metadata: Any, info: DatasetInfo) -> None:
+def check_pixel_lengths(
+    file: StoragePath, metadata: Any, info: DatasetInfo, prepare_command: str
+) -> None:
     """Pixel rows hold height × width × channels bytes each: checked on the column's least and
     greatest values (its statistics); `pixels_from_bytes` checks every row as it decodes."""
-    extremes = column_range(file, metadata, "image")
+    extremes = column_range(file, metadata, "image", prepare_command)
     expected = info.height * info.width * info.channels
     lengths = sorted({len(value) for value in extremes or ()})
     if lengths and lengths != [expected]:

@@ -1,7 +1,7 @@
 """The run's datasets' names and Ray Train's `DataConfig` for them.
 
-Kept apart from `ingest.py` and free of torch: Ray Train's DatasetManager actor unpickles this
-config at every worker group's start, and importing it there imported `ingest.py`, torch with it
+Kept apart from `ingest.epochs` and free of torch: Ray Train's DatasetManager actor unpickles
+this config at every worker group's start, and importing torch there cost
 (~2.5 CPU-seconds in that actor, on the start's critical path on a 2-core box).
 """
 
