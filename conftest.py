@@ -90,6 +90,19 @@ def ray_address(ray_cluster: None) -> str:
 
 
 @pytest.fixture
+def s3_prefix() -> Iterator[str]:
+    """`s3://corpus/?endpoint_override=…`: the root of a bucket on a real S3 protocol server (moto)
+    on loopback, in a process of its own (raytrain_testkit.s3), which every Ray process reaches
+    through pyarrow's S3 (with the credentials the root conftest gives every process); paths go
+    after `corpus/` (`join_uri`)."""
+    pytest.importorskip("moto.server")
+    from raytrain_testkit.s3 import s3_server
+
+    with s3_server(buckets=["corpus"]) as server:
+        yield server.uri("corpus")
+
+
+@pytest.fixture
 def small_volume(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., Path]]:
     """`small_volume("2m")`: a real file system of that size (tmpfs) that fills up, as a storage
     volume does; `read_only=True`: mounted read-only, as a volume remounted after an error is.

@@ -576,7 +576,7 @@ CASES = [
             str(text(r / "old" / "dataset.json", json.dumps(dataset_without_test())).parent),
             *storage(r),
         ],
-        r"old has no test split \(prepared by llm-fsdp 0\.14 or earlier.*prepare --force`",
+        r"old has no test split \(prepared by an earlier version.*`llm-fsdp prepare --force`",
     ),
     Case(
         "train before prepare",

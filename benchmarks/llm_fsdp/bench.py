@@ -25,9 +25,7 @@ import torch
 
 from llm_fsdp.cli import USER_ERRORS
 from llm_fsdp.config import PRESETS, TrainConfig
-from llm_fsdp.data import split_blocks
 from llm_fsdp.model import resolve_model
-from llm_fsdp.order import global_batch_indices
 from llm_fsdp.parallelize import compile_model
 from llm_fsdp.task import build_model, model_flops_per_token
 from llm_fsdp.train import (
@@ -42,6 +40,8 @@ from raytrain_common.configs import per_worker_batch_size
 from raytrain_common.hardware import mfu, peak_memory_gb
 from raytrain_common.metrics import read_metrics_csv, write_metrics_csv
 from raytrain_common.storage import resolve_storage
+from raytrain_common.tokens.corpus import split_blocks
+from raytrain_common.tokens.order import global_batch_indices
 
 log = logging.getLogger("benchmarks.llm_fsdp.bench")
 RUN_NAME = "bench_llm"

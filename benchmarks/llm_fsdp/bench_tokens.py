@@ -8,7 +8,7 @@ top, and the server's Python, a few ms a request, shares this box's 2 cores with
 loopback server's time per ranged request grows with the object's size (inline, a step waited 34,
 53 and 652 ms on files of 4, 20 and 78 MiB), an artifact of the server, hence a 20 MiB default.
 Each step reads one rank's micro-batch (`--rows` blocks of the step's global batch, in the run's
-order: `llm_fsdp.order`) the way training does:
+order: `raytrain_common.tokens.order`) the way training does:
 
 - local: `TokenBlocks.take` by `os.preadv` at the blocks' offsets (page cache warm);
 - S3, inline: `TokenBlocks.take` by ranged requests, the step waiting for them;
@@ -31,9 +31,15 @@ from pathlib import Path
 
 import numpy as np
 
-from llm_fsdp.order import global_batch_indices, micro_batches
-from llm_fsdp.tokens import TOKEN_FILE, ReadAhead, RemoteFile, TokenBlocks, TokenFileWriter
 from raytrain_common.storage import resolve_storage
+from raytrain_common.tokens.file import (
+    TOKEN_FILE,
+    ReadAhead,
+    RemoteFile,
+    TokenBlocks,
+    TokenFileWriter,
+)
+from raytrain_common.tokens.order import global_batch_indices, micro_batches
 from raytrain_testkit.s3 import s3_server
 
 BLOCK_LEN = 2049

@@ -13,18 +13,17 @@ import pytest
 
 from hf_finetune.cli import main
 from hf_finetune.config import PrepareConfig
-from hf_finetune.data import (
+from hf_finetune.data import prepare, read_vader
+from hf_finetune.model import ModelError, resolve_model
+from raytrain_common.labelled.prepare import (
     DataError,
     PartLabels,
     inspect_dataset,
     label_names,
-    prepare,
     read_labels_of,
-    read_vader,
     split_indices,
     table_part,
 )
-from hf_finetune.model import ModelError, resolve_model
 from raytrain_common.storage import StoragePath, resolve_storage
 
 

@@ -13,13 +13,13 @@ from accelerate.data_loader import BatchSamplerShard
 from torch.utils.data import BatchSampler
 from transformers.trainer_pt_utils import get_length_grouped_indices
 
-from hf_finetune.token_split import (
+from hf_finetune.validator import eval_batch_per_worker
+from raytrain_common.labelled.tokenized import (
     TokenizedSplit,
     label_length_rows,
     length_grouped_order,
     token_rows,
 )
-from hf_finetune.validator import eval_batch_per_worker
 
 BATCH, WORKERS = 16, 2
 # A worker's ~1,200 rows give a standard error of ~0.014 on a label's share; 0.07 is 5 of them,

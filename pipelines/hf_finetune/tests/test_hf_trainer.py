@@ -12,8 +12,8 @@ import numpy as np
 import torch
 from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments
 
-from hf_finetune.token_split import TokenizedSplit
 from hf_finetune.validator import ValidatingTrainer
+from raytrain_common.labelled.tokenized import TokenizedSplit
 
 ROWS, BATCH, EPOCHS = 64, 8, 2  # 8 steps an epoch
 

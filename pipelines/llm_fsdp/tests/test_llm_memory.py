@@ -30,8 +30,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from llm_fsdp.data import GPT2_TOKENIZER, read_shakespeare
-from llm_fsdp.tokens import HEADER_BYTES, TOKEN_FILE, TokenBlocks, TokenFileWriter
+from llm_fsdp.config import GPT2_TOKENIZER
+from llm_fsdp.data import read_shakespeare
+from raytrain_common.tokens.file import HEADER_BYTES, TOKEN_FILE, TokenBlocks, TokenFileWriter
 from raytrain_testkit.memory_cap import unavailable
 from raytrain_testkit.multinode import Driver, train_capped_after_baseline
 from raytrain_testkit.scaling import write_document_copies

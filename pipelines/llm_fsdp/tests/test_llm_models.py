@@ -12,11 +12,11 @@ import torch
 import torch.distributed as dist
 from transformers import GPT2Config, GPT2LMHeadModel, XLNetConfig
 
-from llm_fsdp.data import DatasetInfo
 from llm_fsdp.loss import NextTokenLoss
 from llm_fsdp.model import ModelError, resolve_model
 from llm_fsdp.parallelize import parallelize
 from llm_fsdp.train import check_model_fits_data
+from raytrain_common.tokens.corpus import DatasetInfo
 
 
 def dataset(vocab_size: int = 512, seq_len: int = 32) -> DatasetInfo:

@@ -337,3 +337,65 @@ def report_interrupted(
     again = "To continue" if resume_point is not None else "Run it again"
     print(f"{said}. {again}: {command}", file=sys.stderr, flush=True)
     return 128 + int(signum)
+
+
+Command = Callable[[argparse.Namespace], int]
+
+
+def run_commands(
+    program: str,
+    parser: argparse.ArgumentParser,
+    commands: Mapping[str, Command],
+    user_errors: tuple[type[BaseException], ...],
+    argv: Sequence[str] | None = None,
+    run_location: Callable[[argparse.Namespace], tuple[str, str]] | None = None,
+) -> int:
+    """A pipeline's `main`: parse, run the chosen command, and end every failure in one line.
+
+    Bad input (`user_errors`, or one raised in a Ray task as such: its `cause`): one line naming
+    it, exit status 2, no traceback. Ctrl-C or SIGTERM (Kubernetes stopping the pod): Ray
+    disconnected, one line naming the newest checkpoint of the run `train` was given
+    (`run_location(args)`: its storage path and run name) and the command that continues it.
+    An unwritable storage path: one line, 2. A known cause (out of memory, a collective timeout,
+    a missing module, …): the traceback, then one line with its fix, 1. Anything else propagates
+    as it is."""
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv)
+    command = f"{program} {args.command}"
+    caller_holds_ray = ray_is_connected()
+    try:
+        with interruptible():
+            return commands[args.command](args)
+    except KeyboardInterrupt as error:
+        where = run_location(args) if run_location and args.command == "train" else None
+        newest = _newest_checkpoint(*where) if where else None
+        return report_interrupted(command, argv, error, newest, caller_holds_ray=caller_holds_ray)
+    except user_errors as error:
+        end_ray_before_error_line(caller_holds_ray=caller_holds_ray)
+        cause = getattr(error, "cause", None)  # raised in a Ray task: its own line, no traceback
+        shown = cause if isinstance(cause, user_errors) else error
+        print(f"{command}: error: {shown}", file=sys.stderr)
+        return 2
+    except Exception as error:
+        if report_unwritable_storage(command, error, args, caller_holds_ray=caller_holds_ray):
+            return 2
+        if not report_known_failure(command, error, caller_holds_ray=caller_holds_ray):
+            raise
+        return 1
+
+
+def _newest_checkpoint(storage_path: str, run_name: str) -> Callable[[], str | None]:
+    """The newest complete checkpoint of a run, looked up when asked (after Ray stopped)."""
+
+    def newest() -> str | None:
+        from raytrain_common.checkpoint import newest_complete_checkpoint
+        from raytrain_common.storage import resolve_storage
+
+        run_dir = resolve_storage(storage_path).join(run_name)
+        checkpoint = newest_complete_checkpoint(run_dir)
+        return run_dir.uri_for(checkpoint.path) if checkpoint else None
+
+    return newest

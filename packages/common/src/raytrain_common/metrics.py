@@ -11,7 +11,7 @@ from collections.abc import Collection, Mapping, Sequence
 from importlib import metadata
 from typing import Any
 
-from raytrain_common.storage import StoragePath
+from raytrain_common.storage import StoragePath, write_atomic
 
 SUMMARY_FILE = "summary.json"
 METRICS_FILE = "metrics.csv"  # every pipeline's table of evaluations, in its run folder
@@ -107,3 +107,44 @@ def eta(remaining_steps: int, seconds_per_step: float) -> str:
     hours, rest = divmod(seconds, 3600)
     minutes, seconds = divmod(rest, 60)
     return f"ETA {hours}h{minutes:02d}m" if hours else f"ETA {minutes}m{seconds:02d}s"
+
+
+def plot_confusion_matrix(
+    target: StoragePath,
+    matrix: Any,  # (classes, classes) counts: row = true class, column = predicted
+    labels: list[str],
+    accuracy: float,
+    macro_f1: float,
+    title: str,
+) -> None:
+    """A classifier's confusion matrix as a PNG: counts in the cells, each row shaded by its share
+    of the true class, accuracy and macro F1 in the title; written atomically."""
+    import io
+
+    import matplotlib
+    import numpy as np
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    size = 2.5 + 0.6 * len(labels)
+    figure, axes = plt.subplots(figsize=(size + 1, size))
+    shares = matrix / np.maximum(matrix.sum(1, keepdims=True), 1)
+    image = axes.imshow(shares, cmap="Blues", vmin=0, vmax=1)
+    for (row, column), count in np.ndenumerate(matrix):
+        colour = "white" if shares[row, column] > 0.5 else "black"
+        axes.text(column, row, f"{count}", ha="center", va="center", color=colour)
+    axes.set_xticks(range(len(labels)), labels, rotation=45, ha="right")
+    axes.set_yticks(range(len(labels)), labels)
+    axes.set_xlabel("predicted")
+    axes.set_ylabel("true")
+    axes.set_title(
+        f"{title}: accuracy {accuracy:.3f}, macro F1 {macro_f1:.3f}",
+        fontsize=9,
+    )
+    figure.colorbar(image, ax=axes, label="share of the true class")
+    figure.tight_layout()
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=110)
+    plt.close(figure)
+    write_atomic(target, lambda stream: stream.write(buffer.getvalue()))

@@ -22,20 +22,15 @@ from hf_finetune.config import (
     SweepConfig,
     TrainConfig,
 )
-from hf_finetune.data import DataError
 from hf_finetune.model import ModelError
 from raytrain_common.checkpoint import TornCheckpointError
 from raytrain_common.cli import (
     add_config_options,
     config_from_args,
-    end_ray_before_error_line,
-    interruptible,
-    ray_is_connected,
-    report_interrupted,
-    report_known_failure,
-    report_unwritable_storage,
+    run_commands,
 )
 from raytrain_common.configs import ConfigError
+from raytrain_common.labelled.prepare import DataError
 from raytrain_common.loop import process_started_at
 from raytrain_common.metrics import SUMMARY_FILE
 from raytrain_common.pretokenize import TokenizeError
@@ -97,34 +92,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    argv = sys.argv[1:] if argv is None else argv
-    args = build_parser().parse_args(argv)
-    caller_holds_ray = ray_is_connected()
-    try:
-        with interruptible():  # SIGTERM (Kubernetes stopping the pod) ends as Ctrl-C does
-            return COMMANDS[args.command](args)
-    except KeyboardInterrupt as error:
-        # A rerun of the same command continues a run from its newest checkpoint.
-        return report_interrupted(
-            f"hf-finetune {args.command}", argv, error, caller_holds_ray=caller_holds_ray
-        )
-    except USER_ERRORS as error:
-        end_ray_before_error_line(caller_holds_ray=caller_holds_ray)
-        print(f"hf-finetune {args.command}: error: {error}", file=sys.stderr)
-        return 2
-    except Exception as error:
-        if report_unwritable_storage(
-            f"hf-finetune {args.command}", error, args, caller_holds_ray=caller_holds_ray
-        ):
-            return 2
-        # A known cause (GPU or node out of memory, a collective timeout, a missing module, …) gets
-        # one line with its fix under the traceback; anything else propagates as it is.
-        if not report_known_failure(
-            f"hf-finetune {args.command}", error, caller_holds_ray=caller_holds_ray
-        ):
-            raise
-        return 1
+    """`hf-finetune COMMAND ...`: bad input ends in one line (exit 2), Ctrl-C or SIGTERM in one line
+    naming the checkpoint a rerun continues from (raytrain_common.cli.run_commands)."""
+    return run_commands("hf-finetune", build_parser(), COMMANDS, USER_ERRORS, argv, run_location)
+
+
+def run_location(args: argparse.Namespace) -> tuple[str, str]:
+    """Where the run `train` was given lives: (storage path, run name)."""
+    config = config_from_args(args, TrainConfig, PRESETS)
+    return config.storage_path, config.run_name
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:

@@ -24,6 +24,8 @@ from raytrain_common.text import UTF8
 DEFAULT_DATA_FOLDER = "data/text_classification"
 RUN_NAME = "hf_finetune"
 VADER_SOURCE = "vader"
+PREPARE_COMMAND = "hf-finetune prepare"  # the fix that data errors name
+TRAIN_COMMAND = "hf-finetune train"  # the fix that errors about a missing run name
 
 
 @dataclass(kw_only=True)

@@ -7,8 +7,6 @@ with the same function.
 
 from __future__ import annotations
 
-import io
-import json
 import posixpath
 from pathlib import Path
 from typing import Any
@@ -19,30 +17,21 @@ import torch
 from transformers import AutoTokenizer, DataCollatorWithPadding
 
 from hf_finetune.checkpointer import HF_CHECKPOINT
-from hf_finetune.data import DataError, inspect_dataset
+from hf_finetune.config import PREPARE_COMMAND, TRAIN_COMMAND
 from hf_finetune.task import (
     classification_scores,
     confusion_matrix,
     load_trained,
     predicted_labels,
 )
-from hf_finetune.token_split import TokenizedSplit
 from raytrain_common.checkpoint import verify_checkpoint
-from raytrain_common.metrics import SUMMARY_FILE, write_summary
-from raytrain_common.storage import StoragePath, resolve_storage, write_atomic
+from raytrain_common.labelled.prepare import DataError, inspect_dataset
+from raytrain_common.labelled.tokenized import TokenizedSplit
+from raytrain_common.metrics import SUMMARY_FILE, plot_confusion_matrix, write_summary
+from raytrain_common.runs import chosen_checkpoint, read_run_summary
+from raytrain_common.storage import resolve_storage
 
 CONFUSION_FILE = "confusion_matrix.png"
-
-
-def read_run_summary(storage_path: str, run_name: str) -> tuple[StoragePath, dict[str, Any]]:
-    run_dir = resolve_storage(storage_path).join(run_name)
-    summary_file = run_dir.join(SUMMARY_FILE)
-    if not summary_file.exists():
-        raise DataError(
-            f"no {SUMMARY_FILE} in {run_dir.uri}: train first (`hf-finetune train --run-name "
-            f"{run_name}`), or give --storage-path / --run-name of a finished run"
-        )
-    return run_dir, json.loads(summary_file.read_text())
 
 
 def load_classifier(checkpoint: str) -> tuple[Any, Any]:
@@ -99,7 +88,7 @@ def score_checkpoint(
     """Accuracy, macro F1 and the confusion matrix of `checkpoint` on `split`'s first `limit`
     rows (all: None), on this process's GPU if it has one; the matrix drawn to `confusion`."""
     data = resolve_storage(data_dir)
-    info = inspect_dataset(data)
+    info = inspect_dataset(data, PREPARE_COMMAND)
     model, tokenizer = load_classifier(checkpoint)
     if [model.config.id2label[i] for i in range(model.config.num_labels)] != info.labels:
         raise DataError(
@@ -114,7 +103,7 @@ def score_checkpoint(
     prefix = {"validation": "val"}.get(split, split)
     scores = classification_scores(labels, predictions, info.num_labels)
     majority = float(np.bincount(labels, minlength=info.num_labels).max() / len(labels))
-    draw_confusion(
+    plot_confusion_matrix(
         resolve_storage(confusion),
         matrix,
         info.labels,
@@ -138,8 +127,9 @@ def evaluate(
 ) -> dict[str, Any]:
     """Score a checkpoint (the run's best when None) on `split`, draw its matrix beside the run's,
     and add the result to summary.json's `evaluations` (its `test` stays train's, scored once)."""
-    run_dir, summary = read_run_summary(storage_path, run_name)
-    checkpoint = checkpoint or summary["best_checkpoint"]
+    run_dir = resolve_storage(storage_path).join(run_name)
+    summary = read_run_summary(run_dir, TRAIN_COMMAND)
+    checkpoint = checkpoint or chosen_checkpoint(run_dir, "best", TRAIN_COMMAND)
     confusion = run_dir.join(f"confusion_matrix-{split}-{checkpoint_name(checkpoint)}.png").uri
     result = score_checkpoint(
         checkpoint, summary["config"]["data_dir"], split, None, confusion, run_name
@@ -153,39 +143,3 @@ def checkpoint_name(checkpoint: str) -> str:
     """<run>/checkpoint_<time>/checkpoint → checkpoint_<time>; an export folder → its own name."""
     folder, name = posixpath.split(resolve_storage(checkpoint).path.rstrip("/"))
     return posixpath.basename(folder) if name == HF_CHECKPOINT else name
-
-
-def draw_confusion(
-    target: StoragePath,
-    matrix: np.ndarray,
-    labels: list[str],
-    accuracy: float,
-    macro_f1: float,
-    title: str,
-) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    size = 2.5 + 0.6 * len(labels)
-    figure, axes = plt.subplots(figsize=(size + 1, size))
-    shares = matrix / np.maximum(matrix.sum(1, keepdims=True), 1)
-    image = axes.imshow(shares, cmap="Blues", vmin=0, vmax=1)
-    for (row, column), count in np.ndenumerate(matrix):
-        colour = "white" if shares[row, column] > 0.5 else "black"
-        axes.text(column, row, f"{count}", ha="center", va="center", color=colour)
-    axes.set_xticks(range(len(labels)), labels, rotation=45, ha="right")
-    axes.set_yticks(range(len(labels)), labels)
-    axes.set_xlabel("predicted")
-    axes.set_ylabel("true")
-    axes.set_title(
-        f"{title}: accuracy {accuracy:.3f}, macro F1 {macro_f1:.3f}",
-        fontsize=9,
-    )
-    figure.colorbar(image, ax=axes, label="share of the true class")
-    figure.tight_layout()
-    buffer = io.BytesIO()
-    figure.savefig(buffer, format="png", dpi=110)
-    plt.close(figure)
-    write_atomic(target, lambda stream: stream.write(buffer.getvalue()))

@@ -4,15 +4,16 @@ written to Parquet."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hf_finetune.evaluate import load_classifier, predict_ids, read_run_summary
-from raytrain_common.storage import resolve_storage, write_folder_whole
+from hf_finetune.config import TRAIN_COMMAND
+from hf_finetune.evaluate import load_classifier, predict_ids
+from raytrain_common.runs import chosen_checkpoint
+from raytrain_common.storage import resolve_storage
 from raytrain_common.text import iter_decoded
 
 if TYPE_CHECKING:
@@ -30,8 +31,8 @@ def predict_lines(
 ) -> Iterator[tuple[str, float, str]]:
     """(label, probability, sentence) for every non-blank line, in input order, batch by batch."""
     if checkpoint is None:
-        _, summary = read_run_summary(storage_path, run_name)
-        checkpoint = summary["best_checkpoint"]
+        run_dir = resolve_storage(storage_path).join(run_name)
+        checkpoint = chosen_checkpoint(run_dir, "best", TRAIN_COMMAND)
     model, tokenizer = load_classifier(checkpoint)
     max_length = min(tokenizer.model_max_length, model.config.max_position_embeddings)
     batch: list[str] = []
@@ -105,26 +106,16 @@ def predict_files(config: PredictConfig, output: str) -> dict[str, Any]:
     (path, text, label, probability) is written to `output`. Memory holds the batches in flight.
     A killed actor is restarted and its batches retried. A local `output` appears whole or not at
     all (written beside itself, then renamed)."""
-    import pyarrow.dataset as pads
-    import ray
     import ray.data
 
+    from raytrain_common.inference import check_paths, predict_to_parquet
     from raytrain_common.ray_start import init_ray
 
-    source, target = resolve_storage(config.input), resolve_storage(output)
-    if not source.exists():
-        raise FileNotFoundError(f"{config.input!r}: no such file, folder or bucket prefix")
-    if target.exists():
-        raise FileExistsError(f"--predictions {output!r} exists: choose a new path or remove it")
-    checkpoint = config.checkpoint
-    if checkpoint is None:
-        _, summary = read_run_summary(config.storage_path, config.run_name)
-        checkpoint = summary["best_checkpoint"]
+    source, target = check_paths(config.input, output, input_flag="")
+    run_dir = resolve_storage(config.storage_path).join(config.run_name)
+    checkpoint = config.checkpoint or chosen_checkpoint(run_dir, "best", TRAIN_COMMAND)
     load_classifier(checkpoint)  # a torn or foreign checkpoint: refused here, in one line
     init_ray(train_cpus=1)
-    gpus = int(ray.cluster_resources().get("GPU", 0))
-    actors = gpus or max(1, int(ray.cluster_resources().get("CPU", 1)) - 1)
-    started = time.perf_counter()
     lines = ray.data.read_text(
         source.path,
         encoding=config.encoding,
@@ -133,20 +124,10 @@ def predict_files(config: PredictConfig, output: str) -> dict[str, Any]:
         filesystem=source.filesystem,
         file_extensions=["txt"],
     )
-    predictions = lines.map_batches(
-        SentenceClassifier,
-        fn_constructor_kwargs={"checkpoint": checkpoint, "batch_size": config.inference_batch_size},
-        batch_size=config.inference_batch_size,
-        concurrency=(1, actors),
-        num_gpus=1 if gpus else 0,
-        num_cpus=1,
-    )
-    write_folder_whole(
-        target, lambda folder: predictions.write_parquet(folder.path, filesystem=folder.filesystem)
-    )
-    seconds = time.perf_counter() - started
-    # Counted from the Parquet's metadata, not read into memory: one row per line, any number.
-    rows = pads.dataset(target.path, filesystem=target.filesystem, format="parquet").count_rows()
+    model = {"checkpoint": checkpoint, "batch_size": config.inference_batch_size}
+    batch = config.inference_batch_size
+    written, seconds = predict_to_parquet(lines, SentenceClassifier, model, batch, target)
+    rows = written.count_rows()  # from the Parquet's metadata: one row per line, any number
     return {
         "sentences": rows,
         "files": len(lines.input_files()),

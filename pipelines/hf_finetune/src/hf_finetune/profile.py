@@ -38,7 +38,7 @@ def train_config(argv: Sequence[str]) -> Any:
 
 
 def text_shape(config: Any) -> dict[str, int]:
-    from hf_finetune.data import DATASET_FILE
+    from raytrain_common.labelled.prepare import DATASET_FILE
     from raytrain_common.storage import resolve_storage
 
     marker = resolve_storage(config.resolved_data_dir()).join(DATASET_FILE)

@@ -16,14 +16,14 @@ import ray.train
 
 from hf_finetune import __version__
 from hf_finetune.checkpointer import HF_CHECKPOINT, read_run_record
-from hf_finetune.config import TrainConfig
-from hf_finetune.data import DatasetInfo, read_labels
+from hf_finetune.config import PREPARE_COMMAND, TrainConfig
 from hf_finetune.evaluate import CONFUSION_FILE, score_checkpoint
 from hf_finetune.metrics_logger import RATE_KEY
 from hf_finetune.model import display_name
 from hf_finetune.validator import SCORE
 from raytrain_common.checkpoint import best_complete_checkpoint
 from raytrain_common.faults import FaultLog
+from raytrain_common.labelled.prepare import DatasetInfo, read_labels
 from raytrain_common.metrics import (
     CURVES_FILE,
     METRICS_FILE,
@@ -33,7 +33,7 @@ from raytrain_common.metrics import (
     write_metrics_csv,
     write_summary,
 )
-from raytrain_common.runs import summary_header
+from raytrain_common.runs import evaluate_once, summary_header
 from raytrain_common.storage import StoragePath, resolve_storage
 
 log = logging.getLogger("hf_finetune")
@@ -42,11 +42,8 @@ log = logging.getLogger("hf_finetune")
 def evaluate_test_split_once(
     checkpoint_uri: str, config: TrainConfig, run_dir: StoragePath
 ) -> dict[str, Any]:
-    """The chosen checkpoint's test accuracy, macro F1 and confusion matrix. A GPU run's is scored
-    in a Ray task on a worker's resources (the driver may sit on a CPU-only head node); a CPU
-    run's here, in the driver: starting a Ray worker for it (its imports) costs more than the
-    scoring."""
-    started = time.perf_counter()
+    """The chosen checkpoint's test accuracy, macro F1 and confusion matrix, scored once (in a Ray
+    task on a GPU run's worker resources, in the driver on CPUs)."""
     arguments = (
         checkpoint_uri,
         config.resolved_data_dir(),
@@ -55,18 +52,9 @@ def evaluate_test_split_once(
         run_dir.join(CONFUSION_FILE).uri,
         config.run_name,
     )
-    if config.use_gpu:
-        task = ray.remote(score_checkpoint).options(
-            num_cpus=config.cpus_per_worker,
-            num_gpus=1,
-            # Not inside the caller's placement group (a sweep trial's holds a tenth of a CPU): the
-            # run's workers have ended, their resources are free in the cluster.
-            scheduling_strategy="DEFAULT",
-        )
-        result: dict[str, Any] = ray.get(task.remote(*arguments))
-    else:
-        result = score_checkpoint(*arguments)
-    result["test_s"] = time.perf_counter() - started
+    result = evaluate_once(
+        score_checkpoint, *arguments, use_gpu=config.use_gpu, cpus=config.cpus_per_worker
+    )
     log.info(
         "test accuracy %.4f, macro F1 %.4f on %d rows: %s (chosen by %s)",
         result["test_accuracy"],
@@ -173,5 +161,5 @@ def write_run_outputs(
 
 def majority_share(data_dir: StoragePath, split: str) -> float:
     """Accuracy of always answering the most common class: the bar a classifier must beat."""
-    labels = read_labels(data_dir, split)
+    labels = read_labels(data_dir, split, PREPARE_COMMAND)
     return float(np.bincount(labels).max() / len(labels))

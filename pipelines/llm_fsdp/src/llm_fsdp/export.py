@@ -18,32 +18,12 @@ from transformers.utils import logging as hf_logging
 
 from llm_fsdp import __version__
 from llm_fsdp.checkpointer import STATE_FILE
-from llm_fsdp.data import DataError
 from llm_fsdp.model import ModelSpec, build_lm
 from raytrain_common.checkpoint import verify_checkpoint
-from raytrain_common.metrics import SUMMARY_FILE
 from raytrain_common.storage import check_output_folder, resolve_storage, staged_folder
+from raytrain_common.tokens.corpus import DataError
 
 EXPORT_MARKER = "llm_fsdp_export.json"  # written last: an export's own folder, whole
-
-
-def run_summary(storage_path: str, run_name: str) -> dict[str, Any]:
-    summary_file = resolve_storage(storage_path).join(run_name, SUMMARY_FILE)
-    if not summary_file.exists():
-        raise DataError(
-            f"no {SUMMARY_FILE} for run {run_name!r} under {storage_path}: train first, or give "
-            "--storage-path / --run-name of a finished run, or --checkpoint"
-        )
-    return json.loads(summary_file.read_text())
-
-
-def choose_checkpoint(choice: str, storage_path: str, run_name: str) -> str:
-    """`best` or `latest` of a finished run (from its summary.json), or a folder given as is."""
-    if choice not in ("best", "latest"):
-        return choice
-    summary = run_summary(storage_path, run_name)
-    # A run whose checkpoints carried no validation loss has no best: its latest stands in.
-    return summary[f"{choice}_checkpoint"] or summary["latest_checkpoint"]
 
 
 def export(checkpoint: str, output: str, loop_config: dict[str, Any] | None = None) -> Path:

@@ -16,12 +16,12 @@ import torch.distributed as dist
 
 from llm_fsdp.checkpointer import RunState
 from llm_fsdp.config import TrainConfig
-from llm_fsdp.data import DatasetInfo
 from llm_fsdp.loss import NextTokenLoss
 from llm_fsdp.task import model_flops_per_token
 from raytrain_common.hardware import peak_bf16_flops, peak_memory_gb
 from raytrain_common.loop import StartupClock, ThroughputMeter
 from raytrain_common.metrics import eta
+from raytrain_common.tokens.corpus import DatasetInfo
 from raytrain_common.tracking import rank_zero_sink
 
 log = logging.getLogger("llm_fsdp")

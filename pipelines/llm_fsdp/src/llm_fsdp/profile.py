@@ -49,8 +49,8 @@ def train_config(argv: Sequence[str]) -> Any:
 
 
 def data_shape(config: Any) -> dict[str, int]:
-    from llm_fsdp.data import DATASET_FILE
     from raytrain_common.storage import resolve_storage
+    from raytrain_common.tokens.corpus import DATASET_FILE
 
     marker = resolve_storage(config.resolved_data_dir()).join(DATASET_FILE)
     if marker.exists():

@@ -16,7 +16,6 @@ import ray.train
 from llm_fsdp import __version__
 from llm_fsdp.checkpointer import read_train_state
 from llm_fsdp.config import TrainConfig
-from llm_fsdp.data import DatasetInfo
 from llm_fsdp.evaluate import score_checkpoint
 from llm_fsdp.model import ModelSpec
 from llm_fsdp.validator import read_async_validations
@@ -31,8 +30,9 @@ from raytrain_common.metrics import (
     write_metrics_csv,
     write_summary,
 )
-from raytrain_common.runs import summary_header
+from raytrain_common.runs import evaluate_once, summary_header
 from raytrain_common.storage import StoragePath
+from raytrain_common.tokens.corpus import DatasetInfo
 
 SCORE = "val_loss"  # Ray keeps the best checkpoints by it (lowest first); a sweep ranks by it
 
@@ -40,22 +40,12 @@ log = logging.getLogger("llm_fsdp")
 
 
 def evaluate_test_split_once(checkpoint_uri: str, config: TrainConfig) -> dict[str, Any]:
-    """The chosen checkpoint's loss and perplexity on the test split's first --test-blocks blocks.
-    A GPU run's is scored in a Ray task on a worker's resources (the driver may sit on a CPU-only
-    head node); a CPU run's here, in the driver: starting a Ray worker for it (its imports) costs
-    more than the scoring."""
+    """The chosen checkpoint's loss and perplexity on the test split's first --test-blocks blocks,
+    scored once (in a Ray task on a GPU run's worker resources, in the driver on CPUs)."""
     arguments = (checkpoint_uri, config.resolved_data_dir(), "test", config.test_blocks)
-    if config.use_gpu:
-        task = ray.remote(score_checkpoint).options(
-            num_cpus=config.cpus_per_worker,
-            num_gpus=1,
-            # Not inside the caller's placement group (a sweep trial's holds a tenth of a CPU): the
-            # run's workers have ended, their resources are free in the cluster.
-            scheduling_strategy="DEFAULT",
-        )
-        result: dict[str, Any] = ray.get(task.remote(*arguments))
-    else:
-        result = score_checkpoint(*arguments)
+    result = evaluate_once(
+        score_checkpoint, *arguments, use_gpu=config.use_gpu, cpus=config.cpus_per_worker
+    )
     log.info(
         "test loss %.4f, perplexity %.1f on %d held-out blocks: checkpoint of step %d (chosen by "
         "%s)",

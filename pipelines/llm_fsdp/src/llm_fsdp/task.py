@@ -12,9 +12,9 @@ import math
 
 from torch import nn
 
-from llm_fsdp.data import DatasetInfo
 from llm_fsdp.loss import NextTokenLoss
 from llm_fsdp.model import ModelSpec, build_lm, parameter_count
+from raytrain_common.tokens.corpus import DatasetInfo
 
 
 def with_loss(lm: nn.Module, chunk_tokens: int) -> NextTokenLoss:

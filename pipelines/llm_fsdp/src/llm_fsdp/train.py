@@ -29,8 +29,7 @@ from ray.train.torch import TorchTrainer
 
 from llm_fsdp import __version__
 from llm_fsdp.checkpointer import Checkpointer
-from llm_fsdp.config import TrainConfig
-from llm_fsdp.data import DataError, DatasetInfo, inspect_dataset, split_blocks
+from llm_fsdp.config import PREPARE_COMMAND, TrainConfig
 from llm_fsdp.loss import NextTokenLoss
 from llm_fsdp.metrics_logger import MetricsLogger
 from llm_fsdp.model import (
@@ -41,11 +40,9 @@ from llm_fsdp.model import (
     meta_model,
     resolve_model,
 )
-from llm_fsdp.order import global_batch_indices, micro_batches
 from llm_fsdp.parallelize import UnsupportedModelError, check_parallelizable, parallelize
 from llm_fsdp.summary import SCORE, write_run_outputs
 from llm_fsdp.task import build_model
-from llm_fsdp.tokens import ReadAhead, TokenBlocks
 from llm_fsdp.validator import Validator, async_validation
 from raytrain_common.checkpoint import resume_checkpoint
 from raytrain_common.configs import (
@@ -59,6 +56,9 @@ from raytrain_common.loop import StartupClock
 from raytrain_common.ray_start import quiet_ray_output, start_ray_for_run
 from raytrain_common.runs import fit_failures_named, locate_run
 from raytrain_common.storage import resolve_storage
+from raytrain_common.tokens.corpus import DataError, DatasetInfo, inspect_dataset, split_blocks
+from raytrain_common.tokens.file import ReadAhead, TokenBlocks
+from raytrain_common.tokens.order import global_batch_indices, micro_batches
 from raytrain_common.tracking import (
     failed_on_error,
     finish_for_summary,
@@ -262,7 +262,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     model, optimizer = build_sharded_model(spec, info, config, device, world)
     clock.mark("model_build")
     # The token files, read in place: a step reads its rows at their offsets, on object storage by
-    # ranged requests (tokens.py); never a copy of the split.
+    # ranged requests (raytrain_common.tokens.file); never a copy of the split.
     data_dir = resolve_storage(config.resolved_data_dir())
     train_blocks = stage_blocks(split_blocks(data_dir, "train", info), device)
     run_dir = resolve_storage(config.storage_path).join(config.run_name)
@@ -319,7 +319,7 @@ def check_model_fits_data(spec: ModelSpec, info: DatasetInfo) -> None:
 def dataset_info(config: TrainConfig) -> DatasetInfo:
     """The prepared dataset the config points at; for SmolLM2, the error names its own prepare."""
     try:
-        return inspect_dataset(resolve_storage(config.resolved_data_dir()))
+        return inspect_dataset(resolve_storage(config.resolved_data_dir()), PREPARE_COMMAND)
     except DataError as error:
         if config.model != SMOLLM2:
             raise

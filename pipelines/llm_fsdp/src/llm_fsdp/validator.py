@@ -22,10 +22,10 @@ from llm_fsdp.config import TrainConfig
 from llm_fsdp.evaluate import score_checkpoint
 from llm_fsdp.loss import NextTokenLoss
 from llm_fsdp.task import val_metrics
-from llm_fsdp.tokens import TokenBlocks
 from raytrain_common.configs import per_worker_batch_size
 from raytrain_common.loop import ValidationPolicy
 from raytrain_common.storage import StoragePath, resolve_storage
+from raytrain_common.tokens.file import TokenBlocks
 
 VALIDATIONS_FOLDER = "validations"  # async: one JSON per validated checkpoint, for the history
 

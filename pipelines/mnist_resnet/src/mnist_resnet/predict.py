@@ -5,8 +5,6 @@ this process, a folder or bucket of any size as Ray Data batch inference written
 from __future__ import annotations
 
 import io
-import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -16,15 +14,17 @@ import pyarrow.dataset as pads
 import ray.data
 import torch
 
+from mnist_resnet.config import TRAIN_COMMAND
 from mnist_resnet.task import as_nchw, build_model, evaluate, normalise, on_device
 from raytrain_common.checkpoint import load_model_weights, load_remote_state
 from raytrain_common.images.dataset import DataError, DatasetInfo
 from raytrain_common.images.decode import SKIPPED_LABEL
 from raytrain_common.images.files import IMAGE_SUFFIXES, load_image
 from raytrain_common.images.stream import ImageData
-from raytrain_common.metrics import SUMMARY_FILE
+from raytrain_common.inference import check_paths, predict_to_parquet
 from raytrain_common.ray_start import init_ray
-from raytrain_common.storage import StoragePath, resolve_storage, write_folder_whole
+from raytrain_common.runs import chosen_checkpoint
+from raytrain_common.storage import StoragePath, resolve_storage
 
 PREDICT_BATCH = 1024  # test images per forward pass in `predict`
 
@@ -107,30 +107,12 @@ def checkpoint_split_metrics(
     }
 
 
-def chosen_checkpoint(run_dir: StoragePath, which: Literal["best", "latest"] = "best") -> str:
-    """The URI of the run's best checkpoint (by validation accuracy), or of its latest: found in
-    the run folder by name, so a run folder copied or moved elsewhere predicts from its own."""
-    summary_file = run_dir.join(SUMMARY_FILE)
-    if not summary_file.exists():
-        raise FileNotFoundError(
-            f"no {SUMMARY_FILE} in {run_dir}: train first (`mnist-resnet train --run-name "
-            f"{run_dir.uri.rsplit('/', 1)[-1]}`), or pass the right --storage-path / --run-name"
-        )
-    summary = json.loads(summary_file.read_text())
-    chosen = str(
-        (summary.get("best_checkpoint") if which == "best" else None)
-        or summary["latest_checkpoint"]
-    )
-    inside = run_dir.join(chosen.rstrip("/").rsplit("/", 1)[-1])
-    return inside.uri if inside.exists() else chosen
-
-
 def load_best_model(
     run_dir: StoragePath, which: Literal["best", "latest"] = "best"
 ) -> tuple[torch.nn.Module, dict[str, Any]]:
     """The model of the run's best checkpoint (by validation accuracy) or its latest, on the CPU,
     in eval mode; a torn checkpoint (files not matching its manifest) is refused with one line."""
-    state = load_remote_state(resolve_storage(chosen_checkpoint(run_dir, which)))
+    state = load_remote_state(resolve_storage(chosen_checkpoint(run_dir, which, TRAIN_COMMAND)))
     return trained_model(state).eval(), state
 
 
@@ -296,40 +278,21 @@ def predict_files(
     file (path, class_index, label, probability, error). Memory stays bounded by the batches in
     flight, not the number of files. A killed actor is restarted and its batches retried, so no
     file is lost or written twice. A local `output` appears whole or not at all."""
-    import ray
-    import ray.data
-
-    source, target = resolve_storage(location), resolve_storage(output)
-    if not source.exists():
-        raise FileNotFoundError(f"--input {location!r}: no such file, folder or bucket prefix")
-    if target.exists():
-        raise FileExistsError(f"--predictions {output!r} exists: choose a new path or remove it")
-    checkpoint = chosen_checkpoint(resolve_storage(storage_path).join(run_name))
+    source, target = check_paths(location, output)
+    checkpoint = chosen_checkpoint(
+        resolve_storage(storage_path).join(run_name), "best", TRAIN_COMMAND
+    )
     load_remote_state(resolve_storage(checkpoint))  # a torn checkpoint: refused here, in one line
     init_ray(train_cpus=1)
-    gpus = int(ray.cluster_resources().get("GPU", 0))
-    started = time.perf_counter()
     files = ray.data.read_binary_files(
         source.path,
         include_paths=True,
         filesystem=source.filesystem,
         file_extensions=[suffix.lstrip(".") for suffix in IMAGE_SUFFIXES],
     )
-    predictions = files.map_batches(
-        ImageClassifier,
-        fn_constructor_kwargs={"checkpoint_uri": checkpoint},
-        batch_size=batch_size,
-        concurrency=(1, gpus or cpu_actors()),
-        num_gpus=1 if gpus else 0,
-        num_cpus=1,
-    )
-    write_folder_whole(
-        target, lambda folder: predictions.write_parquet(folder.path, filesystem=folder.filesystem)
-    )
-    seconds = time.perf_counter() - started
-    # Counted from the Parquet by a scan, not read into memory: one row per file, any number.
-    written = pads.dataset(target.path, filesystem=target.filesystem, format="parquet")
-    rows = written.count_rows()
+    model = {"checkpoint_uri": checkpoint}
+    written, seconds = predict_to_parquet(files, ImageClassifier, model, batch_size, target)
+    rows = written.count_rows()  # counted from the Parquet by a scan: one row per file, any number
     return {
         "files": rows,
         "unreadable": written.count_rows(filter=pads.field("error") != ""),
@@ -338,10 +301,3 @@ def predict_files(
         "seconds": seconds,
         "files_per_s": rows / seconds if seconds else None,
     }
-
-
-def cpu_actors() -> int:
-    """One model per CPU the cluster has, leaving one CPU to the read and write tasks."""
-    import ray
-
-    return max(1, int(ray.cluster_resources().get("CPU", 1)) - 1)

@@ -34,29 +34,21 @@ from raytrain_common.metrics import (
     write_metrics_csv,
     write_summary,
 )
-from raytrain_common.runs import summary_header
+from raytrain_common.runs import evaluate_once, summary_header
 from raytrain_common.storage import StoragePath
 
 log = logging.getLogger("mnist_resnet")
 
 
 def evaluate_test_split_once(checkpoint_uri: str, config: TrainConfig) -> dict[str, Any]:
-    """The chosen checkpoint's test loss and accuracy. A GPU run's is evaluated in a Ray task on a
-    worker's resources (the driver may sit on a CPU-only head node); a CPU run's here, in the
-    driver: starting a Ray worker for it (its imports, ~4 s) costs more than the evaluation."""
-    started = time.perf_counter()
-    if config.use_gpu:
-        task = ray.remote(checkpoint_test_metrics).options(
-            num_cpus=config.cpus_per_worker,
-            num_gpus=1,
-            # Not inside the caller's placement group (a sweep trial's holds a tenth of a CPU): the
-            # run's workers have ended, their resources are free in the cluster.
-            scheduling_strategy="DEFAULT",
-        )
-        result: dict[str, Any] = ray.get(task.remote(checkpoint_uri, config.limit_test_rows))
-    else:
-        result = checkpoint_test_metrics(checkpoint_uri, config.limit_test_rows)
-    result["test_s"] = time.perf_counter() - started
+    """The chosen checkpoint's test loss and accuracy, evaluated once (in a Ray task on a GPU
+    run's worker resources, in the driver on CPUs: `evaluate_once`)."""
+    result = evaluate_once(
+        checkpoint_test_metrics,
+        *(checkpoint_uri, config.limit_test_rows),
+        use_gpu=config.use_gpu,
+        cpus=config.cpus_per_worker,
+    )
     log.info(
         "test accuracy %.4f on %d images, checkpoint of epoch %d (chosen by %s)",
         result["test_accuracy"],

@@ -9,9 +9,9 @@ import pyarrow.parquet as pq
 import pytest
 import ray.data
 
-from llm_fsdp.packing import pack_blocks, read_pack_stats
 from raytrain_common.pretokenize import TokenizeError, pretokenize
 from raytrain_common.storage import resolve_storage
+from raytrain_common.tokens.packing import pack_blocks, read_pack_stats
 
 pytestmark = pytest.mark.ray
 

@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from llm_fsdp.tokens import (
+from raytrain_common.storage import join_uri, resolve_storage
+from raytrain_common.tokens.file import (
     HEADER_BYTES,
     TOKEN_FILE,
     ReadAhead,
@@ -19,7 +20,6 @@ from llm_fsdp.tokens import (
     TokenFileWriter,
     open_token_file,
 )
-from raytrain_common.storage import join_uri, resolve_storage
 
 BLOCK = 9
 
@@ -71,7 +71,7 @@ def test_a_truncated_or_foreign_file_fails_on_open_naming_the_fix(tmp_path: Path
     with pytest.raises(TokenFileError, match=r"a truncated copy.*copy it again"):
         TokenBlocks(path)
     path.write_bytes(b"PAR1" + whole[4:])
-    with pytest.raises(TokenFileError, match=r"no token file of llm-fsdp.*prepare --force"):
+    with pytest.raises(TokenFileError, match=r"no token file \(no .* header\).*`prepare --force`"):
         TokenBlocks(path)
     path.write_bytes(whole)
     with pytest.raises(TokenFileError, match=r"blocks of 9 tokens .* records 65 .*another prep"):

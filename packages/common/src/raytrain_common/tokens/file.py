@@ -146,7 +146,7 @@ class RemoteFile:
             self.file: Any = source.filesystem.open_input_file(source.path)
         except FileNotFoundError as error:
             raise TokenFileError(
-                f"no {TOKEN_FILE} at {source.uri}: rerun `llm-fsdp prepare`"
+                f"no {TOKEN_FILE} at {source.uri}: rerun the pipeline's `prepare`"
             ) from error
         self.size = self.file.size()
         self.pool = ThreadPoolExecutor(REMOTE_READS_IN_FLIGHT, thread_name_prefix="token-reads")
@@ -190,8 +190,8 @@ class TokenBlocks:
         if read < HEADER.size or header.tobytes()[:8] != MAGIC:
             self.close()
             raise TokenFileError(
-                f"{self.file.name} is no token file of llm-fsdp (no {MAGIC!r} header): rerun "
-                "`llm-fsdp prepare --force` for this data folder"
+                f"{self.file.name} is no token file (no {MAGIC!r} header): rerun the pipeline's "
+                "`prepare --force` for this data folder"
             )
         fields = HEADER.unpack(header.tobytes()[: HEADER.size])
         _, version, itemsize, self.block_len, self.blocks, self.vocab_size = fields
@@ -203,7 +203,7 @@ class TokenBlocks:
                 f"{self.file.name}: version {version}, {itemsize}-byte tokens, {size:,} bytes "
                 f"where the header's {self.blocks:,} blocks of {self.block_len} need "
                 f"{expected:,} (a truncated copy, or another version's file): copy it again, or "
-                "rerun `llm-fsdp prepare --force`"
+                "rerun the pipeline's `prepare --force`"
             )
         self.dtype = np.dtype(np.uint16) if itemsize == 2 else np.dtype(np.int32)
         self.row_bytes = self.block_len * itemsize
@@ -230,12 +230,12 @@ class TokenBlocks:
             raise TokenFileError(
                 f"{self.path} holds blocks of {self.block_len} tokens of a {self.vocab_size}-token "
                 f"vocabulary, but the dataset records {block_len} and {vocab_size}: the file is "
-                "from another preparation; rerun `llm-fsdp prepare --force`"
+                "from another preparation; rerun the pipeline's `prepare --force`"
             )
         if self.dtype != token_dtype(vocab_size):
             raise TokenFileError(
                 f"{self.path} stores {self.dtype} tokens, not the {token_dtype(vocab_size)} a "
-                f"{vocab_size}-token vocabulary is written as: rerun `llm-fsdp prepare --force`"
+                f"{vocab_size}-token vocabulary is written as: rerun the pipeline's `prepare --force`"
             )
         return self
 
@@ -321,8 +321,8 @@ def open_token_file(split_dir: StoragePath, block_len: int, vocab_size: int) -> 
     if split_dir.is_local:
         if not source.exists():
             raise TokenFileError(
-                f"no {TOKEN_FILE} in {split_dir.uri}: the data folder was prepared by llm-fsdp "
-                "0.10 or earlier; rerun `llm-fsdp prepare --force`"
+                f"no {TOKEN_FILE} in {split_dir.uri}: the data folder was prepared by an earlier "
+                "version (token rows in Parquet); rerun the pipeline's `prepare --force`"
             )
         return TokenBlocks(Path(source.path)).check(block_len, vocab_size)
     return TokenBlocks(source).check(block_len, vocab_size)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from llm_fsdp.order import global_batch_indices, micro_batches
+from raytrain_common.tokens.order import global_batch_indices, micro_batches
 
 BLOCKS, GLOBAL_BATCH, SOURCES = 4000, 16, 8
 # A worker's 2,000 blocks give a standard error of ~0.0074 on a source's share (1/8); 0.04 is over

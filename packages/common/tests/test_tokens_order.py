@@ -9,7 +9,7 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from llm_fsdp.order import PassOrder, global_batch_indices
+from raytrain_common.tokens.order import PassOrder, global_batch_indices
 
 GLOBAL_BATCH = 64
 
