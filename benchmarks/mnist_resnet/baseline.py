@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from mnist_resnet.config import TrainConfig
-from mnist_resnet.predict import evaluate_arrays
+from mnist_resnet.predict import predict_labels
 from mnist_resnet.run_state import steps_per_epoch
 from mnist_resnet.task import as_nchw, autocast, build_model, loss_fn, normalise
 from mnist_resnet.train import (
@@ -76,7 +76,7 @@ def run_baseline(config: TrainConfig) -> dict[str, Any]:
             if steady_steps > 0
             else config.global_batch_size * steps / elapsed
         )
-        accuracy = evaluate_arrays(model, val.images, val.labels, info, device)
+        accuracy = float((predict_labels(model, val.images, info, device) == val.labels).mean())
         row = {
             "epoch": epoch,
             "val_accuracy": accuracy,

