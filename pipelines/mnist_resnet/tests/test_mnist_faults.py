@@ -214,8 +214,8 @@ def test_a_preempted_node_a_killed_driver_and_a_killed_worker_cost_only_their_st
         model, state = load_best_model(resolve_storage(run_dir))
         test = read_split_arrays(mnist_dir, "test", limit=1000)
     info = DatasetInfo(**state["dataset"])
-    predicted = predict_labels(model, test.images, info, torch.device("cpu"))
-    on_cpu = float((predicted == test.labels).mean())
+    labels = predict_labels(model, test.images, info, torch.device("cpu"))
+    on_cpu = float((labels == test.labels).mean())
 
     summary = json.loads((run_dir / "summary.json").read_text())
     driver_log = (tmp_path / "driver.log").read_text(errors="replace")  # both drivers'
