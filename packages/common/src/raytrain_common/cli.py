@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import logging
 import os
 import shlex
 import signal
@@ -359,8 +360,6 @@ def run_commands(
     An unwritable storage path: one line, 2. A known cause (out of memory, a collective timeout,
     a missing module, …): the traceback, then one line with its fix, 1. Anything else propagates
     as it is."""
-    import logging
-
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)

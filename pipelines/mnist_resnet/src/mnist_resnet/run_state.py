@@ -48,11 +48,6 @@ class RunState:
     startup_phases: dict[str, float] | None = None  # those seconds, phase by phase (StartupClock)
     first_batch_s: float | None = None
 
-    @property
-    def resumes_mid_epoch(self) -> bool:
-        """The checkpoint resumed was written inside an epoch: the rest of it is still to train."""
-        return self.position is not None and self.position.trained_rows is not None
-
 
 def training_rows(info: DatasetInfo, config: TrainConfig) -> int:
     """The training split's rows a run trains on: all, or the first --limit-train-rows."""

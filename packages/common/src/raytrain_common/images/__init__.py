@@ -5,7 +5,7 @@ A pipeline reaches it through a few calls in plain view:
 
     info = images.prepare.prepare(source, data_dir, download_root, named_sources={...})
     info = images.inspect_dataset(data_dir, prepare_command="my-vision prepare")
-    data = images.ImageData(data_dir.uri, asdict(info), run_dir.uri, seed, augment=my_augment)
+    data = images.stream.ImageData(data_dir.uri, asdict(info), run_dir.uri, seed, augment=...)
     TorchTrainer(..., datasets={"train": data.train, "train_rest_of_epoch": data.rest_of_epoch,
                                 "val": data.val})
 

@@ -7,7 +7,7 @@ the driver's watch over those nodes (`watch`).
     rows.load_state_dict(saved)                      # a resumed epoch reads only the rest
     shard = ray.train.get_dataset_shard(rows.dataset())
     for batch in rows.counted(shard.iter_torch_batches(...), epoch, step): ...
-    saved = rows.state_dict()                        # with every checkpoint (a collective)
+    bitmap = rows.trained()                          # with every checkpoint (a collective)
 """
 
 from __future__ import annotations

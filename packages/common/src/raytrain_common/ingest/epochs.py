@@ -94,7 +94,7 @@ class TrainingRows:
     """Every training row once per epoch, on any worker count and across resumes, behind one object.
     It names the dataset an epoch reads (the whole split in a fresh order, or only the rows a
     resumed epoch has not trained: REST_OF_EPOCH), marks each batch's rows in this rank's bitmap
-    (`EpochRows`, which every checkpoint saves merged over the ranks: `state_dict`), keeps the
+    (`EpochRows`, which every checkpoint saves merged over the ranks: `trained`), keeps the
     --record-row-ids audit and where rank 0's rows were decoded, and checks at the epoch's end
     that the rank's shard held exactly its steps and the ranks together every row once."""
 
@@ -120,14 +120,11 @@ class TrainingRows:
         return self.steps_per_epoch * self.global_batch_size
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """A checkpoint's record (`state_dict`): a resumed epoch reads and counts only the rest."""
+        """What the checkpoint resumed holds of the epoch: `trained`, the bitmap of its rows
+        trained before the stop (None: a fresh epoch), and `decoded_on`; a resumed epoch reads and
+        counts only the rest."""
         self.carried = state.get("trained")
         self.decoded_on = dict(state.get("decoded_on") or {})
-
-    def state_dict(self) -> dict[str, Any]:
-        """The epoch's rows trained by every rank (a collective: every rank calls it), and where
-        rank 0's rows were decoded."""
-        return {"trained": self.trained(), "decoded_on": dict(self.decoded_on)}
 
     def dataset(self) -> str:
         """The dataset an epoch reads: the whole split in a fresh order, or the rows a resumed
