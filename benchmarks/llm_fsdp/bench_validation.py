@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from ray.train import Checkpoint, UserCallback
 
@@ -46,7 +46,9 @@ class ReportClock(UserCallback):
                 stream.write(json.dumps({"step": metrics[0]["step"], "at": time.time()}) + "\n")
 
 
-def steps_per_s(config: TrainConfig, validation: str, name: str, folder: Path) -> dict[str, Any]:
+def steps_per_s(
+    config: TrainConfig, validation: Literal["inline", "async"], name: str, folder: Path
+) -> dict[str, Any]:
     """One run with `validation`; its steps/s between the first and the last checkpoint."""
     clock = folder / f"{name}.reports.jsonl"
     summary = run(

@@ -21,7 +21,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from ray.train import Checkpoint, UserCallback
 
@@ -47,7 +47,9 @@ class ReportClock(UserCallback):
                 stream.write(json.dumps({"epoch": metrics[0]["epoch"], "at": time.time()}) + "\n")
 
 
-def steps_per_s(config: TrainConfig, validation: str, name: str, folder: Path) -> dict[str, Any]:
+def steps_per_s(
+    config: TrainConfig, validation: Literal["inline", "async"], name: str, folder: Path
+) -> dict[str, Any]:
     """One run with `validation`; its steps/s over the epochs after the first."""
     clock = folder / f"{name}.reports.jsonl"
     summary = run(

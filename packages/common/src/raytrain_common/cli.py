@@ -22,20 +22,53 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+from raytrain_common.options import help_of
+from raytrain_common.options import option as option  # pipelines import it from here
+
 Config = TypeVar("Config")
 
 
-def option(
-    default: Any, help: str, *, positional: bool = False, deprecated: Sequence[str] = ()
-) -> Any:
-    """A dataclass field with a default and the help text its command-line flag shows.
+CommandSpec = tuple[str, type] | tuple[str, type, Mapping[str, Any]]
 
-    `positional=True` makes it an optional positional argument instead of a flag (an input file).
-    `{name}` in the help is replaced by the config class's attribute `name` (e.g. `{data_folder}`).
-    `deprecated`: the flag's former names, still accepted for one version with a warning.
-    """
-    metadata = {"help": help, "positional": positional, "deprecated": tuple(deprecated)}
-    return dataclasses.field(default=default, metadata=metadata)
+
+def command_parser(
+    program: str, description: str, commands: Mapping[str, CommandSpec]
+) -> argparse.ArgumentParser:
+    """A pipeline's parser: one sub-command per entry of `commands`, `{name: (help, config class)}`
+    or `{name: (help, config class, presets)}`, each field of the class a flag (see
+    `add_config_options`). Each sub-command remembers its class and presets, so `run_commands` can
+    read the run a `train` was given when it is interrupted."""
+    parser = argparse.ArgumentParser(prog=program, description=description)
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for name, (help_text, config_class, *presets) in commands.items():
+        command = subparsers.add_parser(name, help=help_text)
+        add_config_options(command, config_class, *presets)
+        command.set_defaults(config_source=(config_class, *presets))
+    return parser
+
+
+def user_errors(*pipeline_errors: type[BaseException]) -> tuple[type[BaseException], ...]:
+    """The errors that mean bad input, to end in one line (`run_commands`): the library's own (a
+    bad option, storage, the cluster's resources, a missing or existing file, a torn checkpoint,
+    text and tokenisation) and the pipeline's."""
+    from raytrain_common.checkpoint import TornCheckpointError
+    from raytrain_common.configs import ConfigError
+    from raytrain_common.pretokenize import TokenizeError
+    from raytrain_common.ray_start import ResourceError
+    from raytrain_common.storage import StorageError
+    from raytrain_common.text import TextEncodingError
+
+    library: tuple[type[BaseException], ...] = (
+        ConfigError,
+        StorageError,
+        ResourceError,
+        FileNotFoundError,
+        FileExistsError,
+        TornCheckpointError,
+        TokenizeError,
+        TextEncodingError,
+    )
+    return (*pipeline_errors, *library)
 
 
 class _DeprecatedFlag(argparse.Action):
@@ -93,7 +126,7 @@ def add_config_options(
             default_text = ", ".join(f"{name}: {value}" for name, value in shown.items())
         else:
             default_text = str(default)
-        described = field.metadata.get("help", "").format_map(_ClassAttributes(config_class))
+        described = help_of(config_class, field.name).format_map(_ClassAttributes(config_class))
         help_text = f"{described} (default: {default_text})".strip()
         kwargs = _argparse_kwargs(hints[field.name], field.name)
         if field.metadata.get("positional"):
@@ -349,14 +382,13 @@ def run_commands(
     commands: Mapping[str, Command],
     user_errors: tuple[type[BaseException], ...],
     argv: Sequence[str] | None = None,
-    run_location: Callable[[argparse.Namespace], tuple[str, str]] | None = None,
 ) -> int:
     """A pipeline's `main`: parse, run the chosen command, and end every failure in one line.
 
     Bad input (`user_errors`, or one raised in a Ray task as such: its `cause`): one line naming
     it, exit status 2, no traceback. Ctrl-C or SIGTERM (Kubernetes stopping the pod): Ray
-    disconnected, one line naming the newest checkpoint of the run `train` was given
-    (`run_location(args)`: its storage path and run name) and the command that continues it.
+    disconnected, one line naming the newest checkpoint of the run `train` was given (its config
+    read as `command_parser` set it up) and the command that continues it.
     An unwritable storage path: one line, 2. A known cause (out of memory, a collective timeout,
     a missing module, …): the traceback, then one line with its fix, 1. Anything else propagates
     as it is."""
@@ -369,8 +401,7 @@ def run_commands(
         with interruptible():
             return commands[args.command](args)
     except KeyboardInterrupt as error:
-        where = run_location(args) if run_location and args.command == "train" else None
-        newest = _newest_checkpoint(*where) if where else None
+        newest = _newest_checkpoint(args) if args.command == "train" else None
         return report_interrupted(command, argv, error, newest, caller_holds_ray=caller_holds_ray)
     except user_errors as error:
         end_ray_before_error_line(caller_holds_ray=caller_holds_ray)
@@ -386,14 +417,18 @@ def run_commands(
         return 1
 
 
-def _newest_checkpoint(storage_path: str, run_name: str) -> Callable[[], str | None]:
-    """The newest complete checkpoint of a run, looked up when asked (after Ray stopped)."""
+def _newest_checkpoint(args: argparse.Namespace) -> Callable[[], str | None] | None:
+    """The newest complete checkpoint of the run `args` name, looked up when asked (after Ray
+    stopped); None when the command's parser did not come from `command_parser`."""
+    if not hasattr(args, "config_source"):
+        return None
+    config = config_from_args(args, *args.config_source)
 
     def newest() -> str | None:
         from raytrain_common.checkpoint import newest_complete_checkpoint
         from raytrain_common.storage import resolve_storage
 
-        run_dir = resolve_storage(storage_path).join(run_name)
+        run_dir = resolve_storage(config.storage_path).join(config.run_name)
         checkpoint = newest_complete_checkpoint(run_dir)
         return run_dir.uri_for(checkpoint.path) if checkpoint else None
 

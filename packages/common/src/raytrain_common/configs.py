@@ -15,7 +15,7 @@ from typing import ClassVar, Literal
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, UserCallback
 from ray.train.torch import TorchConfig
 
-from raytrain_common.cli import option
+from raytrain_common.options import option
 from raytrain_common.storage import join_uri
 
 PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
@@ -237,6 +237,102 @@ class RayTrainSettings(RunLocation):
         if self.worker_resource:
             needed[self.worker_resource] = float(low)
         return needed
+
+
+@dataclass(kw_only=True)
+class TrainingSettings(RayTrainSettings, DataLocation):
+    """The loop's flags every pipeline has: the batch, logging, the checkpoint policy inside a run,
+    where it stops, the seed. A pipeline's `TrainConfig` adds its model's and optimiser's, and gives
+    its own defaults with `option(value)` (the help stays this one)."""
+
+    sample_noun: ClassVar[str] = "Samples"  # what a batch holds, in the help: Images, Sentences…
+    run_name: str = option("run", "Run folder under the storage path; rerun to continue it.")
+    global_batch_size: int = option(32, "{sample_noun} per optimiser step over all workers.")
+    grad_accum_steps: int = option(1, "Micro-batches per optimiser step: memory per step ÷ this.")
+    log_every_steps: int = option(50, "Progress line every N optimiser steps (rank 0).")
+    checkpoint_every_steps: int = option(
+        0,
+        "Also checkpoint (and validate) every N optimiser steps, so a restart loses at most N "
+        "(0: at the ends of epochs only).",
+    )
+    preemption_check_steps: int = option(
+        10,
+        "Every N steps, ask Ray whether a node of the run is being preempted; if so, checkpoint "
+        "at once (0: never ask).",
+    )
+    stop_at_step: int | None = option(
+        None,
+        "Checkpoint and stop after this optimiser step of the run; the schedule still runs to "
+        "the run's end, and a rerun continues (time-boxed or preemptible jobs).",
+    )
+    seed: int = option(0, "Seed of weights init and of every epoch's data order.")
+
+    def validate_training_settings(self) -> None:
+        """Raise on loop and cluster values that cannot work, naming the value and the fix."""
+        self.validate_cluster_settings()
+        check_batch_splits_for_every_worker_count(
+            self.global_batch_size, self, self.grad_accum_steps
+        )
+        if self.log_every_steps <= 0:
+            raise ConfigError(f"log_every_steps={self.log_every_steps}: it must be above 0")
+        for name in ("checkpoint_every_steps", "preemption_check_steps"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}={getattr(self, name)}: give 0 (off) or a step count")
+        if self.stop_at_step is not None and self.stop_at_step < 1:
+            raise ConfigError(
+                f"stop_at_step={self.stop_at_step}: it must be at least 1 (beyond the run's last "
+                "step the run simply ends there)"
+            )
+
+
+@dataclass(kw_only=True)
+class EpochSettings:
+    """A run counted in epochs over rows it may slice (smoke runs, tests, sweeps)."""
+
+    epochs: int = option(2, "Total epochs of the run (a rerun continues up to this many).")
+    warmup_fraction: float = option(0.1, "Share of all steps spent warming the learning rate up.")
+    limit_train_rows: int | None = option(
+        None, "Train on the first N rows only (smoke runs, tests; prepare wrote them shuffled)."
+    )
+    limit_val_rows: int | None = option(
+        None, "Validate (choose checkpoints) on the first N validation rows only."
+    )
+    limit_test_rows: int | None = option(
+        None, "Score the chosen checkpoint on the first N test rows only."
+    )
+
+    def validate_epochs(self) -> None:
+        if self.epochs <= 0:
+            raise ConfigError(f"epochs={self.epochs}: it must be above 0")
+        if not 0 <= self.warmup_fraction < 1:
+            raise ConfigError(f"warmup_fraction={self.warmup_fraction}: it must be in [0, 1)")
+        for name in ("limit_train_rows", "limit_val_rows", "limit_test_rows"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"{name}={value}: give a positive row count or none")
+
+
+@dataclass(kw_only=True)
+class ValidationSettings:
+    """Where the validation that picks checkpoints runs: in the loop, or in a Ray task beside it."""
+
+    validation: Literal["inline", "async"] = option(
+        "inline",
+        "inline: the workers score the validation split at each validation point, training "
+        "waits; async: a Ray task scores each checkpoint while training goes on (Ray Train's "
+        "ValidationConfig), on --validation-cpus / --validation-gpus.",
+    )
+    validation_cpus: float = option(1.0, "CPUs of the async validation task.")
+    validation_gpus: float = option(0.0, "GPUs of the async validation task (1: its own GPU).")
+
+    def validate_validation(self) -> None:
+        if self.validation not in ("inline", "async"):
+            raise ConfigError(f"validation={self.validation!r}: choose inline or async")
+        if self.validation_cpus <= 0 or self.validation_gpus < 0:
+            raise ConfigError(
+                f"validation_cpus={self.validation_cpus}, validation_gpus={self.validation_gpus}: "
+                "give above 0 CPUs and 0 or more GPUs"
+            )
 
 
 def per_worker_batch_size(global_batch_size: int, workers: int, grad_accum_steps: int = 1) -> int:

@@ -277,11 +277,16 @@ class StartupClock:
     `startup_phases` (each phase's seconds, in order) and `total()` its `startup_s`."""
 
     def __init__(self, marks: dict[str, float] | float | None = None) -> None:
-        """From the driver's `marks`, or starting at a time (time.time()), or now."""
+        """From the driver's `marks`; or, in the driver, from when the command started
+        (time.time(), or now) with its first phase, `imports` (Python, imports and the command
+        line), ending now. `began`: when this clock was made (time.perf_counter()), where a run's
+        wall time counts from."""
+        self.began = time.perf_counter()
         if isinstance(marks, dict):
             self.marks = dict(marks)
         else:
             self.marks = {"start": time.time() if marks is None else marks}
+            self.mark("imports")
 
     def mark(self, phase: str) -> None:
         self.marks[phase] = time.time()

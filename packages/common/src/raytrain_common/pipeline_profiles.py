@@ -8,11 +8,13 @@ forecast. This package only reads the group.
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import Any
 
+from raytrain_common.cli import config_from_args
 from raytrain_common.configs import ConfigError, RayTrainSettings
 from raytrain_common.memory_forecast import TrainingStep
 
@@ -24,9 +26,15 @@ class PipelineProfile:
     name: str  # the import package, e.g. the folder name under pipelines/
     distribution: str  # the installed distribution, whose version every node must agree on
     worker_imports: tuple[str, ...]  # modules a training worker imports
-    train_config: Callable[[Sequence[str]], RayTrainSettings]  # `train` flags → the run's config
+    build_parser: Callable[[], argparse.ArgumentParser]  # the pipeline's, from cli.command_parser
     training_step: Callable[[Any], TrainingStep]  # the config → its step, for the memory forecast
     fsdp: bool = False  # shards parameters, gradients and optimizer state over the workers
+
+    def train_config(self, argv: Sequence[str]) -> RayTrainSettings:
+        """`train`'s flags → the run's config, as the pipeline's own `train` reads them."""
+        args = self.build_parser().parse_args(["train", *argv])
+        config: RayTrainSettings = config_from_args(args, *args.config_source)
+        return config
 
 
 def installed_profiles() -> dict[str, Callable[[], Any]]:

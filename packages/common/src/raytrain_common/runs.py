@@ -1,21 +1,34 @@
-"""The first and last lines of every pipeline's `run()`: where the run lives, what a failed
-`trainer.fit()` means (a storage outage named as such, Ctrl-C), and the header every
-`summary.json` starts with. The training, and `trainer.fit()` itself, stay in the pipelines."""
+"""The first and last lines of every pipeline's `run()`: where the run lives, the cluster joined
+and the tracking run opened (`start_run`), what a failed `trainer.fit()` means (a storage outage
+named as such, Ctrl-C), and the header every `summary.json` starts with. The training, the
+`TorchTrainer` and `trainer.fit()` itself, stay in the pipelines."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import signal
+import sys
 import time
-from collections.abc import Callable, Iterator
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import ray
 import ray.train
 
 from raytrain_common.checkpoint import raise_storage_error_of
+from raytrain_common.loop import StartupClock
 from raytrain_common.storage import StoragePath, check_writable, resolve_storage
+from raytrain_common.tracking import (
+    TrackedRun,
+    failed_on_error,
+    finish_for_summary,
+    open_for_config,
+    warm_tracking_store,
+)
 
 
 class LocatedRun(Protocol):
@@ -54,6 +67,75 @@ def fit_failures_named(storage_path: str) -> Iterator[None]:
         if aborted.code == signal.SIGTERM:  # ray.init's SIGTERM handler, outside a command
             raise
         raise KeyboardInterrupt("Ray Train aborted the run on SIGINT") from aborted
+
+
+@dataclass
+class StartedRun:
+    """A checked run whose cluster is joined and whose tracking run is open (`start_run`)."""
+
+    run_dir: StoragePath
+    clock: StartupClock  # the driver's start-up phases, which the workers go on marking
+    tracked: TrackedRun | None
+
+    def loop_config(self, config: Any, **recipe: Any) -> dict[str, Any]:
+        """`TorchTrainer`'s `train_loop_config`: the config (a dataclass, rebuilt once per worker),
+        an id that tells a worker-group restart from a rerun of the command, the start-up phases
+        so far and the tracking run; then the recipe's own values (dataclasses as dicts)."""
+        return {
+            "config": dataclasses.asdict(config),
+            "driver_id": uuid.uuid4().hex,
+            "startup": self.clock.marks,
+            "tracked": dataclasses.asdict(self.tracked) if self.tracked else None,
+            **{
+                name: (
+                    dataclasses.asdict(value)
+                    if dataclasses.is_dataclass(value) and not isinstance(value, type)
+                    else value
+                )
+                for name, value in recipe.items()
+            },
+        }
+
+    @contextlib.contextmanager
+    def failures_named(self, storage_path: str) -> Iterator[None]:
+        """Around `trainer.fit()` and the outputs: the tracking run marked FAILED if they raise,
+        a storage outage named as such (`fit_failures_named`)."""
+        self.clock.mark("trainer")
+        with failed_on_error(self.tracked), fit_failures_named(storage_path):
+            yield
+
+    def finish(self, summary: Mapping[str, Any]) -> dict[str, Any]:
+        """The tracking run closed with the summary's files and test scores; the summary back."""
+        finish_for_summary(self.tracked, self.run_dir, summary)
+        return dict(summary)
+
+
+def start_run(
+    config: Any,
+    storage: StoragePath,
+    inputs: Mapping[str, StoragePath],
+    clock: StartupClock,
+    cluster_checks: Sequence[Callable[[], None]] = (),
+) -> StartedRun:
+    """Join or start the Ray cluster and refuse what cannot work on it (`start_ray_for_run`:
+    storage and `inputs` every node must read, the worker group's resources, then the pipeline's
+    own `cluster_checks`), then open the run's MLflow run, tagged with the pipeline (the config
+    class's package) and its `__version__`. The tracking store is warmed while Ray starts; `clock`
+    marks each phase."""
+    from raytrain_common.ray_start import start_ray_for_run
+
+    pipeline = type(config).__module__.split(".")[0]
+    version = str(getattr(sys.modules[pipeline], "__version__", "unknown"))
+
+    warm_tracking_store(config, storage)  # overlaps Ray's start
+    clock.mark("checks")
+    start_ray_for_run(config, storage, dict(inputs))
+    for check in cluster_checks:
+        check()
+    clock.mark("ray_start")
+    tracked = open_for_config(config, storage, pipeline=pipeline, version=version)
+    clock.mark("tracking")
+    return StartedRun(storage.join(config.run_name), clock, tracked)
 
 
 def summary_header(

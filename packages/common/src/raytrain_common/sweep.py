@@ -29,7 +29,6 @@ from typing import Any, Literal
 
 from ray.train import UserCallback
 
-from raytrain_common.cli import option
 from raytrain_common.configs import ConfigError
 from raytrain_common.metrics import (
     METRICS_FILE,
@@ -39,6 +38,7 @@ from raytrain_common.metrics import (
     write_metrics_csv,
     write_summary,
 )
+from raytrain_common.options import option
 from raytrain_common.ray_start import init_ray
 from raytrain_common.storage import StoragePath, resolve_storage
 from raytrain_common.tracking import (
@@ -232,6 +232,11 @@ def run_sweep(
 
     settings.validate_sweep()
     base.validate()
+    if getattr(base, "validation", "inline") != "inline":
+        raise ConfigError(
+            "sweep with --validation async: ASHA compares each report by its validation score, "
+            "which an async validation adds later; use inline"
+        )
     # Tune saves which trials finished every few seconds (what an interrupted sweep resumes
     # from), and trials keep the user's working folder (relative --model and such).
     os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", str(STATE_SAVE_S))
@@ -265,6 +270,44 @@ def run_sweep(
         tags={"best_trial": outcome.get("best_trial"), "best_command": outcome.get("command")},
     )
     return outcome
+
+
+SWEEP_HELP = (
+    "Ray Tune with ASHA over the learning rate (and the batch sizes, warm-ups and weight decays the "
+    "preset lists); rerun the same --sweep-name to resume"
+)
+
+
+def sweep_command(
+    config: Any,
+    preset_name: str,
+    *,
+    program: str,
+    version: str,
+    train_class: type,
+    presets: Mapping[str, Any],
+    train: Callable[[Any, Sequence[UserCallback]], dict[str, Any]],
+    objective: Objective,
+    full_run_fields: Sequence[str],
+) -> int:
+    """A pipeline's `sweep` command: the sweep of `config` (its train part from the preset named
+    `preset_name`), then its outcome printed with the command that trains the best trial in full,
+    where `full_run_fields` take the preset's values again (e.g. the row limits a sweep sets). The
+    sweep's folder and MLflow runs are named after `train_class`'s package (the pipeline's)."""
+    preset = presets[preset_name]
+    outcome = run_sweep(
+        pipeline=train_class.__module__.split(".")[0],
+        version=version,
+        settings=config,
+        base=train_fields(config, train_class),
+        preset=preset,
+        train=train,
+        objective=objective,
+        command=f"{program} train --preset {preset_name}",
+        full_run={name: getattr(preset, name) for name in full_run_fields},
+    )
+    print_outcome(outcome, objective.metric)
+    return 0
 
 
 def with_absolute_paths(base: Any) -> tuple[Any, StoragePath]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import logging
 import sys
 import tempfile
 import time
@@ -23,84 +22,45 @@ from hf_finetune.config import (
     TrainConfig,
 )
 from hf_finetune.model import ModelError
-from raytrain_common.checkpoint import TornCheckpointError
-from raytrain_common.cli import (
-    add_config_options,
-    config_from_args,
-    run_commands,
-)
-from raytrain_common.configs import ConfigError
+from raytrain_common.cli import command_parser, config_from_args, run_commands, user_errors
 from raytrain_common.labelled.prepare import DataError
 from raytrain_common.loop import process_started_at
 from raytrain_common.metrics import SUMMARY_FILE
-from raytrain_common.pretokenize import TokenizeError
-from raytrain_common.ray_start import ResourceError, show_ray_output
-from raytrain_common.storage import StorageError, resolve_storage
-from raytrain_common.text import TextEncodingError, check_encoding
+from raytrain_common.ray_start import show_ray_output
+from raytrain_common.storage import resolve_storage
+from raytrain_common.sweep import SWEEP_HELP
+from raytrain_common.text import check_encoding
 
-log = logging.getLogger("hf_finetune")
-
-# Errors of the user's input: one line, exit status 2, no traceback.
-USER_ERRORS = (
-    ConfigError,
-    DataError,
-    ModelError,
-    TokenizeError,
-    TextEncodingError,
-    StorageError,
-    ResourceError,
-    FileNotFoundError,
-    FileExistsError,
-    TornCheckpointError,
-)
+# Errors of the user's input (the library's and these): one line, exit status 2, no traceback.
+USER_ERRORS = user_errors(DataError, ModelError)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="hf-finetune",
-        description=(
-            "Fine-tune a Hugging Face text classifier with Ray Train (checkpointed, resumable)."
-        ),
+    return command_parser(
+        "hf-finetune",
+        "Fine-tune a Hugging Face text classifier with Ray Train (checkpointed, resumable).",
+        {
+            "prepare": ("labelled text → split, pre-tokenised Parquet", PrepareConfig),
+            "train": (
+                "fine-tune with Ray Train; rerun with the same --run-name to continue",
+                TrainConfig,
+                PRESETS,
+            ),
+            "sweep": (SWEEP_HELP, SweepConfig, SWEEP_PRESETS),
+            "evaluate": (
+                "test accuracy, macro F1, confusion matrix of a checkpoint (train scores its "
+                "best once)",
+                EvaluateConfig,
+            ),
+            "predict": ("classify sentences from a file or standard input", PredictConfig),
+        },
     )
-    commands = parser.add_subparsers(dest="command", required=True)
-
-    prepare = commands.add_parser("prepare", help="labelled text → split, pre-tokenised Parquet")
-    add_config_options(prepare, PrepareConfig)
-
-    train = commands.add_parser(
-        "train", help="fine-tune with Ray Train; rerun with the same --run-name to continue"
-    )
-    add_config_options(train, TrainConfig, PRESETS)
-
-    sweep = commands.add_parser(
-        "sweep",
-        help="Ray Tune over the learning rate, batch size, warm-up and weight decay, with ASHA; "
-        "rerun the same --sweep-name to resume",
-    )
-    add_config_options(sweep, SweepConfig, SWEEP_PRESETS)
-
-    evaluate = commands.add_parser(
-        "evaluate",
-        help="test accuracy, macro F1, confusion matrix of a checkpoint (train scores its best once)",
-    )
-    add_config_options(evaluate, EvaluateConfig)
-    predict = commands.add_parser(
-        "predict", help="classify sentences from a file or standard input"
-    )
-    add_config_options(predict, PredictConfig)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """`hf-finetune COMMAND ...`: bad input ends in one line (exit 2), Ctrl-C or SIGTERM in one line
     naming the checkpoint a rerun continues from (raytrain_common.cli.run_commands)."""
-    return run_commands("hf-finetune", build_parser(), COMMANDS, USER_ERRORS, argv, run_location)
-
-
-def run_location(args: argparse.Namespace) -> tuple[str, str]:
-    """Where the run `train` was given lives: (storage path, run name)."""
-    config = config_from_args(args, TrainConfig, PRESETS)
-    return config.storage_path, config.run_name
+    return run_commands("hf-finetune", build_parser(), COMMANDS, USER_ERRORS, argv)
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
@@ -146,28 +106,20 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     from hf_finetune.train import SCORE, run
-    from raytrain_common.sweep import Objective, print_outcome, run_sweep, train_fields
+    from raytrain_common.sweep import Objective, sweep_command
 
     config = config_from_args(args, SweepConfig, SWEEP_PRESETS)
-    preset = PRESETS[args.preset]
-    outcome = run_sweep(
-        pipeline="hf_finetune",
+    return sweep_command(
+        config,
+        args.preset,
+        program="hf-finetune",
         version=__version__,
-        settings=config,
-        base=train_fields(config, TrainConfig),
-        preset=preset,
+        train_class=TrainConfig,
+        presets=PRESETS,
         train=run,
         objective=Objective(SCORE, "max", time_attr="epoch", max_t=config.epochs),
-        command=f"hf-finetune train --preset {args.preset}",
-        full_run={
-            "limit_train_rows": None,
-            "limit_val_rows": None,
-            "limit_test_rows": None,
-            "epochs": preset.epochs,
-        },
+        full_run_fields=("limit_train_rows", "limit_val_rows", "limit_test_rows", "epochs"),
     )
-    print_outcome(outcome, SCORE)
-    return 0
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:

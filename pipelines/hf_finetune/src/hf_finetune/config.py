@@ -14,9 +14,9 @@ from raytrain_common.configs import (
     ConfigError,
     ConsoleSettings,
     DataLocation,
-    RayTrainSettings,
+    EpochSettings,
     RunLocation,
-    check_batch_splits_for_every_worker_count,
+    TrainingSettings,
 )
 from raytrain_common.sweep import SweepSettings
 from raytrain_common.text import UTF8
@@ -88,81 +88,39 @@ class PredictConfig(EvaluateConfig):
 
 
 @dataclass(kw_only=True)
-class TrainConfig(RayTrainSettings, DataLocation):
+class TrainConfig(EpochSettings, TrainingSettings):
+    """The library's loop and epoch flags (raytrain_common.configs) with this pipeline's defaults,
+    then the recipe's own: the model, its optimiser and schedule, batching for evaluation."""
+
     data_folder: ClassVar[str] = DEFAULT_DATA_FOLDER
-    run_name: str = option(RUN_NAME, "Run folder under the storage path; rerun to continue it.")
+    sample_noun: ClassVar[str] = "Sentences"
+    run_name: str = option(RUN_NAME)
     model: str | None = option(
         None,
         "Hub id or local Hugging Face folder (default: the model the data was tokenised for).",
     )
-    epochs: int = option(2, "Total epochs of the run (a rerun continues up to this many).")
-    global_batch_size: int = option(32, "Sentences per optimiser step over all workers.")
-    grad_accum_steps: int = option(1, "Micro-batches per optimiser step: memory per step ÷ this.")
     eval_batch_size: int = option(128, "Most sentences per evaluation batch on each worker.")
     lr: float = option(1e-4, "Peak learning rate of AdamW.")
     weight_decay: float = option(0.01, "AdamW weight decay.")
-    warmup_fraction: float = option(0.1, "Share of all steps warming the learning rate up.")
     lr_schedule: str = option("linear", "Decay after warm-up: linear, cosine or constant.")
     grad_clip_norm: float = option(1.0, "Clip the gradient norm to this.")
     bf16: bool = option(False, "bfloat16 mixed precision (GPUs with bf16 support).")
     group_by_length: bool = option(
         True, "Batch sentences of similar length together: less padding, faster steps."
     )
-    limit_train_rows: int | None = option(
-        None, "Train on the first N rows only (smoke runs, tests)."
-    )
-    limit_val_rows: int | None = option(None, "Evaluate on the first N validation rows only.")
-    limit_test_rows: int | None = option(
-        None, "Score the chosen checkpoint on the first N test rows only (smoke runs, sweeps)."
-    )
-    log_every_steps: int = option(50, "Progress line every N optimiser steps (rank 0).")
-    checkpoint_every_steps: int = option(
-        0,
-        "Evaluate and checkpoint every N optimiser steps instead of at each epoch's end (0: per "
-        "epoch); a restart then loses at most N steps.",
-    )
-    preemption_check_steps: int = option(
-        10,
-        "Every N steps, ask Ray whether a node of the run is being preempted; if so, evaluate and "
-        "checkpoint at once (0: never ask).",
-    )
-    stop_at_step: int | None = option(
-        None, "Evaluate, checkpoint and stop after this optimiser step (a rerun continues)."
-    )
-    seed: int = option(0, "Seed of the head's init and the data order.")
 
     def validate(self) -> None:
         """Raise on values that cannot work, naming the value and the fix, before anything
         starts."""
-        self.validate_cluster_settings()
-        check_batch_splits_for_every_worker_count(
-            self.global_batch_size, self, self.grad_accum_steps
-        )
-        positive = {
-            "epochs": self.epochs,
-            "lr": self.lr,
-            "eval_batch_size": self.eval_batch_size,
-            "log_every_steps": self.log_every_steps,
-            "grad_clip_norm": self.grad_clip_norm,
-        }
-        for name, value in positive.items():
-            if value <= 0:
-                raise ConfigError(f"{name}={value}: it must be above 0")
-        for name in ("checkpoint_every_steps", "preemption_check_steps"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name}={getattr(self, name)}: give 0 (off) or a step count")
-        if self.stop_at_step is not None and self.stop_at_step < 1:
-            raise ConfigError(f"stop_at_step={self.stop_at_step}: it must be at least 1")
-        if not 0 <= self.warmup_fraction < 1:
-            raise ConfigError(f"warmup_fraction={self.warmup_fraction}: it must be in [0, 1)")
+        self.validate_training_settings()
+        self.validate_epochs()
+        for name in ("lr", "eval_batch_size", "grad_clip_norm"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name}={getattr(self, name)}: it must be above 0")
         if self.lr_schedule not in ("linear", "cosine", "constant"):
             raise ConfigError(
                 f"lr_schedule={self.lr_schedule!r}: choose linear, cosine or constant"
             )
-        for name in ("limit_train_rows", "limit_val_rows", "limit_test_rows"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ConfigError(f"{name}={value}: give a positive row count or none")
 
 
 def cpu_preset() -> TrainConfig:

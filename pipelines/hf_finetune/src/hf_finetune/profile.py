@@ -5,9 +5,9 @@ step whose memory it forecasts."""
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from typing import Any
 
+from hf_finetune.cli import build_parser
 from raytrain_common.pipeline_profiles import PipelineProfile
 
 # Before `prepare` has written the dataset's own: prepare's default length and two labels.
@@ -24,17 +24,9 @@ def profile() -> PipelineProfile:
             "accelerate",
             "ray.train.huggingface.transformers",
         ),
-        train_config=train_config,
+        build_parser=build_parser,
         training_step=training_step,
     )
-
-
-def train_config(argv: Sequence[str]) -> Any:
-    from hf_finetune.cli import build_parser
-    from hf_finetune.config import PRESETS, TrainConfig
-    from raytrain_common.cli import config_from_args
-
-    return config_from_args(build_parser().parse_args(["train", *argv]), TrainConfig, PRESETS)
 
 
 def text_shape(config: Any) -> dict[str, int]:

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
-import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -38,7 +36,6 @@ from transformers import (
 )
 from transformers.trainer_callback import PrinterCallback
 
-from hf_finetune import __version__
 from hf_finetune.checkpointer import HF_CHECKPOINT, Checkpointer, CheckpointerCallback
 from hf_finetune.config import PREPARE_COMMAND, TrainConfig
 from hf_finetune.metrics_logger import LoggerCallback, MetricsLogger
@@ -62,15 +59,9 @@ from raytrain_common.labelled.prepare import (
 )
 from raytrain_common.labelled.tokenized import TokenizedSplit
 from raytrain_common.loop import StartupClock
-from raytrain_common.ray_start import quiet_ray_output, start_ray_for_run
-from raytrain_common.runs import fit_failures_named, locate_run
-from raytrain_common.storage import resolve_storage
-from raytrain_common.tracking import (
-    failed_on_error,
-    finish_for_summary,
-    open_for_config,
-    warm_tracking_store,
-)
+from raytrain_common.ray_start import quiet_ray_output
+from raytrain_common.runs import locate_run, start_run
+from raytrain_common.storage import StoragePath, resolve_storage
 
 log = logging.getLogger("hf_finetune")
 
@@ -213,17 +204,9 @@ def check_model_fits_data(model: str, info: DatasetInfo) -> None:
         )
 
 
-def run(
-    config: TrainConfig, callbacks: Sequence[UserCallback] = (), started_at: float | None = None
-) -> dict[str, Any]:
-    """Check everything that can be checked, train, then write metrics, curves and summary.json.
-
-    `callbacks` join the run's (a sweep passes Tune's, which forwards every report to Tune);
-    `started_at`: when the command started (time.time()), where its start-up is counted from.
-    """
-    started = time.perf_counter()
-    clock = StartupClock(started_at)  # summary.json's startup_s, phase by phase
-    clock.mark("imports")  # Python, imports and the command line, when `started_at` is given
+def check_run(config: TrainConfig) -> tuple[TrainConfig, DatasetInfo, StoragePath]:
+    """Everything that can be checked before Ray starts: the options, the storage, the prepared
+    data and the model that reads it. The config comes back with its paths and model resolved."""
     storage, data_dir = locate_run(config)
     info = inspect_dataset(data_dir, PREPARE_COMMAND)
     model = resolve_model(config.model or info.tokenizer)
@@ -234,46 +217,39 @@ def run(
             f"{train_rows} training rows make no full batch of {config.global_batch_size}: "
             "use more rows or a smaller --global-batch-size"
         )
+    log.info(
+        "fine-tuning %s on %d rows, %d worker(s), %d epoch(s); run folder %s",
+        *(display_name(model), train_rows, config.num_workers, config.epochs),
+        storage.join(config.run_name),
+    )
     config = dataclasses.replace(
         config, storage_path=storage.uri, data_dir=data_dir.uri, model=model
     )
+    return config, info, storage
 
-    warm_tracking_store(config, storage)  # overlaps Ray's start
-    clock.mark("checks")
-    start_ray_for_run(config, storage, {"the data folder (--data-dir)": data_dir})
-    clock.mark("ray_start")
-    tracked = open_for_config(config, storage, pipeline="hf_finetune", version=__version__)
-    clock.mark("tracking")
 
+def run(
+    config: TrainConfig, callbacks: Sequence[UserCallback] = (), started_at: float | None = None
+) -> dict[str, Any]:
+    """Check everything that can be checked, train, then write metrics, curves and summary.json.
+
+    `callbacks` join the run's (a sweep passes Tune's, which forwards every report to Tune);
+    `started_at`: when the command started (time.time()), where its start-up is counted from.
+    """
+    clock = StartupClock(started_at)  # summary.json's startup_s, phase by phase
+    config, info, storage = check_run(config)
+    inputs = {"the data folder (--data-dir)": resolve_storage(config.resolved_data_dir())}
+    started = start_run(config, storage, inputs, clock)
     trainer = TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={
-            "config": dataclasses.asdict(config),
-            "dataset": dataclasses.asdict(info),
-            "model": model,
-            "driver_id": uuid.uuid4().hex,  # tells a worker restart from a rerun of the command
-            "startup": clock.marks,
-            "tracked": dataclasses.asdict(tracked) if tracked else None,
-        },
+        train_loop_config=started.loop_config(config, dataset=info, model=config.model),
         scaling_config=build_scaling_config(config),
         run_config=build_run_config(
             config, score_attribute=SCORE, score_order="max", callbacks=callbacks
         ),
         torch_config=build_torch_config(config),
     )
-    log.info(
-        "fine-tuning %s on %d rows, %d worker(s), %d epoch(s); run folder %s",
-        display_name(model),
-        train_rows,
-        config.num_workers,
-        config.epochs,
-        storage.join(config.run_name),
-    )
-    run_dir = storage.join(config.run_name)
-    clock.mark("trainer")
-    with failed_on_error(tracked):
-        with fit_failures_named(config.storage_path):
-            result = trainer.fit()  # the workers train; it returns when the run has ended
-        summary = write_run_outputs(run_dir, result, config, info, started)
-    finish_for_summary(tracked, run_dir, summary)
-    return summary
+    with started.failures_named(config.storage_path):
+        result = trainer.fit()  # the workers train; it returns when the run has ended
+        summary = write_run_outputs(started.run_dir, result, config, info, clock.began)
+    return started.finish(summary)

@@ -21,81 +21,47 @@ from llm_fsdp.config import (
     TrainConfig,
 )
 from llm_fsdp.model import SMOLLM2, SMOLLM2_FOLDER, ModelError
-from raytrain_common.checkpoint import TornCheckpointError
-from raytrain_common.cli import (
-    add_config_options,
-    config_from_args,
-    run_commands,
-)
+from raytrain_common.cli import command_parser, config_from_args, run_commands, user_errors
 from raytrain_common.configs import ConfigError
 from raytrain_common.loop import process_started_at
 from raytrain_common.metrics import SUMMARY_FILE
-from raytrain_common.pretokenize import TokenizeError
-from raytrain_common.ray_start import ResourceError, show_ray_output
+from raytrain_common.ray_start import show_ray_output
 from raytrain_common.runs import chosen_checkpoint, read_run_summary
-from raytrain_common.storage import StorageError, join_uri, resolve_storage
-from raytrain_common.text import TextEncodingError, check_encoding
+from raytrain_common.storage import join_uri, resolve_storage
+from raytrain_common.sweep import SWEEP_HELP
+from raytrain_common.text import check_encoding
 from raytrain_common.tokens.corpus import SPLITS, DataError
 
-# Errors of the user's input: one line, exit status 2, no traceback.
-USER_ERRORS = (
-    ConfigError,
-    DataError,
-    ModelError,
-    TokenizeError,
-    TextEncodingError,
-    StorageError,
-    ResourceError,
-    FileNotFoundError,
-    TornCheckpointError,
-)
+# Errors of the user's input (the library's and these): one line, exit status 2, no traceback.
+USER_ERRORS = user_errors(DataError, ModelError)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="llm-fsdp",
-        description="Train a causal LM with FSDP2 on Ray Train (sharded checkpoints, resumable).",
+    return command_parser(
+        "llm-fsdp",
+        "Train a causal LM with FSDP2 on Ray Train (sharded checkpoints, resumable).",
+        {
+            "prepare": ("a corpus → tokenised, packed blocks in a token file", PrepareConfig),
+            "train": (
+                "train with FSDP2; rerun with the same --run-name to continue",
+                TrainConfig,
+                PRESETS,
+            ),
+            "sweep": (SWEEP_HELP, SweepConfig, SWEEP_PRESETS),
+            "evaluate": (
+                "a checkpoint's loss and perplexity on a split (train scores its best once)",
+                EvaluateConfig,
+            ),
+            "export": ("a checkpoint → a Hugging Face safetensors folder", ExportConfig),
+            "generate": ("sample text from a checkpoint or an export", GenerateConfig),
+        },
     )
-    commands = parser.add_subparsers(dest="command", required=True)
-
-    prepare = commands.add_parser(
-        "prepare", help="a corpus → tokenised, packed blocks in a token file"
-    )
-    add_config_options(prepare, PrepareConfig)
-
-    train = commands.add_parser(
-        "train", help="train with FSDP2; rerun with the same --run-name to continue"
-    )
-    add_config_options(train, TrainConfig, PRESETS)
-
-    sweep = commands.add_parser(
-        "sweep",
-        help="Ray Tune over the learning rate with ASHA; rerun the same --sweep-name to resume",
-    )
-    add_config_options(sweep, SweepConfig, SWEEP_PRESETS)
-
-    evaluate = commands.add_parser(
-        "evaluate",
-        help="a checkpoint's loss and perplexity on a split (train scores its best once)",
-    )
-    add_config_options(evaluate, EvaluateConfig)
-    export = commands.add_parser("export", help="a checkpoint → a Hugging Face safetensors folder")
-    add_config_options(export, ExportConfig)
-    generate = commands.add_parser("generate", help="sample text from a checkpoint or an export")
-    add_config_options(generate, GenerateConfig)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """`llm-fsdp COMMAND ...`: bad input ends in one line (exit 2), Ctrl-C or SIGTERM in one line
     naming the checkpoint a rerun continues from (raytrain_common.cli.run_commands)."""
-    return run_commands("llm-fsdp", build_parser(), COMMANDS, USER_ERRORS, argv, run_location)
-
-
-def run_location(args: argparse.Namespace) -> tuple[str, str]:
-    """Where the run `train` was given lives: (storage path, run name)."""
-    config = config_from_args(args, TrainConfig, PRESETS)
-    return config.storage_path, config.run_name
+    return run_commands("llm-fsdp", build_parser(), COMMANDS, USER_ERRORS, argv)
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
@@ -181,26 +147,20 @@ def describe_run(summary: dict[str, Any]) -> str:
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     from llm_fsdp.train import SCORE, run
-    from raytrain_common.sweep import Objective, print_outcome, run_sweep, train_fields
+    from raytrain_common.sweep import Objective, sweep_command
 
     config = config_from_args(args, SweepConfig, SWEEP_PRESETS)
-    preset = PRESETS[args.preset]
-    outcome = run_sweep(
-        pipeline="llm_fsdp",
+    return sweep_command(
+        config,
+        args.preset,
+        program="llm-fsdp",
         version=__version__,
-        settings=config,
-        base=train_fields(config, TrainConfig),
-        preset=preset,
+        train_class=TrainConfig,
+        presets=PRESETS,
         train=run,
         objective=Objective(SCORE, "min", time_attr="step", max_t=config.max_steps),
-        command=f"llm-fsdp train --preset {args.preset}",
-        full_run={
-            name: getattr(preset, name)
-            for name in ("max_steps", "warmup_steps", "eval_every_steps", "checkpoint_every_steps")
-        },
+        full_run_fields=("max_steps", "warmup_steps", "eval_every_steps", "checkpoint_every_steps"),
     )
-    print_outcome(outcome, SCORE)
-    return 0
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:

@@ -16,9 +16,9 @@ from raytrain_common.configs import (
     ConfigError,
     ConsoleSettings,
     DataLocation,
-    RayTrainSettings,
     RunLocation,
-    check_batch_splits_for_every_worker_count,
+    TrainingSettings,
+    ValidationSettings,
 )
 from raytrain_common.sweep import SweepSettings
 from raytrain_common.text import UTF8
@@ -113,9 +113,13 @@ class GenerateConfig(RunLocation):
 
 
 @dataclass(kw_only=True)
-class TrainConfig(RayTrainSettings, DataLocation):
+class TrainConfig(ValidationSettings, TrainingSettings):
+    """The library's loop and validation flags (raytrain_common.configs) with this pipeline's
+    defaults, then the recipe's own: model, schedule in steps, optimiser, FSDP's options."""
+
     data_folder: ClassVar[str] = DEFAULT_DATA_FOLDER
-    run_name: str = option(RUN_NAME, "Run folder under the storage path; rerun to continue it.")
+    sample_noun: ClassVar[str] = "Sequences"
+    run_name: str = option(RUN_NAME)
     data_dir: str | None = option(None, DATA_DIR_HELP)
     model: str = option(
         "tiny",
@@ -128,13 +132,7 @@ class TrainConfig(RayTrainSettings, DataLocation):
         None,
         "Passes over the training blocks; when given, it sets max_steps from the corpus's size.",
     )
-    stop_at_step: int | None = option(
-        None,
-        "Stop after this step with a checkpoint; the schedule still runs to max_steps, and a rerun "
-        "continues (time-boxed or preemptible jobs).",
-    )
-    global_batch_size: int = option(16, "Sequences per optimiser step over all workers.")
-    grad_accum_steps: int = option(1, "Micro-batches per optimiser step: memory per step ÷ this.")
+    global_batch_size: int = option(16)
     lr: float = option(2e-3, "Peak learning rate of AdamW.")
     min_lr_ratio: float = option(0.1, "The cosine decays to lr × this.")
     warmup_steps: int = option(30, "Steps warming the learning rate up linearly.")
@@ -155,15 +153,6 @@ class TrainConfig(RayTrainSettings, DataLocation):
     )
     eval_every_steps: int = option(50, "Validation loss and perplexity every N steps (and at 0).")
     eval_batches: int = option(8, "Validation micro-batches per evaluation on each worker.")
-    validation: str = option(
-        "inline",
-        "inline: the workers score the validation split every --eval-every-steps, training "
-        "waits; async: a Ray task scores each checkpoint (every --checkpoint-every-steps) while "
-        "training goes on (Ray Train's ValidationConfig), on --validation-cpus / "
-        "--validation-gpus; the untrained model is still scored inline at step 0.",
-    )
-    validation_cpus: float = option(1.0, "CPUs of the async validation task.")
-    validation_gpus: float = option(0.0, "GPUs of the async validation task (1: its own GPU).")
     test_blocks: int | None = option(
         2048,
         "The run ends by scoring the checkpoint validation chose on the test split's first N "
@@ -177,13 +166,8 @@ class TrainConfig(RayTrainSettings, DataLocation):
         "Copy each checkpoint to storage in the background (Ray's CheckpointUploadMode.ASYNC): "
         "training stalls only for the local write of the shards, not for the upload.",
     )
-    log_every_steps: int = option(10, "Progress line every N steps (rank 0).")
-    preemption_check_steps: int = option(
-        5,
-        "Every N steps, ask Ray whether a node of the run is being preempted; if so, checkpoint "
-        "at once (0: never ask).",
-    )
-    seed: int = option(0, "Seed of weights init and of the data order.")
+    log_every_steps: int = option(10)
+    preemption_check_steps: int = option(5)
 
     def default_data_folder(self) -> str:
         return SMOLLM2_DATA_FOLDER if self.model == SMOLLM2 else DEFAULT_DATA_FOLDER
@@ -200,30 +184,20 @@ class TrainConfig(RayTrainSettings, DataLocation):
     def validate(self) -> None:
         """Raise on values that cannot work, naming the value and the fix, before anything
         starts."""
-        self.validate_cluster_settings()
-        check_batch_splits_for_every_worker_count(
-            self.global_batch_size, self, self.grad_accum_steps
-        )
+        self.validate_training_settings()
+        self.validate_validation()
         positive = {
             "max_steps": self.max_steps,
             "lr": self.lr,
             "eval_every_steps": self.eval_every_steps,
             "eval_batches": self.eval_batches,
-            "checkpoint_every_steps": self.checkpoint_every_steps,
-            "log_every_steps": self.log_every_steps,
+            "checkpoint_every_steps": self.checkpoint_every_steps,  # steps, not epochs, end runs
             "grad_clip_norm": self.grad_clip_norm,
             "loss_chunk_tokens": self.loss_chunk_tokens,
         }
         for name, value in positive.items():
             if value <= 0:
                 raise ConfigError(f"{name}={value}: it must be above 0")
-        if self.validation not in ("inline", "async"):
-            raise ConfigError(f"validation={self.validation!r}: choose inline or async")
-        if self.validation_cpus <= 0 or self.validation_gpus < 0:
-            raise ConfigError(
-                f"validation_cpus={self.validation_cpus}, validation_gpus={self.validation_gpus}: "
-                "give above 0 CPUs and 0 or more GPUs"
-            )
         if self.test_blocks is not None and self.test_blocks < 1:
             raise ConfigError(f"test_blocks={self.test_blocks}: give a block count or none")
         if self.epochs is not None and self.epochs <= 0:
@@ -232,16 +206,6 @@ class TrainConfig(RayTrainSettings, DataLocation):
             raise ConfigError(
                 f"warmup_steps={self.warmup_steps}: it must be at least 0 and below "
                 f"max_steps={self.max_steps}"
-            )
-        if self.stop_at_step is not None and self.stop_at_step < 1:
-            raise ConfigError(
-                f"stop_at_step={self.stop_at_step}: it must be at least 1 (beyond max_steps the "
-                "run simply ends at max_steps)"
-            )
-        if self.preemption_check_steps < 0:
-            raise ConfigError(
-                f"preemption_check_steps={self.preemption_check_steps}: "
-                "give 0 (off) or a step count"
             )
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError(f"min_lr_ratio={self.min_lr_ratio}: it must be in [0, 1]")
@@ -293,14 +257,6 @@ SWEEP_NAME = "llm_fsdp_sweep"
 @dataclass(kw_only=True)
 class SweepConfig(TrainConfig, SweepSettings):
     """`llm-fsdp sweep`: the train options every trial starts from, then the sweep's own."""
-
-    def validate(self) -> None:
-        super().validate()
-        if self.validation != "inline":
-            raise ConfigError(
-                "sweep with --validation async: ASHA compares each report by its validation "
-                "loss, which an async validation adds later; use inline"
-            )
 
 
 def cpu_sweep_preset() -> SweepConfig:

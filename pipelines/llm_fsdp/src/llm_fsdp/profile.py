@@ -5,9 +5,9 @@ step whose memory it forecasts (parameters, gradients and AdamW state sharded by
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from typing import Any
 
+from llm_fsdp.cli import build_parser
 from raytrain_common.pipeline_profiles import PipelineProfile
 
 # SmolLM2-135M's published shape, for a forecast before `prepare --tokenizer smollm2` has converted
@@ -34,18 +34,10 @@ def profile() -> PipelineProfile:
             "torch.distributed.checkpoint",
             "ray.train.torch",
         ),
-        train_config=train_config,
+        build_parser=build_parser,
         training_step=training_step,
         fsdp=True,
     )
-
-
-def train_config(argv: Sequence[str]) -> Any:
-    from llm_fsdp.cli import build_parser
-    from llm_fsdp.config import PRESETS, TrainConfig
-    from raytrain_common.cli import config_from_args
-
-    return config_from_args(build_parser().parse_args(["train", *argv]), TrainConfig, PRESETS)
 
 
 def data_shape(config: Any) -> dict[str, int]:

@@ -14,8 +14,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import time
-import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,7 +25,6 @@ import torch.distributed as dist
 from ray.train import UserCallback
 from ray.train.torch import TorchTrainer
 
-from llm_fsdp import __version__
 from llm_fsdp.checkpointer import Checkpointer
 from llm_fsdp.config import PREPARE_COMMAND, TrainConfig
 from llm_fsdp.loss import NextTokenLoss
@@ -53,18 +50,12 @@ from raytrain_common.configs import (
     per_worker_batch_size,
 )
 from raytrain_common.loop import StartupClock
-from raytrain_common.ray_start import quiet_ray_output, start_ray_for_run
-from raytrain_common.runs import fit_failures_named, locate_run
-from raytrain_common.storage import resolve_storage
+from raytrain_common.ray_start import quiet_ray_output
+from raytrain_common.runs import locate_run, start_run
+from raytrain_common.storage import StoragePath, resolve_storage
 from raytrain_common.tokens.corpus import DataError, DatasetInfo, inspect_dataset, split_blocks
 from raytrain_common.tokens.file import ReadAhead, TokenBlocks
 from raytrain_common.tokens.order import global_batch_indices, micro_batches
-from raytrain_common.tracking import (
-    failed_on_error,
-    finish_for_summary,
-    open_for_config,
-    warm_tracking_store,
-)
 
 log = logging.getLogger("llm_fsdp")
 
@@ -329,17 +320,10 @@ def dataset_info(config: TrainConfig) -> DatasetInfo:
         ) from error
 
 
-def run(
-    config: TrainConfig, callbacks: Sequence[UserCallback] = (), started_at: float | None = None
-) -> dict[str, Any]:
-    """Check everything that can be checked, train, then write metrics, curves and summary.json.
-
-    `callbacks` join the run's (a sweep passes Tune's, which forwards every report to Tune);
-    `started_at`: when the command started (time.time()), where its start-up is counted from.
-    """
-    started = time.perf_counter()
-    clock = StartupClock(started_at)  # summary.json's startup_s, phase by phase
-    clock.mark("imports")  # Python, imports and the command line, when `started_at` is given
+def check_run(config: TrainConfig) -> tuple[TrainConfig, DatasetInfo, ModelSpec, StoragePath]:
+    """Everything that can be checked before Ray starts: the options, the storage, the prepared
+    tokens and the model that reads them. The config comes back with its steps (from --epochs)
+    and paths resolved."""
     storage, data_dir = locate_run(config)
     spec = resolve_model(config.model, storage.path if storage.is_local else "")
     info = dataset_info(config)
@@ -352,45 +336,42 @@ def run(
         )
     config = config.with_steps_for(info.blocks("train"))
     config.validate()
-    config = dataclasses.replace(config, storage_path=storage.uri, data_dir=data_dir.uri)
-    warm_tracking_store(config, storage)  # overlaps Ray's start
-    clock.mark("checks")
-    start_ray_for_run(config, storage, {"the data folder (--data-dir)": data_dir})
-    clock.mark("ray_start")
-    tracked = open_for_config(config, storage, pipeline="llm_fsdp", version=__version__)
-    clock.mark("tracking")
+    log.info(
+        "training %s (FSDP2) on %d blocks of %d tokens, %d worker(s), %d steps; run folder %s",
+        *(spec.name, info.blocks("train"), info.seq_len, config.num_workers, config.max_steps),
+        storage.join(config.run_name),
+    )
+    return (
+        dataclasses.replace(config, storage_path=storage.uri, data_dir=data_dir.uri),
+        info,
+        spec,
+        storage,
+    )
 
+
+def run(
+    config: TrainConfig, callbacks: Sequence[UserCallback] = (), started_at: float | None = None
+) -> dict[str, Any]:
+    """Check everything that can be checked, train, then write metrics, curves and summary.json.
+
+    `callbacks` join the run's (a sweep passes Tune's, which forwards every report to Tune);
+    `started_at`: when the command started (time.time()), where its start-up is counted from.
+    """
+    clock = StartupClock(started_at)  # summary.json's startup_s, phase by phase
+    config, info, spec, storage = check_run(config)
+    inputs = {"the data folder (--data-dir)": resolve_storage(config.resolved_data_dir())}
+    started = start_run(config, storage, inputs, clock)
     trainer = TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={
-            "config": dataclasses.asdict(config),
-            "dataset": dataclasses.asdict(info),
-            "model": dataclasses.asdict(spec),
-            "driver_id": uuid.uuid4().hex,  # tells a worker restart from a rerun of the command
-            "startup": clock.marks,
-            "tracked": dataclasses.asdict(tracked) if tracked else None,
-        },
+        train_loop_config=started.loop_config(config, dataset=info, model=spec),
         scaling_config=build_scaling_config(config),
         run_config=build_run_config(
             config, score_attribute=SCORE, score_order="min", callbacks=callbacks
         ),
         torch_config=build_torch_config(config),
-        validation_config=async_validation(config, storage.join(config.run_name)),
+        validation_config=async_validation(config, started.run_dir),  # None: inline, in the loop
     )
-    log.info(
-        "training %s (FSDP2) on %d blocks of %d tokens, %d worker(s), %d steps; run folder %s",
-        spec.name,
-        info.blocks("train"),
-        info.seq_len,
-        config.num_workers,
-        config.max_steps,
-        storage.join(config.run_name),
-    )
-    run_dir = storage.join(config.run_name)
-    clock.mark("trainer")
-    with failed_on_error(tracked):
-        with fit_failures_named(config.storage_path):
-            result = trainer.fit()  # the workers train; it returns when the run has ended
-        summary = write_run_outputs(run_dir, result, config, info, spec, started)
-    finish_for_summary(tracked, run_dir, summary)
-    return summary
+    with started.failures_named(config.storage_path):
+        result = trainer.fit()  # the workers train; it returns when the run has ended
+        summary = write_run_outputs(started.run_dir, result, config, info, spec, clock.began)
+    return started.finish(summary)

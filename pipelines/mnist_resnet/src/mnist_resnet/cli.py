@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import tempfile
 import time
 from pathlib import Path
@@ -18,80 +17,49 @@ from mnist_resnet.config import (
     SweepConfig,
     TrainConfig,
 )
-from raytrain_common.checkpoint import TornCheckpointError
-from raytrain_common.cli import (
-    add_config_options,
-    config_from_args,
-    run_commands,
-)
-from raytrain_common.configs import ConfigError
+from raytrain_common.cli import command_parser, config_from_args, run_commands, user_errors
 from raytrain_common.images.dataset import DataError
 from raytrain_common.ingest.epochs import DataChangedError
 from raytrain_common.ingest.watch import IngestLostError
 from raytrain_common.loop import process_started_at
 from raytrain_common.metrics import SUMMARY_FILE
-from raytrain_common.ray_start import ResourceError, show_ray_output
-from raytrain_common.storage import StorageError, resolve_storage
+from raytrain_common.ray_start import show_ray_output
+from raytrain_common.storage import resolve_storage
+from raytrain_common.sweep import SWEEP_HELP
 
-log = logging.getLogger("mnist_resnet")
-
-# Errors of the user's input, and faults whose cause and fix are known (an ingest node group
-# lost): one line, exit status 2, no traceback.
-USER_ERRORS = (
-    ConfigError,
-    DataError,
-    DataChangedError,
-    IngestLostError,
-    StorageError,
-    ResourceError,
-    FileNotFoundError,
-    FileExistsError,
-    TornCheckpointError,
-)
+# Errors of the user's input (the library's and these), and faults whose cause and fix are known
+# (an ingest node group lost): one line, exit status 2, no traceback.
+USER_ERRORS = user_errors(DataError, DataChangedError, IngestLostError)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="mnist-resnet",
-        description="ResNet18 on MNIST with Ray Train (data-parallel, checkpointed, resumable).",
+    return command_parser(
+        "mnist-resnet",
+        "ResNet18 on MNIST with Ray Train (data-parallel, checkpointed, resumable).",
+        {
+            "prepare": (
+                "MNIST, an IDX folder or a class-per-folder image tree → Parquet",
+                PrepareConfig,
+            ),
+            "train": (
+                "train with Ray Train; rerun with the same --run-name to continue",
+                TrainConfig,
+                PRESETS,
+            ),
+            "sweep": (SWEEP_HELP, SweepConfig, SWEEP_PRESETS),
+            "predict": (
+                "test accuracy and a picture from a run's best checkpoint, or classify --input "
+                "images",
+                PredictConfig,
+            ),
+        },
     )
-    commands = parser.add_subparsers(dest="command", required=True)
-
-    prepare = commands.add_parser(
-        "prepare", help="MNIST, an IDX folder or a class-per-folder image tree → Parquet"
-    )
-    add_config_options(prepare, PrepareConfig)
-
-    train = commands.add_parser(
-        "train", help="train with Ray Train; rerun with the same --run-name to continue"
-    )
-    add_config_options(train, TrainConfig, PRESETS)
-
-    sweep = commands.add_parser(
-        "sweep",
-        help="Ray Tune over the learning rate, batch size, warm-up and weight decay, with ASHA; "
-        "rerun the same --sweep-name to resume",
-    )
-    add_config_options(sweep, SweepConfig, SWEEP_PRESETS)
-
-    predict = commands.add_parser(
-        "predict",
-        help="test accuracy and a picture from a run's best checkpoint, or classify --input images",
-    )
-    add_config_options(predict, PredictConfig)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """`mnist-resnet COMMAND ...`: bad input ends in one line (exit 2), Ctrl-C or SIGTERM in one line
     naming the checkpoint a rerun continues from (raytrain_common.cli.run_commands)."""
-    return run_commands("mnist-resnet", build_parser(), COMMANDS, USER_ERRORS, argv, run_location)
-
-
-def run_location(args: argparse.Namespace) -> tuple[str, str]:
-    """Where the run `train` was given lives: (storage path, run name)."""
-    config = config_from_args(args, TrainConfig, PRESETS)
-    return config.storage_path, config.run_name
+    return run_commands("mnist-resnet", build_parser(), COMMANDS, USER_ERRORS, argv)
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
@@ -164,28 +132,20 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     from mnist_resnet.train import SCORE, run
-    from raytrain_common.sweep import Objective, print_outcome, run_sweep, train_fields
+    from raytrain_common.sweep import Objective, sweep_command
 
     config = config_from_args(args, SweepConfig, SWEEP_PRESETS)
-    preset = PRESETS[args.preset]
-    outcome = run_sweep(
-        pipeline="mnist_resnet",
+    return sweep_command(
+        config,
+        args.preset,
+        program="mnist-resnet",
         version=__version__,
-        settings=config,
-        base=train_fields(config, TrainConfig),
-        preset=preset,
+        train_class=TrainConfig,
+        presets=PRESETS,
         train=run,
         objective=Objective(SCORE, "max", time_attr="epoch", max_t=config.epochs),
-        command=f"mnist-resnet train --preset {args.preset}",
-        full_run={
-            "limit_train_rows": None,
-            "limit_val_rows": None,
-            "limit_test_rows": None,
-            "epochs": preset.epochs,
-        },
+        full_run_fields=("limit_train_rows", "limit_val_rows", "limit_test_rows", "epochs"),
     )
-    print_outcome(outcome, SCORE)
-    return 0
 
 
 def cmd_predict(args: argparse.Namespace) -> int:

@@ -14,9 +14,10 @@ from raytrain_common.configs import (
     ConfigError,
     ConsoleSettings,
     DataLocation,
-    RayTrainSettings,
+    EpochSettings,
     RunLocation,
-    check_batch_splits_for_every_worker_count,
+    TrainingSettings,
+    ValidationSettings,
     node_labels,
 )
 from raytrain_common.sweep import SweepSettings
@@ -106,16 +107,17 @@ class PredictConfig(RunLocation):
 
 
 @dataclass(kw_only=True)
-class TrainConfig(RayTrainSettings, DataLocation):
+class TrainConfig(ValidationSettings, EpochSettings, TrainingSettings):
+    """The library's loop, epoch and validation flags (raytrain_common.configs) with this
+    pipeline's defaults, then the recipe's own: its optimiser, model, ingest and augmentation."""
+
     data_folder: ClassVar[str] = DEFAULT_DATA_FOLDER
-    run_name: str = option(RUN_NAME, "Run folder under the storage path; rerun to continue it.")
-    epochs: int = option(2, "Total epochs of the run (a rerun continues up to this many).")
-    global_batch_size: int = option(256, "Images per optimiser step over all workers.")
-    grad_accum_steps: int = option(1, "Micro-batches per optimiser step: memory per step ÷ this.")
+    sample_noun: ClassVar[str] = "Images"
+    run_name: str = option(RUN_NAME)
+    global_batch_size: int = option(256)
     lr: float = option(0.1, "Peak learning rate of SGD with Nesterov momentum.")
     momentum: float = option(0.9, "SGD momentum.")
     weight_decay: float = option(5e-4, "L2 weight decay.")
-    warmup_fraction: float = option(0.1, "Share of all steps spent warming the learning rate up.")
     grad_clip_norm: float | None = option(
         None, "Clip the gradient norm to this (none: no clipping)."
     )
@@ -126,36 +128,6 @@ class TrainConfig(RayTrainSettings, DataLocation):
         "ResNet18 (11.2 M parameters); 16 (0.7 M) trains ~11x faster on a 2-core CPU, for smoke "
         "runs. A run keeps the width it started with.",
     )
-    limit_train_rows: int | None = option(
-        None, "Train on the first N rows only (smoke runs, tests; prepare wrote them shuffled)."
-    )
-    limit_val_rows: int | None = option(
-        None, "Validate (choose checkpoints) on the first N validation rows only."
-    )
-    limit_test_rows: int | None = option(
-        None, "Report test accuracy on the first N test rows only."
-    )
-    validation: str = option(
-        "inline",
-        "inline: every rank scores its shard of the validation split at each epoch's end, "
-        "training waits; async: a Ray task scores each epoch's checkpoint while training goes "
-        "on (Ray Train's ValidationConfig), on --validation-cpus / --validation-gpus.",
-    )
-    validation_cpus: float = option(1.0, "CPUs of the async validation task.")
-    validation_gpus: float = option(0.0, "GPUs of the async validation task (1: its own GPU).")
-    log_every_steps: int = option(50, "Progress line every N optimiser steps (rank 0).")
-    checkpoint_every_steps: int = option(
-        0, "Also checkpoint every N optimiser steps inside epochs (0: at epoch ends only)."
-    )
-    preemption_check_steps: int = option(
-        10,
-        "Every N steps, ask Ray whether a node of the run is being preempted; if so, checkpoint "
-        "at once (0: never ask).",
-    )
-    stop_at_step: int | None = option(
-        None, "Checkpoint and stop after this optimiser step of the run (a rerun continues)."
-    )
-    seed: int = option(0, "Seed of weights init and of every epoch's data order.")
     ingest_node_labels: str | None = option(
         None,
         "Run Ray Data's training ingest (reading, decoding, augmenting) only on nodes with these "
@@ -213,23 +185,13 @@ class TrainConfig(RayTrainSettings, DataLocation):
     def validate(self) -> None:
         """Raise on values that cannot work, naming the value and the fix, before anything
         starts."""
-        self.validate_cluster_settings()
+        self.validate_training_settings()
+        self.validate_epochs()
+        self.validate_validation()
         node_labels(self.ingest_node_labels, "--ingest-node-labels")  # raises when malformed
-        check_batch_splits_for_every_worker_count(
-            self.global_batch_size, self, self.grad_accum_steps
-        )
-        positive = {
-            "epochs": self.epochs,
-            "lr": self.lr,
-            "log_every_steps": self.log_every_steps,
-            "ingest_wait_s": self.ingest_wait_s,
-            "model_width": self.model_width,
-        }
-        if self.stop_at_step is not None:
-            positive["stop_at_step"] = self.stop_at_step
-        for name, value in positive.items():
-            if value <= 0:
-                raise ConfigError(f"{name}={value}: it must be above 0")
+        for name in ("lr", "ingest_wait_s", "model_width"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name}={getattr(self, name)}: it must be above 0")
         if not 0 < self.crop_scale <= 1:
             raise ConfigError(f"crop_scale={self.crop_scale}: give a share of the area in (0, 1]")
         if self.image_size is not None and not 8 <= self.image_size <= 1024:
@@ -237,22 +199,6 @@ class TrainConfig(RayTrainSettings, DataLocation):
         if self.augment not in ("auto", *AUGMENTATIONS):
             raise ConfigError(
                 f"augment={self.augment!r}: choose auto, {' or '.join(AUGMENTATIONS)}"
-            )
-        if not 0 <= self.warmup_fraction < 1:
-            raise ConfigError(f"warmup_fraction={self.warmup_fraction}: it must be in [0, 1)")
-        for name in ("checkpoint_every_steps", "preemption_check_steps"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name}={getattr(self, name)}: give 0 (off) or a step count")
-        for name in ("limit_train_rows", "limit_val_rows", "limit_test_rows"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ConfigError(f"{name}={value}: give a positive row count or none")
-        if self.validation not in ("inline", "async"):
-            raise ConfigError(f"validation={self.validation!r}: choose inline or async")
-        if self.validation_cpus <= 0 or self.validation_gpus < 0:
-            raise ConfigError(
-                f"validation_cpus={self.validation_cpus}, validation_gpus={self.validation_gpus}: "
-                "give above 0 CPUs and 0 or more GPUs"
             )
 
 
@@ -291,14 +237,6 @@ SWEEP_NAME = "mnist_resnet_sweep"
 @dataclass(kw_only=True)
 class SweepConfig(TrainConfig, SweepSettings):
     """`mnist-resnet sweep`: the train options every trial starts from, then the sweep's own."""
-
-    def validate(self) -> None:
-        super().validate()
-        if self.validation != "inline":
-            raise ConfigError(
-                "sweep with --validation async: ASHA compares each epoch's report by its "
-                "validation accuracy, which an async validation adds later; use inline"
-            )
 
 
 def cpu_sweep_preset() -> SweepConfig:

@@ -5,9 +5,9 @@ step whose memory it forecasts."""
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from typing import Any
 
+from mnist_resnet.cli import build_parser
 from raytrain_common.pipeline_profiles import PipelineProfile
 
 # MNIST's shape, for a forecast before `prepare` has written the dataset's own.
@@ -19,17 +19,9 @@ def profile() -> PipelineProfile:
         name="mnist_resnet",
         distribution="mnist-resnet",
         worker_imports=("mnist_resnet.train", "torchvision", "ray.train.torch", "ray.data"),
-        train_config=train_config,
+        build_parser=build_parser,
         training_step=training_step,
     )
-
-
-def train_config(argv: Sequence[str]) -> Any:
-    from mnist_resnet.cli import build_parser
-    from mnist_resnet.config import PRESETS, TrainConfig
-    from raytrain_common.cli import config_from_args
-
-    return config_from_args(build_parser().parse_args(["train", *argv]), TrainConfig, PRESETS)
 
 
 def image_shape(config: Any) -> dict[str, int]:

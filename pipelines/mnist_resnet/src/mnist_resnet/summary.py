@@ -59,12 +59,19 @@ def evaluate_test_split_once(checkpoint_uri: str, config: TrainConfig) -> dict[s
     return result
 
 
-def finished_run_summary(run_dir: StoragePath, last_step: int) -> dict[str, Any] | None:
-    """The summary.json of a run that has trained to `last_step` (its end, or its --stop-at-step)
-    and whose newest complete checkpoint is the one that summary names: a rerun of it has nothing
-    to train, and answers with that summary at once rather than starting Ray Train's worker group
-    to find so (20-40 s on 2 cores). None when there is something to train: no summary yet, more
-    steps asked for (--epochs raised), or a checkpoint newer than the summary or torn."""
+def finished_run_summary(
+    config: TrainConfig, storage: StoragePath, steps_per_epoch: int
+) -> dict[str, Any] | None:
+    """The summary.json of a run that has trained to its last step (its end, or its
+    --stop-at-step) and whose newest complete checkpoint is the one that summary names: a rerun of
+    it has nothing to train, and answers with that summary at once rather than starting Ray
+    Train's worker group to find so (20-40 s on 2 cores). None when there is something to train:
+    no summary yet, more steps asked for (--epochs raised), or a checkpoint newer than the summary
+    or torn."""
+    last_step = steps_per_epoch * config.epochs
+    if config.stop_at_step is not None:
+        last_step = min(last_step, config.stop_at_step)
+    run_dir = storage.join(config.run_name)
     target = run_dir.join(SUMMARY_FILE)
     if not target.exists():
         return None
@@ -75,6 +82,10 @@ def finished_run_summary(run_dir: StoragePath, last_step: int) -> dict[str, Any]
     newest = newest_complete_checkpoint(run_dir)
     if newest is None or posixpath.basename(newest.path) != posixpath.basename(latest.rstrip("/")):
         return None
+    log.info(
+        "%s has trained all its %d steps already: nothing to train (raise --epochs to go on)",
+        *(config.run_name, summary["steps_done"]),
+    )
     return summary
 
 

@@ -20,9 +20,8 @@ import contextlib
 import dataclasses
 import logging
 import math
-import time
-import uuid
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import ray.train
@@ -32,7 +31,6 @@ from ray.train import UserCallback
 from ray.train.torch import TorchTrainer
 from torch import nn
 
-from mnist_resnet import __version__
 from mnist_resnet.checkpointer import SCORE, Checkpointer, read_state, restore_run, resumed_rows
 from mnist_resnet.config import PREPARE_COMMAND, TrainConfig
 from mnist_resnet.metrics_logger import THROUGHPUT_SKIP_STEPS, EpochTotals, MetricsLogger
@@ -61,15 +59,9 @@ from raytrain_common.ingest.epochs import TrainingRows, check_resumable
 from raytrain_common.ingest.order import epoch_seed
 from raytrain_common.ingest.watch import IngestNodeWatch, check_cpus_for_ingest
 from raytrain_common.loop import StartupClock
-from raytrain_common.ray_start import quiet_ray_output, start_ray_for_run
-from raytrain_common.runs import fit_failures_named, locate_run
-from raytrain_common.storage import resolve_storage
-from raytrain_common.tracking import (
-    failed_on_error,
-    finish_for_summary,
-    open_for_config,
-    warm_tracking_store,
-)
+from raytrain_common.ray_start import quiet_ray_output
+from raytrain_common.runs import locate_run, start_run
+from raytrain_common.storage import StoragePath, resolve_storage
 
 log = logging.getLogger("mnist_resnet")
 
@@ -254,15 +246,10 @@ def decoded_side(info: DatasetInfo, image_size: int | None) -> DatasetInfo:
     return dataclasses.replace(info, height=image_size, width=image_size)
 
 
-def run(
-    config: TrainConfig, callbacks: Sequence[UserCallback] = (), started_at: float | None = None
-) -> dict[str, Any]:
-    """Check everything that can be checked, train, then write curves and summary.json;
-    `callbacks` join the run's (a sweep passes Tune's, which forwards every report to Tune);
-    `started_at`: when the command started (time.time()), where its start-up is counted from."""
-    started = time.perf_counter()
-    clock = StartupClock(started_at)  # summary.json's startup_s, phase by phase
-    clock.mark("imports")  # Python, imports and the command line, when `started_at` is given
+def check_run(config: TrainConfig) -> tuple[TrainConfig, DatasetInfo, StoragePath, int]:
+    """Everything that can be checked before Ray starts: the options, the storage, the prepared
+    data, and that a resume finds the same data and model width. The config comes back with its
+    paths resolved, with the dataset as this run decodes it and the optimiser steps per epoch."""
     storage, data_dir = locate_run(config)
     info = decoded_side(inspect_dataset(data_dir, PREPARE_COMMAND), config.image_size)
     train_rows = training_rows(info, config)
@@ -278,82 +265,71 @@ def run(
             f"--reproducible with --augment {augmentation}: its random crops differ in every run; "
             "add --augment none, or drop --reproducible"
         )
-    config = dataclasses.replace(config, storage_path=storage.uri, data_dir=data_dir.uri)
-    run_dir = storage.join(config.run_name)
-    # Refused before Ray starts: a resume on edited data, or with weights of another width.
     width = {"--model-width": (config.model_width, 64)}  # 64: before checkpoints saved it
-    check_resumable(run_dir, info.fingerprint, info.train_rows, width)
-    last_step = steps * config.epochs  # or --stop-at-step, when it comes first
-    if config.stop_at_step is not None:
-        last_step = min(last_step, config.stop_at_step)
-    # A sweep's trial always goes through Ray Train: Tune awaits its reports.
-    finished = None if callbacks else finished_run_summary(run_dir, last_step)
-    if finished is not None:
-        log.info(
-            "%s has trained all its %d steps already: nothing to train (raise --epochs to go on)",
-            *(config.run_name, finished["steps_done"]),
-        )
-        return finished
+    check_resumable(storage.join(config.run_name), info.fingerprint, info.train_rows, width)
+    log.info(
+        "training %s on %d worker(s) for %d epoch(s); run folder %s",
+        *(config.run_name, config.num_workers, config.epochs, storage.join(config.run_name)),
+    )
+    config = dataclasses.replace(
+        config, storage_path=storage.uri, data_dir=data_dir.uri, augment=augmentation
+    )
+    return config, info, storage, steps
 
-    warm_tracking_store(config, storage)  # overlaps Ray's start
-    clock.mark("checks")
-    inputs = {"the data folder (--data-dir)": data_dir}
-    if info.image_root:  # the files themselves, which every node's decode tasks read
-        inputs["the image tree (prepare --source)"] = resolve_storage(info.image_root)
-    start_ray_for_run(config, storage, inputs)
-    ingest_labels = node_labels(config.ingest_node_labels, "--ingest-node-labels")
-    check_cpus_for_ingest(ingest_labels, config.needed_resources()["CPU"])
-    clock.mark("ray_start")
-    tracked = open_for_config(config, storage, pipeline="mnist_resnet", version=__version__)
-    clock.mark("tracking")
 
-    # Ray Data reads, shuffles and decodes the images on the cluster's CPUs (the library's
-    # ImageData), then augments them (transforms.py). Ray calls these factories at every
-    # worker-group start, so a restart reads the newest checkpoint's place.
-    data = ImageData(
-        data_dir=data_dir.uri,
+def image_data(config: TrainConfig, info: DatasetInfo, run_dir: StoragePath) -> ImageData:
+    """Ray Data reads, shuffles and decodes the images on the cluster's CPUs (the library's
+    ImageData), then augments them (transforms.py). Ray calls its factories at every worker-group
+    start, so a restart reads from the newest checkpoint's place in the epoch."""
+    return ImageData(
+        data_dir=config.resolved_data_dir(),
         info=dataclasses.asdict(info),
         run_dir=run_dir.uri,
         seed=config.seed,
-        crop_scale=config.crop_scale if augmentation == "photo" else None,  # while decoding
-        augment=augment if augmentation in ("crop", "crop-flip") else None,
-        augment_kwargs={"pad": max(1, info.height // 8), "flip": augmentation == "crop-flip"},
+        crop_scale=config.crop_scale if config.augment == "photo" else None,  # while decoding
+        augment=augment if config.augment in ("crop", "crop-flip") else None,
+        augment_kwargs={"pad": max(1, info.height // 8), "flip": config.augment == "crop-flip"},
         limit_train_rows=config.limit_train_rows,
         limit_val_rows=config.limit_val_rows,
         progress_bars=config.verbose,
     )
+
+
+def run(
+    config: TrainConfig, callbacks: Sequence[UserCallback] = (), started_at: float | None = None
+) -> dict[str, Any]:
+    """Check, train, write curves and summary.json. `callbacks` join the run's (a sweep passes
+    Tune's); `started_at`: when the command started (time.time()), where start-up counts from."""
+    clock = StartupClock(started_at)  # summary.json's startup_s, phase by phase
+    config, info, storage, steps = check_run(config)
+    if not callbacks and (finished := finished_run_summary(config, storage, steps)):
+        return finished  # a sweep's trial always trains: Tune awaits its reports
+    ingest = node_labels(config.ingest_node_labels, "--ingest-node-labels")
+    ingest_has_cpus = partial(check_cpus_for_ingest, ingest, config.needed_resources()["CPU"])
+    started = start_run(config, storage, run_inputs(config, info), clock, [ingest_has_cpus])
+    data = image_data(config, info, started.run_dir)
+    watch = IngestNodeWatch(ingest, config.ingest_wait_s, started.run_dir)  # ingest nodes lost
     trainer = TorchTrainer(
         train_loop_per_worker,
         datasets={TRAIN: data.train, REST_OF_EPOCH: data.rest_of_epoch, VAL: data.val},
-        # Decode and augment on the nodes --ingest-node-labels selects (Ray 2.60's labels).
-        dataset_config=EvenTrainingEveryValidationRow(ingest_labels, config.reproducible),
-        train_loop_config={
-            "config": dataclasses.asdict(config),
-            "dataset": dataclasses.asdict(info),
-            "local_shuffle_rows": data.local_shuffle_rows,
-            "driver_id": uuid.uuid4().hex,  # tells a worker restart from a rerun of the command
-            "startup": clock.marks,
-            "tracked": dataclasses.asdict(tracked) if tracked else None,
-        },
-        scaling_config=build_scaling_config(config),
-        run_config=build_run_config(
-            config, score_attribute=SCORE, score_order="max", callbacks=callbacks
+        dataset_config=EvenTrainingEveryValidationRow(ingest, config.reproducible),  # on `ingest`
+        train_loop_config=started.loop_config(
+            config, dataset=info, local_shuffle_rows=data.local_shuffle_rows
         ),
+        scaling_config=build_scaling_config(config),
+        run_config=build_run_config(config, score_attribute=SCORE, callbacks=callbacks),
         torch_config=build_torch_config(config),
-        validation_config=async_validation(config, run_dir),  # None: inline, in the loop
+        validation_config=async_validation(config, started.run_dir),  # None: inline, in the loop
     )
-    clock.mark("trainer")
-    log.info(
-        "training %s on %d worker(s) for %d epoch(s); run folder %s",
-        *(config.run_name, config.num_workers, config.epochs, run_dir),
-    )
-    with failed_on_error(tracked), fit_failures_named(config.storage_path):
-        # Says in this log when an ingest node is lost, and stops a run left without any.
-        with IngestNodeWatch(ingest_labels, config.ingest_wait_s, run_dir) as ingest_watch:
-            try:
-                result = trainer.fit()  # the workers train; it returns when the run has ended
-            finally:
-                ingest_watch.check()
-        summary = write_run_outputs(run_dir, result, config, info, steps, started)
-    finish_for_summary(tracked, run_dir, summary)
-    return summary
+    with started.failures_named(config.storage_path), watch:
+        result = trainer.fit()  # the workers train; it returns when the run has ended
+        summary = write_run_outputs(started.run_dir, result, config, info, steps, clock.began)
+    return started.finish(summary)
+
+
+def run_inputs(config: TrainConfig, info: DatasetInfo) -> dict[str, StoragePath]:
+    """What every node's tasks read, so start_run refuses node-local copies on a cluster."""
+    inputs = {"the data folder (--data-dir)": resolve_storage(config.resolved_data_dir())}
+    if info.image_root:  # the files themselves, which every node's decode tasks read
+        inputs["the image tree (prepare --source)"] = resolve_storage(info.image_root)
+    return inputs

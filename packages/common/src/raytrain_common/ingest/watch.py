@@ -63,9 +63,10 @@ def check_cpus_for_ingest(labels: dict[str, str] | None, worker_cpus: float) -> 
 
 
 class IngestNodeWatch:
-    """`with IngestNodeWatch(labels, wait_s, run_dir) as watch:` around `trainer.fit()`, then
-    `watch.check()`. A thread polls the cluster's nodes every `poll_s` seconds; nothing is watched
-    without labels (the ingest then runs wherever the cluster has CPUs)."""
+    """`with IngestNodeWatch(labels, wait_s, run_dir):` around `trainer.fit()`. A thread polls the
+    cluster's nodes every `poll_s` seconds; nothing is watched without labels (the ingest then runs
+    wherever the cluster has CPUs). A run it stopped ends in IngestLostError when the block exits,
+    in place of the interrupt that stopped it."""
 
     def __init__(
         self,
@@ -94,6 +95,7 @@ class IngestNodeWatch:
         self.stopped.set()
         if self.thread.is_alive():
             self.thread.join(timeout=10)
+        self.check()
 
     def ingest_nodes(self) -> set[str]:
         """The ids of the live nodes that carry every one of the labels."""
