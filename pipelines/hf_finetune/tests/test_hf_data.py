@@ -220,18 +220,3 @@ def test_cli_reports_bad_input_in_one_line(
         line for line in capsys.readouterr().err.splitlines() if not line.startswith(("\x1b[", "("))
     ]
     assert len(own) == 1 and own[0].startswith("hf-finetune prepare: error: no data files at")
-
-
-def test_a_file_to_predict_is_read_line_by_line_in_any_encoding(tmp_path: Path) -> None:
-    """`predict FILE` reads a MiB at a time: lines and UTF-16 characters cut by a chunk boundary
-    come out whole, and a byte that is not the encoding is refused with its place."""
-    from hf_finetune import predict
-    from raytrain_common.text import TextEncodingError
-
-    lines = [f"ligne {index}: déjà vu, naïve café" for index in range(60_000)]  # ~2.3 MiB in UTF-16
-    path = tmp_path / "lines.txt"
-    path.write_text("\n".join(lines) + "\n", encoding="utf-16")
-    assert list(predict.file_lines(str(path), "utf-16")) == lines
-    path.write_bytes(b"fine\ncaf\xe9\n")
-    with pytest.raises(TextEncodingError, match="line 2"):
-        list(predict.file_lines(str(path), "utf-8"))

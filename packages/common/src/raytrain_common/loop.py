@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import math
 import os
 import time
 from collections.abc import Iterator
@@ -267,6 +268,14 @@ def process_started_at() -> float:
         return time.time() - max(age, 0.0)
     except (OSError, ValueError, IndexError):
         return time.time()
+
+
+def require_finite(loss: float, where: str, fix: str) -> float:
+    """`loss`, or a stop at the first non-finite one (NaN, inf) naming where it came and what to
+    change, rather than training on garbage (known_errors adds the usual causes)."""
+    if not math.isfinite(loss):
+        raise FloatingPointError(f"training loss is {loss} {where}: {fix}")
+    return loss
 
 
 class StartupClock:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import codecs
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 
 UTF8 = "utf-8"
 _BOMS = (
@@ -102,3 +103,24 @@ def iter_decoded(chunks: Iterable[bytes], encoding: str, where: str) -> Iterator
     tail = decoder.decode(b"", final=True)
     if tail:
         yield tail, b""
+
+
+READ_CHUNK_BYTES = 1 << 20
+
+
+def read_lines(path: str | Path, encoding: str) -> Iterator[str]:
+    """A local text file's lines, without their ends, decoded a MiB at a time: a file of any size
+    in bounded memory, and a byte that is not `encoding` refused with its place in the file
+    (TextEncodingError)."""
+
+    def chunks() -> Iterator[bytes]:
+        with Path(path).expanduser().open("rb") as stream:
+            while chunk := stream.read(READ_CHUNK_BYTES):
+                yield chunk
+
+    pending = ""
+    for text, _ in iter_decoded(chunks(), encoding, str(path)):
+        *complete, pending = (pending + text).split("\n")
+        yield from complete
+    if pending:
+        yield pending

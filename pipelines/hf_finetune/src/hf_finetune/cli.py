@@ -29,7 +29,7 @@ from raytrain_common.metrics import SUMMARY_FILE
 from raytrain_common.ray_start import show_ray_output
 from raytrain_common.storage import resolve_storage
 from raytrain_common.sweep import SWEEP_HELP
-from raytrain_common.text import check_encoding
+from raytrain_common.text import check_encoding, read_lines
 
 # Errors of the user's input (the library's and these): one line, exit status 2, no traceback.
 USER_ERRORS = user_errors(DataError, ModelError)
@@ -136,7 +136,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
-    from hf_finetune.predict import file_lines, predict_files, predict_lines
+    from hf_finetune.predict import predict_files, predict_lines
 
     config = config_from_args(args, PredictConfig)
     if config.input != "-" and not Path(config.input).expanduser().is_file():
@@ -150,7 +150,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
         )
         return 0
     lines: Iterable[str] = (
-        sys.stdin if config.input == "-" else file_lines(config.input, config.encoding)
+        sys.stdin if config.input == "-" else read_lines(config.input, config.encoding)
     )
     for label, probability, sentence in predict_lines(
         lines, config.storage_path, config.run_name, config.checkpoint, config.inference_batch_size

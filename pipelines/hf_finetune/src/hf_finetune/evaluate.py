@@ -52,33 +52,30 @@ def load_classifier(checkpoint: str) -> tuple[Any, Any]:
 def predict_ids(
     model: Any, tokenizer: Any, input_ids: list[list[int]], batch_size: int = 256
 ) -> np.ndarray:
-    """Class probabilities for pre-tokenised rows, batched by length to pad little."""
+    """Class probabilities for pre-tokenised rows, on the model's device, batched by length to pad
+    little."""
     collate = DataCollatorWithPadding(tokenizer)
-    order = np.argsort([len(ids) for ids in input_ids])
+    order = np.argsort([len(ids) for ids in input_ids], kind="stable")
     probabilities = np.zeros((len(input_ids), model.config.num_labels), dtype=np.float32)
     for start in range(0, len(order), batch_size):
         rows = order[start : start + batch_size]
-        batch = collate([{"input_ids": input_ids[i]} for i in rows])
-        probabilities[rows] = torch.softmax(model(**batch).logits.float(), -1).numpy()
+        batch = collate([{"input_ids": input_ids[i]} for i in rows]).to(model.device)
+        probabilities[rows] = torch.softmax(model(**batch).logits.float(), -1).cpu().numpy()
     return probabilities
 
 
-@torch.inference_mode()
 def predict_split(
-    model: Any, tokenizer: Any, rows: TokenizedSplit, batch_size: int = 256
+    model: Any, tokenizer: Any, rows: TokenizedSplit, chunk: int = 4096
 ) -> np.ndarray:
-    """The predicted label of every row of a split, read from its row file a batch at a time (rows
-    of similar length together, to pad little), on the model's device: memory holds a batch, the
-    labels and lengths, and the predictions (24 bytes a row), not the split's tokens."""
-    collate = DataCollatorWithPadding(tokenizer)
+    """The predicted label of every row of a split, read from its row file `chunk` rows at a time
+    (rows of similar length together): memory holds a chunk's tokens, the labels and lengths, and
+    the predictions (24 bytes a row), not the split's tokens."""
     order = np.argsort(rows.lengths, kind="stable")
     predicted = np.zeros(len(rows), dtype=np.int64)
-    for start in range(0, len(order), batch_size):
-        chosen = order[start : start + batch_size]
-        block = rows.token_rows(chosen)
-        batch = collate([{"input_ids": row[1 : 1 + row[0]].tolist()} for row in block])
-        logits = model(**batch.to(model.device)).logits
-        predicted[chosen] = predicted_labels(logits.float().cpu().numpy())
+    for start in range(0, len(order), chunk):
+        chosen = order[start : start + chunk]
+        ids = [row[1 : 1 + row[0]].tolist() for row in rows.token_rows(chosen)]
+        predicted[chosen] = predicted_labels(predict_ids(model, tokenizer, ids))
     return predicted
 
 

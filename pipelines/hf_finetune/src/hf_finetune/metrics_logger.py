@@ -7,14 +7,13 @@ Trainer's hook onto it."""
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any, ClassVar
 
 import ray.train
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from hf_finetune.validator import SCORE
-from raytrain_common.loop import ThroughputMeter
+from raytrain_common.loop import ThroughputMeter, require_finite
 from raytrain_common.metrics import eta
 from raytrain_common.tracking import rank_zero_sink
 
@@ -50,7 +49,9 @@ class MetricsLogger:
 
     def log(self, logs: dict[str, float], state: TrainerState) -> None:
         """A Trainer log entry: checked, printed (rank 0) and sent to MLflow (rank 0)."""
-        check_finite(logs.get("loss"), state.global_step, self.rank)
+        if "loss" in logs:
+            where = f"at step {state.global_step} (rank {self.rank})"
+            require_finite(logs["loss"], where, "lower --lr, or drop --bf16")
         if not state.is_world_process_zero:
             return
         if "loss" in logs:
@@ -77,14 +78,6 @@ class MetricsLogger:
 
     def close(self) -> None:
         self.sink.close()
-
-
-def check_finite(loss: float | None, step: int, rank: int) -> None:
-    """Stop at the first NaN/inf logged loss, naming the step, instead of training on garbage."""
-    if loss is not None and not math.isfinite(loss):
-        raise FloatingPointError(
-            f"rank {rank}: training loss is {loss} at step {step}: lower --lr, or drop --bf16"
-        )
 
 
 class LoggerCallback(TrainerCallback):

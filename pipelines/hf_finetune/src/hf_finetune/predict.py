@@ -4,8 +4,8 @@ written to Parquet."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Iterator
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -14,12 +14,9 @@ from hf_finetune.config import TRAIN_COMMAND
 from hf_finetune.evaluate import load_classifier, predict_ids
 from raytrain_common.runs import chosen_checkpoint
 from raytrain_common.storage import resolve_storage
-from raytrain_common.text import iter_decoded
 
 if TYPE_CHECKING:
     from hf_finetune.config import PredictConfig
-
-CHUNK_BYTES = 1 << 20
 
 
 def predict_lines(
@@ -33,45 +30,11 @@ def predict_lines(
     if checkpoint is None:
         run_dir = resolve_storage(storage_path).join(run_name)
         checkpoint = chosen_checkpoint(run_dir, "best", TRAIN_COMMAND)
-    model, tokenizer = load_classifier(checkpoint)
-    max_length = min(tokenizer.model_max_length, model.config.max_position_embeddings)
-    batch: list[str] = []
-    for line in lines:
-        sentence = line.strip()
-        if sentence:
-            batch.append(sentence)
-        if len(batch) == batch_size:
-            yield from _classify(model, tokenizer, batch, max_length)
-            batch = []
-    if batch:
-        yield from _classify(model, tokenizer, batch, max_length)
-
-
-def _classify(
-    model: Any, tokenizer: Any, sentences: list[str], max_length: int
-) -> Iterator[tuple[str, float, str]]:
-    ids = tokenizer(sentences, truncation=True, max_length=max_length)["input_ids"]
-    probabilities = predict_ids(model, tokenizer, ids)
-    best = probabilities.argmax(-1)
-    for sentence, label, row in zip(sentences, best, probabilities, strict=True):
-        yield model.config.id2label[int(label)], float(np.max(row)), sentence
-
-
-def file_lines(path: str, encoding: str) -> Iterator[str]:
-    """A text file's lines, decoded a MiB at a time: a file of any size in bounded memory, and a
-    byte that is not `encoding` refused with its place in the file."""
-
-    def chunks() -> Iterator[bytes]:
-        with Path(path).expanduser().open("rb") as stream:
-            while chunk := stream.read(CHUNK_BYTES):
-                yield chunk
-
-    pending = ""
-    for text, _ in iter_decoded(chunks(), encoding, path):
-        *complete, pending = (pending + text).split("\n")
-        yield from complete
-    if pending:
-        yield pending
+    classify = SentenceClassifier(checkpoint, batch_size)
+    sentences = (line for line in lines if line.strip())
+    while batch := list(itertools.islice(sentences, batch_size)):
+        out = classify({"path": np.array([""] * len(batch)), "text": np.array(batch, dtype=object)})
+        yield from zip(out["label"], out["probability"].tolist(), out["text"], strict=True)
 
 
 class SentenceClassifier:

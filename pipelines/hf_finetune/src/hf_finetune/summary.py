@@ -44,17 +44,10 @@ def evaluate_test_split_once(
 ) -> dict[str, Any]:
     """The chosen checkpoint's test accuracy, macro F1 and confusion matrix, scored once (in a Ray
     task on a GPU run's worker resources, in the driver on CPUs)."""
-    arguments = (
-        checkpoint_uri,
-        config.resolved_data_dir(),
-        "test",
-        config.limit_test_rows,
-        run_dir.join(CONFUSION_FILE).uri,
-        config.run_name,
-    )
-    result = evaluate_once(
-        score_checkpoint, *arguments, use_gpu=config.use_gpu, cpus=config.cpus_per_worker
-    )
+    data_dir, confusion = config.resolved_data_dir(), run_dir.join(CONFUSION_FILE).uri
+    split = (data_dir, "test", config.limit_test_rows, confusion, config.run_name)
+    gpu, cpus = config.use_gpu, config.cpus_per_worker
+    result = evaluate_once(score_checkpoint, checkpoint_uri, *split, use_gpu=gpu, cpus=cpus)
     log.info(
         "test accuracy %.4f, macro F1 %.4f on %d rows: %s (chosen by %s)",
         result["test_accuracy"],

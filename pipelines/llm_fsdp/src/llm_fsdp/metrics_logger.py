@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 from typing import Any
 
 import ray.train
@@ -19,7 +18,7 @@ from llm_fsdp.config import TrainConfig
 from llm_fsdp.loss import NextTokenLoss
 from llm_fsdp.task import model_flops_per_token
 from raytrain_common.hardware import peak_bf16_flops, peak_memory_gb
-from raytrain_common.loop import StartupClock, ThroughputMeter
+from raytrain_common.loop import StartupClock, ThroughputMeter, require_finite
 from raytrain_common.metrics import eta
 from raytrain_common.tokens.corpus import DatasetInfo
 from raytrain_common.tracking import rank_zero_sink
@@ -116,9 +115,5 @@ def mean_window_loss(local_sums: torch.Tensor, tokens_per_rank: int, step: int) 
     total = local_sums.clone()
     dist.all_reduce(total)
     mean = total.item() / (tokens_per_rank * dist.get_world_size())
-    if not math.isfinite(mean):
-        raise FloatingPointError(
-            f"rank {dist.get_rank()}: training loss is {mean} in the steps up to {step}: lower "
-            "--lr, or raise --warmup-steps"
-        )
-    return mean
+    where = f"in the steps up to {step} (rank {dist.get_rank()})"
+    return require_finite(mean, where, "lower --lr, or raise --warmup-steps")

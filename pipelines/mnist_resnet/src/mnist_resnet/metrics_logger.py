@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import time
 from collections.abc import Iterable, Iterator
 
@@ -18,7 +17,7 @@ import torch.distributed as dist
 from mnist_resnet.run_state import EpochPosition, RunState, WorkerContext
 from mnist_resnet.task import usable
 from raytrain_common.hardware import peak_memory_gb
-from raytrain_common.loop import StartupClock, ThroughputMeter
+from raytrain_common.loop import StartupClock, ThroughputMeter, require_finite
 from raytrain_common.metrics import METRICS_FILE, eta, write_metrics_csv
 from raytrain_common.tracking import rank_zero_sink
 
@@ -145,20 +144,15 @@ class MetricsLogger:
         if epoch_end:
             self.epoch_sums = self.totals.position(self.steps)
             self.epoch_rate = self.meter.steady().items_per_s
+            # Every rank sees the same reduced value, and stops alike.
             loss = self.epoch_sums.loss_sum / self.epoch_sums.seen
-            if not math.isfinite(loss):  # every rank sees the same reduced value and stops alike
-                raise FloatingPointError(
-                    f"mean training loss of epoch {run.step // self.steps} is {loss}; lower --lr, "
-                    "or set --grad-clip-norm"
-                )
+            where = f"(the mean of epoch {run.step // self.steps})"
+            require_finite(loss, where, "lower --lr, or set --grad-clip-norm")
 
     def interval_row(self, run: RunState) -> dict[str, float]:
         """Rank 0's progress line and curve point for the steps since the last one."""
         loss, step, steps = self.totals.interval_loss(), run.step, self.steps
-        if not math.isfinite(loss):
-            raise FloatingPointError(
-                f"rank 0: loss is {loss} at step {step}; lower --lr, or set --grad-clip-norm"
-            )
+        require_finite(loss, f"at step {step} (rank 0)", "lower --lr, or set --grad-clip-norm")
         rate = self.meter.window()
         run.step_log.append({"epoch": step / steps, "train_loss_interval": loss})
         position = f"epoch {(step - 1) // steps + 1} step {(step - 1) % steps + 1}/{steps}"
