@@ -3,7 +3,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
+import pytest
+
 from raytrain_common.metrics import (
+    classification_scores,
+    confusion_matrix,
     package_versions,
     plot_curves,
     read_metrics_csv,
@@ -37,3 +42,15 @@ def test_summary_is_json_with_versions(tmp_path: Path) -> None:
     assert summary["best"]["accuracy"] == 0.99
     assert summary["versions"]["ray"] == "2.60.0"
     assert "written_at" in summary
+
+
+def test_macro_f1_weighs_a_small_class_as_much_as_a_large_one() -> None:
+    """9 of class 0 right, the one row of class 1 missed: accuracy 0.9, macro F1 the mean of
+    class 0's F1 (18/19) and class 1's (0)."""
+    labels = np.array([0] * 9 + [1])
+    predictions = np.zeros(10, dtype=np.int64)
+    assert confusion_matrix(labels, predictions, 2).tolist() == [[9, 0], [1, 0]]
+    scores = classification_scores(labels, predictions, 2)
+    assert scores["accuracy"] == pytest.approx(0.9)
+    assert scores["f1"] == pytest.approx((18 / 19 + 0) / 2)
+    assert classification_scores(labels, labels, 3)["f1"] == pytest.approx(2 / 3)  # class 2: none

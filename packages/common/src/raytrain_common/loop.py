@@ -16,6 +16,7 @@ the `step` of metrics.csv and of every report.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import logging
 import math
@@ -24,6 +25,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import ray.train.collective
 
@@ -268,6 +270,27 @@ def process_started_at() -> float:
         return time.time() - max(age, 0.0)
     except (OSError, ValueError, IndexError):
         return time.time()
+
+
+@dataclass
+class RunRecord:
+    """What every run's record holds, saved in each of its checkpoints: the faults it survived and
+    how long the command that began this attempt took to its first step. A pipeline's `RunState`
+    extends it with its own counters; `state_dict()` / `load_state_dict()` save and restore all of
+    them (entries of a checkpoint that are no field are left alone)."""
+
+    faults: FaultLog = field(default_factory=FaultLog)
+    startup_s: float | None = None  # from the command's start to the first optimiser step
+    startup_phases: dict[str, float] | None = None  # those seconds, phase by phase (StartupClock)
+
+    def state_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for name in (item.name for item in dataclasses.fields(self)):
+            if name in state and name != "faults":
+                setattr(self, name, state[name])
+        self.faults = FaultLog(**state.get("faults", {}))
 
 
 def require_finite(loss: float, where: str, fix: str) -> float:

@@ -11,6 +11,8 @@ from collections.abc import Collection, Mapping, Sequence
 from importlib import metadata
 from typing import Any
 
+import numpy as np
+
 from raytrain_common.storage import StoragePath, write_atomic
 
 SUMMARY_FILE = "summary.json"
@@ -109,6 +111,28 @@ def eta(remaining_steps: int, seconds_per_step: float) -> str:
     return f"ETA {hours}h{minutes:02d}m" if hours else f"ETA {minutes}m{seconds:02d}s"
 
 
+def confusion_matrix(labels: np.ndarray, predictions: np.ndarray, num_labels: int) -> np.ndarray:
+    """Counts of (true class, predicted class): rows the true class, columns the predicted one."""
+    matrix = np.zeros((num_labels, num_labels), dtype=np.int64)
+    np.add.at(matrix, (labels, predictions), 1)
+    return matrix
+
+
+def classification_scores(
+    labels: np.ndarray, predictions: np.ndarray, num_labels: int
+) -> dict[str, float]:
+    """Accuracy and macro F1 (the mean of per-class F1, so a small class counts as much as a big
+    one; a class never predicted nor present scores 0)."""
+    matrix = confusion_matrix(labels, predictions, num_labels).astype(float)
+    hits, predicted, actual = np.diag(matrix), matrix.sum(0), matrix.sum(1)
+    zeros = np.zeros(num_labels)
+    precision = np.divide(hits, predicted, out=zeros.copy(), where=predicted > 0)
+    recall = np.divide(hits, actual, out=zeros.copy(), where=actual > 0)
+    both = precision + recall
+    f1 = np.divide(2 * precision * recall, both, out=zeros.copy(), where=both > 0)
+    return {"accuracy": float(hits.sum() / matrix.sum()), "f1": float(f1.mean())}
+
+
 def plot_confusion_matrix(
     target: StoragePath,
     matrix: Any,  # (classes, classes) counts: row = true class, column = predicted
@@ -122,7 +146,6 @@ def plot_confusion_matrix(
     import io
 
     import matplotlib
-    import numpy as np
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

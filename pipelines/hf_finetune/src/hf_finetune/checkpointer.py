@@ -18,24 +18,21 @@ a run on a cluster needs on top:
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 from pathlib import Path
 from typing import Any
 
-import ray.train
 import torch
 from ray.train import Checkpoint
 from ray.train.huggingface.transformers import RayTrainReportCallback
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from hf_finetune.config import TrainConfig
+from hf_finetune.run_state import RunState, WorkerContext
 from raytrain_common.checkpoint import write_manifest
-from raytrain_common.faults import FaultLog, read_progress
+from raytrain_common.faults import read_progress
 from raytrain_common.hardware import workers_peak_rss_mb
 from raytrain_common.loop import END, CheckpointPolicy, ProgressNotes, StartupClock
-from raytrain_common.storage import StoragePath
 
 log = logging.getLogger("hf_finetune")
 
@@ -47,43 +44,36 @@ class Checkpointer:
     """Decides the checkpoints the Trainer does not make by itself, writes the run's record into
     every checkpoint, and restores that record when the run resumes."""
 
-    def __init__(
-        self, loop_config: dict[str, Any], run_dir: StoragePath, clock: StartupClock
-    ) -> None:
-        self.config = TrainConfig(**loop_config["config"])
-        context = ray.train.get_context()
-        self.rank, self.world = context.get_world_rank(), context.get_world_size()
-        self.run_dir, self.driver_id = run_dir, loop_config["driver_id"]
-        self.clock = clock
+    def __init__(self, context: WorkerContext, run: RunState, clock: StartupClock) -> None:
+        self.config, self.run, self.clock = context.config, run, clock
+        self.rank, self.world = context.rank, context.world
+        self.run_dir, self.driver_id = context.run_dir, context.loop_config["driver_id"]
         self.progress = ProgressNotes(
-            run_dir, self.driver_id, self.world, self.config.log_every_steps, self.rank
+            self.run_dir, self.driver_id, self.world, self.config.log_every_steps, self.rank
         )
-        self.faults = FaultLog()
-        self.startup_s: float | None = None  # from the command's start to the first step
-        self.startup_phases: dict[str, float] | None = None  # those seconds, phase by phase
-        self.dtype: str | None = None
         self.policy: CheckpointPolicy | None = None
         self.saved_step: int | None = None
 
     def restore(self, checkpoint: Checkpoint | None) -> bool:
-        """Take the record of the checkpoint being resumed and note this restart with its cause;
-        False when the run is already at its --stop-at-step (nothing to train)."""
+        """Load the run's record of the checkpoint being resumed (the Trainer loads its own
+        state) and note this restart with its cause; False when the run is already at its
+        --stop-at-step (nothing to train)."""
+        run = self.run
         if checkpoint is None:
             if read_progress(self.run_dir) is not None:  # lost before its first checkpoint
-                self.faults.record_restart(0, self.run_dir, self.driver_id, None, self.world)
+                run.faults.record_restart(0, self.run_dir, self.driver_id, None, self.world)
             return True
         state = read_run_record(checkpoint)
         step = state["global_step"]
         if self.config.stop_at_step is not None and step >= self.config.stop_at_step:
             return False
-        self.faults = FaultLog(**state["faults"])
-        self.startup_s, self.startup_phases = state["startup_s"], state["startup_phases"]
+        run.load_state_dict(state)
         if state["epoch"] < self.config.epochs:
-            restart = self.faults.record_restart(
+            restart = run.faults.record_restart(
                 step, self.run_dir, self.driver_id, checkpoint.path, self.world
             )
             if restart["cause"] == "rerun":  # this command's own start-up is measured anew
-                self.startup_s = self.startup_phases = None
+                run.startup_s = run.startup_phases = None
         if self.rank == 0:
             log.info("resuming from %s", checkpoint.path)
         return True
@@ -102,17 +92,18 @@ class Checkpointer:
     def record_dtype(self, module: torch.nn.Module, inputs: Any, output: Any) -> None:
         logits = getattr(output, "logits", None)
         if logits is not None:
-            self.dtype = str(logits.dtype).removeprefix("torch.")
+            self.run.compute_dtype = str(logits.dtype).removeprefix("torch.")
 
     def step_end(self, step: int, epoch_end: bool) -> tuple[bool, bool]:
         """After every step, on every rank (a collective when it asks Ray about a preemption):
         (evaluate and save now, stop after it)."""
         assert self.policy is not None, "train_begin comes first"
-        if self.startup_s is None:
-            self.startup_s = self.clock.first_step(self.rank)
-            self.startup_phases = self.clock.phases()
-        due = self.policy.due(step, self.faults)
-        self.progress.note(step, self.faults, checkpointing=bool(due))
+        run = self.run
+        if run.startup_s is None:
+            run.startup_s = self.clock.first_step(self.rank)
+            run.startup_phases = self.clock.phases()
+        due = self.policy.due(step, run.faults)
+        self.progress.note(step, run.faults, checkpointing=bool(due))
         save_now = bool(due.reasons - {END}) and not epoch_end  # the Trainer saves epoch ends
         return save_now, step == self.config.stop_at_step
 
@@ -127,13 +118,7 @@ class Checkpointer:
         peak_rss_mb = workers_peak_rss_mb()  # on every rank: a collective
         if self.rank != 0:
             return
-        record = {
-            "worker_peak_rss_mb": peak_rss_mb,
-            "compute_dtype": self.dtype,
-            "faults": dataclasses.asdict(self.faults),
-            "startup_s": self.startup_s,
-            "startup_phases": self.startup_phases,
-        }
+        record = {"worker_peak_rss_mb": peak_rss_mb, **self.run.state_dict()}
         (folder / RECORD_FILE).write_text(json.dumps(record))
         write_manifest(folder)
 

@@ -18,16 +18,17 @@ from transformers import AutoTokenizer, DataCollatorWithPadding
 
 from hf_finetune.checkpointer import HF_CHECKPOINT
 from hf_finetune.config import PREPARE_COMMAND, TRAIN_COMMAND
-from hf_finetune.task import (
-    classification_scores,
-    confusion_matrix,
-    load_trained,
-    predicted_labels,
-)
+from hf_finetune.task import load_trained
 from raytrain_common.checkpoint import verify_checkpoint
 from raytrain_common.labelled.prepare import DataError, inspect_dataset
 from raytrain_common.labelled.tokenized import TokenizedSplit
-from raytrain_common.metrics import SUMMARY_FILE, plot_confusion_matrix, write_summary
+from raytrain_common.metrics import (
+    SUMMARY_FILE,
+    classification_scores,
+    confusion_matrix,
+    plot_confusion_matrix,
+    write_summary,
+)
 from raytrain_common.runs import chosen_checkpoint, read_run_summary
 from raytrain_common.storage import resolve_storage
 
@@ -75,7 +76,7 @@ def predict_split(
     for start in range(0, len(order), chunk):
         chosen = order[start : start + chunk]
         ids = [row[1 : 1 + row[0]].tolist() for row in rows.token_rows(chosen)]
-        predicted[chosen] = predicted_labels(predict_ids(model, tokenizer, ids))
+        predicted[chosen] = predict_ids(model, tokenizer, ids).argmax(-1)
     return predicted
 
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import logging
 from typing import Any, ClassVar
 
-import ray.train
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
+from hf_finetune.run_state import WorkerContext
 from hf_finetune.validator import SCORE
 from raytrain_common.loop import ThroughputMeter, require_finite
 from raytrain_common.metrics import eta
@@ -36,10 +36,10 @@ class MetricsLogger:
         "val_runtime": "val_s",
     }
 
-    def __init__(self, loop_config: dict[str, Any], global_batch_size: int) -> None:
-        self.rank = ray.train.get_context().get_world_rank()
-        self.meter = ThroughputMeter(global_batch_size)
-        self.sink = rank_zero_sink(loop_config, self.rank)
+    def __init__(self, context: WorkerContext) -> None:
+        self.rank = context.rank
+        self.meter = ThroughputMeter(context.config.global_batch_size)
+        self.sink = rank_zero_sink(context.loop_config, self.rank)
 
     def step_end(self) -> None:
         self.meter.step()

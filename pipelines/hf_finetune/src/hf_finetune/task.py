@@ -16,6 +16,8 @@ import numpy as np
 from transformers import AutoModelForSequenceClassification, EvalPrediction, PreTrainedModel
 from transformers.utils import logging as hf_logging
 
+from raytrain_common.metrics import classification_scores
+
 
 def build_model(model: str, labels: Sequence[str]) -> PreTrainedModel:
     """The pretrained encoder with a freshly initialised head for `labels`, names kept in its
@@ -38,39 +40,6 @@ def load_trained(folder: str | os.PathLike[str]) -> PreTrainedModel:
     return AutoModelForSequenceClassification.from_pretrained(folder).eval()
 
 
-def predicted_labels(logits: np.ndarray) -> np.ndarray:
-    return np.asarray(logits).argmax(-1)
-
-
-def confusion_matrix(labels: np.ndarray, predictions: np.ndarray, num_labels: int) -> np.ndarray:
-    """Rows: true class; columns: predicted class."""
-    matrix = np.zeros((num_labels, num_labels), dtype=np.int64)
-    np.add.at(matrix, (labels, predictions), 1)
-    return matrix
-
-
-def classification_scores(
-    labels: np.ndarray, predictions: np.ndarray, num_labels: int
-) -> dict[str, float]:
-    """Accuracy and macro F1 (the mean of per-class F1, so a small class counts as much as a big
-    one)."""
-    matrix = confusion_matrix(labels, predictions, num_labels)
-    true_positive = np.diag(matrix).astype(float)
-    precision = np.divide(
-        true_positive, matrix.sum(0), out=np.zeros(num_labels), where=matrix.sum(0) > 0
-    )
-    recall = np.divide(
-        true_positive, matrix.sum(1), out=np.zeros(num_labels), where=matrix.sum(1) > 0
-    )
-    f1 = np.divide(
-        2 * precision * recall,
-        precision + recall,
-        out=np.zeros(num_labels),
-        where=(precision + recall) > 0,
-    )
-    return {"accuracy": float(true_positive.sum() / matrix.sum()), "f1": float(f1.mean())}
-
-
 def make_compute_metrics(num_labels: int) -> Callable[[EvalPrediction], dict[str, float]]:
     """The Trainer's `compute_metrics`: accuracy and macro F1 of an evaluation (prefixed `val_`)."""
 
@@ -80,8 +49,7 @@ def make_compute_metrics(num_labels: int) -> Callable[[EvalPrediction], dict[str
             if isinstance(prediction.predictions, tuple)
             else prediction.predictions
         )
-        return classification_scores(
-            np.asarray(prediction.label_ids), predicted_labels(logits), num_labels
-        )
+        predicted = np.asarray(logits).argmax(-1)
+        return classification_scores(np.asarray(prediction.label_ids), predicted, num_labels)
 
     return compute_metrics

@@ -7,11 +7,9 @@ every rank), and `ray.train.get_checkpoint()` where a run resumes. Ray Train sta
 group; the Trainer sees it and wraps the model in DDP itself, so `TrainingArguments` holds no
 deepspeed / fsdp settings.
 
-The loop's components, one click away: `checkpointer.py` (the checkpoints the Trainer does not make
-by itself, the run's record, resume), `validator.py` (how and when the validation split is scored),
-`metrics_logger.py` (progress lines, MLflow), `summary.py` (metrics.csv, curves, summary.json).
-Their Trainer callbacks only hand the Trainer's events to them. The datasets, and each epoch's
-order, are the library's (`raytrain_common.labelled.tokenized`).
+The loop's components: `checkpointer.py` (the checkpoints the Trainer does not make, the run's
+record in `run_state.py`), `validator.py`, `metrics_logger.py`, `summary.py`; their Trainer
+callbacks only hand them the Trainer's events. The datasets are `raytrain_common.labelled`'s.
 """
 
 from __future__ import annotations
@@ -40,6 +38,7 @@ from hf_finetune.checkpointer import HF_CHECKPOINT, Checkpointer, CheckpointerCa
 from hf_finetune.config import PREPARE_COMMAND, TrainConfig
 from hf_finetune.metrics_logger import LoggerCallback, MetricsLogger
 from hf_finetune.model import display_name, resolve_model
+from hf_finetune.run_state import RunState, WorkerContext
 from hf_finetune.summary import write_run_outputs
 from hf_finetune.task import build_model, make_compute_metrics
 from hf_finetune.validator import SCORE, ValidatingTrainer, eval_batch_per_worker
@@ -143,23 +142,25 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     """Runs on every worker: the datasets, the model and a Hugging Face Trainer whose callbacks
     hand its events to the components; then train, resuming from the run's newest complete
     checkpoint if it has one."""
-    config = TrainConfig(**loop_config["config"])
+    context = WorkerContext.parse(loop_config)  # the typed config and dataset, the model
+    config, info, world = context.config, context.info, context.world
     quiet_ray_output(config.verbose)
     clock = StartupClock(loop_config["startup"])  # the driver's phases; rank 0 adds the rest
     clock.mark("worker_group")
-    info = DatasetInfo(**loop_config["dataset"])
-    world = ray.train.get_context().get_world_size()
     train_set, val_set = open_splits(config, info, world)
-    tokenizer, model = load_model(config, info, loop_config["model"])
+    tokenizer, model = load_model(config, info, context.model)
     clock.mark("model_build")
 
-    # Resume from this run's newest complete checkpoint, if any (a restarted worker group, a rerun).
-    run_dir = resolve_storage(config.storage_path).join(config.run_name)
-    checkpoint = resume_checkpoint(ray.train.get_checkpoint(), run_dir, inside=HF_CHECKPOINT)
-    checkpointer = Checkpointer(loop_config, run_dir, clock)
+    # The Trainer holds the steps, weights, optimiser, schedule and data order, and restores them
+    # itself (`resume_from_checkpoint`); the Checkpointer restores the run's record beside them.
+    run = RunState()
+    checkpoint = resume_checkpoint(
+        ray.train.get_checkpoint(), context.run_dir, inside=HF_CHECKPOINT
+    )
+    checkpointer = Checkpointer(context, run, clock)
     if not checkpointer.restore(checkpoint):
         return  # already stopped there: a rerun with the same --stop-at-step does nothing
-    logger = MetricsLogger(loop_config, config.global_batch_size)
+    logger = MetricsLogger(context)
     # The Trainer writes each checkpoint here before Ray copies it to storage.
     with scratch_folder("hf-finetune") as output_dir:
         trainer = ValidatingTrainer(

@@ -7,11 +7,9 @@ current sharding (DCP reshards for another worker count). `export` reads the sam
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,18 +20,17 @@ import torch.distributed.checkpoint as dcp
 from ray.train import Checkpoint, CheckpointUploadMode
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from llm_fsdp.config import TrainConfig
 from llm_fsdp.loss import NextTokenLoss
+from llm_fsdp.run_state import RunState, WorkerContext
 from raytrain_common.checkpoint import (
     UploadFn,
     new_scratch_folder,
     upload_with_retries,
     write_manifest,
 )
-from raytrain_common.faults import FaultLog, read_progress
+from raytrain_common.faults import read_progress
 from raytrain_common.hardware import workers_peak_rss_mb
 from raytrain_common.loop import CheckpointPolicy, ProgressNotes
-from raytrain_common.storage import StoragePath
 
 log = logging.getLogger("llm_fsdp")
 
@@ -91,21 +88,6 @@ def read_train_state(checkpoint: Checkpoint) -> dict[str, Any]:
         return json.loads((Path(folder) / STATE_FILE).read_text())
 
 
-@dataclass
-class RunState:
-    """The run's record, saved in every checkpoint: steps done, metrics rows, faults survived, and
-    the start-up time of the command that began this attempt."""
-
-    step: int = 0
-    history: list[dict[str, float]] = dataclasses.field(default_factory=list)
-    faults: FaultLog = dataclasses.field(default_factory=FaultLog)
-    startup_s: float | None = None  # from the command's start to the first optimiser step
-    startup_phases: dict[str, float] | None = None  # those seconds, phase by phase (StartupClock)
-
-    def latest_val(self) -> dict[str, float]:
-        return next((row for row in reversed(self.history) if "val_loss" in row), {})
-
-
 class Checkpointer:
     """Decides when the run checkpoints (every --checkpoint-every-steps, a preemption notice,
     --stop-at-step, the end: `CheckpointPolicy`) and writes sharded checkpoints from every rank
@@ -114,45 +96,41 @@ class Checkpointer:
 
     def __init__(
         self,
+        context: WorkerContext,
+        *,
         model: NextTokenLoss,
         optimizer: torch.optim.Optimizer,
-        loop_config: dict[str, Any],
-        run_dir: StoragePath,
-        last_step: int,
+        run: RunState,
     ) -> None:
-        self.config = config = TrainConfig(**loop_config["config"])
-        self.model, self.optimizer, self.loop_config = model, optimizer, loop_config
-        self.run_dir, self.driver_id = run_dir, loop_config["driver_id"]
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.context, self.config = context, context.config
+        self.model, self.optimizer, self.run = model, optimizer, run
+        self.run_dir, self.driver_id = context.run_dir, context.loop_config["driver_id"]
+        self.rank, self.world = context.rank, context.world
+        config = context.config
         self.policy = CheckpointPolicy(
             every_steps=config.checkpoint_every_steps,
-            last_step=last_step,
+            last_step=context.last_step,
             stop_at_step=config.stop_at_step,
             preemption_check_steps=config.preemption_check_steps,
             every_minutes=config.checkpoint_every_minutes,
         )
         self.progress = ProgressNotes(
-            run_dir, self.driver_id, self.world, config.log_every_steps, self.rank
+            self.run_dir, self.driver_id, self.world, config.log_every_steps, self.rank
         )
         self.upload = upload_with_retries(config.storage_path, config.storage_patience_s)
 
-    def restore(self, checkpoint: Checkpoint | None) -> RunState:
-        """The checkpoint's state loaded into the model (resharded to this worker count), or a
-        fresh start; either way the restart, if this is one, recorded with its cause."""
+    def restore(self, checkpoint: Checkpoint | None) -> None:
+        """Load the checkpoint into the model and optimiser (resharded to this worker count) and
+        the run's record, or start fresh; either way the restart, if this is one, recorded with its
+        cause."""
+        run = self.run
         if checkpoint is None:
-            run = RunState()
             if read_progress(self.run_dir) is not None:  # lost before its first checkpoint
                 run.faults.record_restart(0, self.run_dir, self.driver_id, None, self.world)
-            return run
+            return
         with checkpoint.as_directory() as folder:
             state = load_checkpoint(self.model, self.optimizer, folder)
-        run = RunState(
-            step=state["step"],
-            history=state["history"],
-            faults=FaultLog(**state.get("faults", {})),
-            startup_s=state.get("startup_s"),
-            startup_phases=state.get("startup_phases"),
-        )
+        run.load_state_dict(state)
         if not self.policy.already_done(run.step):
             restart = run.faults.record_restart(
                 run.step, self.run_dir, self.driver_id, checkpoint.path, self.world
@@ -164,40 +142,42 @@ class Checkpointer:
                 "resumed at step %d (written by %d worker(s)) on %d worker(s)",
                 *(run.step, state["world_size"], self.world),
             )
-        return run
 
-    def report_again_if_lost(self, run: RunState) -> None:
+    def report_again_if_lost(self) -> None:
         """This driver's worker group restarted (an elastic grow) after its last checkpoint was
         written but before Ray registered it: report that checkpoint again, or the run ends on an
-        older one."""
+        older one (the step's state is the weights and the step: a restarted group holds both)."""
         progress = read_progress(self.run_dir) or {}
-        if self.policy.already_done(run.step) and progress.get("driver_id") == self.driver_id:
-            self.save(run)
+        if self.policy.already_done(self.run.step) and progress.get("driver_id") == self.driver_id:
+            self.save(self.run.latest_val())
 
-    def step_end(self, run: RunState) -> bool:
-        """After every step, on every rank (a collective when it asks Ray about a preemption):
-        checkpoint when the policy says so. True when the loop stops here."""
+    def step_end(self, validation: dict[str, float] | None) -> bool:
+        """After every step, on every rank, with the step's validation scores (None when it did
+        not validate): checkpoint when the policy says so (a collective when it asks Ray about a
+        preemption, and at a checkpoint). True when the loop stops here."""
+        run = self.run
         due = self.policy.due(run.step, run.faults)
         self.progress.note(run.step, run.faults, checkpointing=bool(due))
         if due:
-            self.save(run)
+            self.save(validation or run.latest_val())
         return due.stops
 
-    def save(self, run: RunState) -> None:
+    def save(self, validation: dict[str, float]) -> None:
         """A sharded checkpoint of every rank, reported with the latest validation loss (Ray ranks
         checkpoints by it), and how long training waited for it (a metrics.csv row)."""
+        run = self.run
         saved = {
-            **dataclasses.asdict(run),
+            **run.state_dict(),
             "sequences_seen": run.step * self.config.global_batch_size,
             "world_size": self.world,
             "compute_dtype": str(self.model.compute_dtype).removeprefix("torch."),
             "worker_peak_rss_mb": workers_peak_rss_mb(),  # on every rank: a collective
-            "loop_config": self.loop_config,
+            "loop_config": self.context.loop_config,
         }
         stalled = time.perf_counter()
         validate = self.config.validation == "async"
         # Async: ranked last until the validation task's loss replaces this one.
-        latest = {"val_loss": NOT_EVALUATED} if validate else run.latest_val()
+        latest = {"val_loss": NOT_EVALUATED} if validate else validation
         metrics = {"step": run.step, **latest}
         save_checkpoint(
             self.model,

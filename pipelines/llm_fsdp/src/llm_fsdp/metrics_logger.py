@@ -6,21 +6,18 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any
 
 import ray.train
 import ray.train.torch
 import torch
 import torch.distributed as dist
 
-from llm_fsdp.checkpointer import RunState
-from llm_fsdp.config import TrainConfig
 from llm_fsdp.loss import NextTokenLoss
+from llm_fsdp.run_state import RunState, WorkerContext
 from llm_fsdp.task import model_flops_per_token
 from raytrain_common.hardware import peak_bf16_flops, peak_memory_gb
 from raytrain_common.loop import StartupClock, ThroughputMeter, require_finite
 from raytrain_common.metrics import eta
-from raytrain_common.tokens.corpus import DatasetInfo
 from raytrain_common.tracking import rank_zero_sink
 
 log = logging.getLogger("llm_fsdp")
@@ -32,16 +29,14 @@ class MetricsLogger:
 
     def __init__(
         self,
-        loop_config: dict[str, Any],
+        context: WorkerContext,
         model: NextTokenLoss,
         optimizer: torch.optim.Optimizer,
-        micro: int,
-        last_step: int,
         clock: StartupClock,
     ) -> None:
-        self.config = TrainConfig(**loop_config["config"])
-        self.seq_len = DatasetInfo(**loop_config["dataset"]).seq_len
-        self.clock, self.last_step = clock, last_step
+        self.config, self.seq_len = context.config, context.info.seq_len
+        self.clock, self.last_step = clock, context.last_step
+        micro, loop_config = context.micro, context.loop_config
         self.optimizer = optimizer  # the step's learning rate is in its param groups
         self.device, self.rank = ray.train.torch.get_device(), dist.get_rank()
         self.tokens_per_rank_step = micro * self.config.grad_accum_steps * self.seq_len
@@ -54,7 +49,7 @@ class MetricsLogger:
         self.sink = rank_zero_sink(loop_config, self.rank)
         self.row: dict[str, float] = {}
 
-    def step_end(self, run: RunState, loss_sum: torch.Tensor, grad_norm: torch.Tensor) -> None:
+    def step_end(self, run: RunState, *, loss_sum: torch.Tensor, grad_norm: torch.Tensor) -> None:
         """Count the step; every --log-every-steps and at the last step, the window's row."""
         self.window_loss += loss_sum
         self.meter.step()

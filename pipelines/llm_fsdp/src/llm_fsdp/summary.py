@@ -18,7 +18,7 @@ from llm_fsdp.checkpointer import read_train_state
 from llm_fsdp.config import TrainConfig
 from llm_fsdp.evaluate import score_checkpoint
 from llm_fsdp.model import ModelSpec
-from llm_fsdp.validator import read_async_validations
+from llm_fsdp.validator import SCORE, read_async_validations
 from raytrain_common.checkpoint import best_complete_checkpoint
 from raytrain_common.faults import FaultLog
 from raytrain_common.metrics import (
@@ -33,8 +33,6 @@ from raytrain_common.metrics import (
 from raytrain_common.runs import evaluate_once, summary_header
 from raytrain_common.storage import StoragePath
 from raytrain_common.tokens.corpus import DatasetInfo
-
-SCORE = "val_loss"  # Ray keeps the best checkpoints by it (lowest first); a sweep ranks by it
 
 log = logging.getLogger("llm_fsdp")
 

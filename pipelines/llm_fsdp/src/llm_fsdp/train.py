@@ -38,16 +38,16 @@ from llm_fsdp.model import (
     resolve_model,
 )
 from llm_fsdp.parallelize import UnsupportedModelError, check_parallelizable, parallelize
-from llm_fsdp.summary import SCORE, write_run_outputs
+from llm_fsdp.run_state import RunState, WorkerContext
+from llm_fsdp.summary import write_run_outputs
 from llm_fsdp.task import build_model
-from llm_fsdp.validator import Validator, async_validation
+from llm_fsdp.validator import SCORE, Validator, async_validation
 from raytrain_common.checkpoint import resume_checkpoint
 from raytrain_common.configs import (
     ConfigError,
     build_run_config,
     build_scaling_config,
     build_torch_config,
-    per_worker_batch_size,
 )
 from raytrain_common.loop import StartupClock
 from raytrain_common.ray_start import quiet_ray_output
@@ -158,7 +158,8 @@ def train_step(
     model: NextTokenLoss,
     optimizer: torch.optim.Optimizer,
     batches: list[torch.Tensor],
-    config: TrainConfig,
+    context: WorkerContext,
+    *,
     step: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Optimiser step `step` (1-based) over this rank's micro-batches.
@@ -166,6 +167,7 @@ def train_step(
     Returns this rank's summed token loss and the global gradient norm as device tensors: reading
     them would make the host wait for the GPU every step, so the loop reads them when it logs.
     """
+    config = context.config
     lr = learning_rate(step - 1, config)
     for group in optimizer.param_groups:
         group["lr"] = lr
@@ -241,44 +243,41 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     """Runs on every worker: build and shard → restore → for each step: train, log, maybe
     validate, maybe checkpoint → finish. When to log, validate and checkpoint is the components'
     (metrics_logger.py, validator.py, checkpointer.py)."""
-    config = TrainConfig(**loop_config["config"])
+    context = WorkerContext.parse(loop_config)  # the typed config, dataset and model, the batch
+    config, info, last_step = context.config, context.info, context.last_step
     quiet_ray_output(config.verbose)
     clock = StartupClock(loop_config["startup"])  # the driver's phases; rank 0 adds the rest
     clock.mark("worker_group")
-    info = DatasetInfo(**loop_config["dataset"])
-    rank, world = dist.get_rank(), dist.get_world_size()
     device = ray.train.torch.get_device()
-    micro = per_worker_batch_size(config.global_batch_size, world, config.grad_accum_steps)
-    spec = ModelSpec(**loop_config["model"])
-    model, optimizer = build_sharded_model(spec, info, config, device, world)
+    model, optimizer = build_sharded_model(context.spec, info, config, device, context.world)
     clock.mark("model_build")
     # The token files, read in place: a step reads its rows at their offsets, on object storage by
     # ranged requests (raytrain_common.tokens.file); never a copy of the split.
     data_dir = resolve_storage(config.resolved_data_dir())
     train_blocks = stage_blocks(split_blocks(data_dir, "train", info), device)
-    run_dir = resolve_storage(config.storage_path).join(config.run_name)
-    last_step = min(config.max_steps, config.stop_at_step or config.max_steps)
 
+    run = RunState()  # the run's counters and history; its data position is its step
+    checkpointer = Checkpointer(context, model=model, optimizer=optimizer, run=run)
     # Resume from this run's newest complete checkpoint, if any (a restarted worker group, a rerun).
-    checkpoint = resume_checkpoint(ray.train.get_checkpoint(), run_dir)
-    checkpointer = Checkpointer(model, optimizer, loop_config, run_dir, last_step)
-    run = checkpointer.restore(checkpoint)
-    logger = MetricsLogger(loop_config, model, optimizer, micro, last_step, clock)
-    val_blocks = split_blocks(data_dir, "validation", info)
-    validator = Validator(model, val_blocks, micro, config, last_step)
+    checkpointer.restore(resume_checkpoint(ray.train.get_checkpoint(), context.run_dir))
+    logger = MetricsLogger(context, model, optimizer, clock)
+    validator = Validator(model, split_blocks(data_dir, "validation", info), context)
     if run.step == 0:  # the untrained model's loss: the curves' first point
         run.history.append({"step": 0, **validator.validate(0)})
-    checkpointer.report_again_if_lost(run)
-    batches_of = StepBatches(train_blocks, config, (rank, world), device, last_step)
+    checkpointer.report_again_if_lost()
+    rank_of_world = (context.rank, context.world)
+    batches_of = StepBatches(train_blocks, config, rank_of_world, device, last_step)
     try:
         for step in range(run.step + 1, last_step + 1):
             batches = batches_of(step)  # this rank's rows of the step; the next step's read ahead
-            loss_sum, grad_norm = train_step(model, optimizer, batches, config, step)
+            loss_sum, grad_norm = train_step(model, optimizer, batches, context, step=step)
             run.step = step
-            logger.step_end(run, loss_sum, grad_norm)
+            logger.step_end(run, loss_sum=loss_sum, grad_norm=grad_norm)
             with logger.paused():
-                logger.record(run, validator.maybe_validate(step))
-                if checkpointer.step_end(run):
+                validation = validator.maybe_validate(step)  # a collective when due
+                logger.record(run, validation)
+                # The step's other collectives: the preemption check, and a checkpoint's.
+                if checkpointer.step_end(validation):
                     break
     finally:
         batches_of.close()

@@ -21,12 +21,14 @@ from ray.train import ValidationConfig, ValidationTaskConfig
 from llm_fsdp.config import TrainConfig
 from llm_fsdp.evaluate import score_checkpoint
 from llm_fsdp.loss import NextTokenLoss
+from llm_fsdp.run_state import WorkerContext
 from llm_fsdp.task import val_metrics
 from raytrain_common.configs import per_worker_batch_size
 from raytrain_common.loop import ValidationPolicy
 from raytrain_common.storage import StoragePath, resolve_storage
 from raytrain_common.tokens.file import TokenBlocks
 
+SCORE = "val_loss"  # Ray keeps the best checkpoints by it (lowest first); a sweep ranks by it
 VALIDATIONS_FOLDER = "validations"  # async: one JSON per validated checkpoint, for the history
 
 log = logging.getLogger("llm_fsdp")
@@ -35,18 +37,13 @@ log = logging.getLogger("llm_fsdp")
 class Validator:
     """Scores the validation split every --eval-every-steps and at the last step."""
 
-    def __init__(
-        self,
-        model: NextTokenLoss,
-        blocks: TokenBlocks,
-        micro: int,
-        config: TrainConfig,
-        last_step: int,
-    ) -> None:
-        self.model, self.blocks, self.micro, self.config = model, blocks, micro, config
+    def __init__(self, model: NextTokenLoss, blocks: TokenBlocks, context: WorkerContext) -> None:
+        self.model, self.blocks = model, blocks
+        self.micro, self.config = context.micro, context.config
         self.device = ray.train.torch.get_device()
-        self.policy = ValidationPolicy(every_steps=config.eval_every_steps, last_step=last_step)
-        self.inline = config.validation == "inline"
+        every = context.config.eval_every_steps
+        self.policy = ValidationPolicy(every_steps=every, last_step=context.last_step)
+        self.inline = context.config.validation == "inline"
 
     def maybe_validate(self, step: int) -> dict[str, float] | None:
         """The validation metrics when due (inline); under async, each checkpoint carries the

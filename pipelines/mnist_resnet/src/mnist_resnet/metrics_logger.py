@@ -4,17 +4,19 @@ rank 0's progress lines, curve points, metrics.csv and MLflow rows."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
 
-import numpy as np
 import ray.train
 import ray.train.torch
 import torch
 import torch.distributed as dist
 
-from mnist_resnet.run_state import EpochPosition, RunState, WorkerContext
+from mnist_resnet.run_state import RunState, WorkerContext
 from mnist_resnet.task import usable
 from raytrain_common.hardware import peak_memory_gb
 from raytrain_common.loop import StartupClock, ThroughputMeter, require_finite
@@ -27,21 +29,38 @@ log = logging.getLogger("mnist_resnet")
 THROUGHPUT_SKIP_STEPS = 5
 
 
+@dataclass
+class EpochSums:
+    """The epoch's sums over every rank: a mid-epoch checkpoint saves them, so a resumed epoch's
+    training loss and accuracy equal an uninterrupted epoch's."""
+
+    step: int = 0  # steps taken in the epoch
+    loss_sum: float = 0.0
+    correct: float = 0.0
+    seen: float = 0.0
+    train_s: float = 0.0
+    skipped: float = 0.0  # rows whose file could not be decoded (counted as trained)
+
+
 class EpochTotals:
     """This rank's running sums of the epoch (loss, correct, images) and of the logging interval,
-    kept on the device: reading them makes the host wait, so they are read when a line is logged."""
+    kept on the device: reading them makes the host wait, so they are read when a line is logged
+    or a checkpoint gathers them (`state_dict`, a collective)."""
 
-    def __init__(self, device: torch.device, rank: int, carried: EpochPosition | None) -> None:
-        carried = carried or EpochPosition()
-        # Sums from before a resume live on rank 0 only, so the all-reduce counts them once.
-        on_this_rank = carried if rank == 0 else EpochPosition()
-        self.sums = torch.tensor(
-            [on_this_rank.loss_sum, on_this_rank.correct, on_this_rank.seen, on_this_rank.skipped],
-            device=device,
-        )
-        self.interval = torch.zeros(2, device=device)  # summed micro-batch losses, micro-batches
+    def __init__(self, device: torch.device, rank: int, steps_per_epoch: int) -> None:
+        self.device, self.rank, self.steps_per_epoch = device, rank, steps_per_epoch
+        self.reset()
+
+    def reset(self, carried: EpochSums | None = None) -> None:
+        """A new epoch's sums; a resumed one's start from the checkpoint's, held on rank 0 only
+        so that the all-reduce counts them once."""
+        carried = carried or EpochSums()
+        held = carried if self.rank == 0 else EpochSums()
+        sums = [held.loss_sum, held.correct, held.seen, held.skipped]
+        self.sums = torch.tensor(sums, device=self.device)
+        self.interval = torch.zeros(2, device=self.device)  # summed micro-batch losses, batches
         self.train_s_before = carried.train_s
-        self.started = time.perf_counter()
+        self.started = self.last_step_ended = time.perf_counter()
 
     def add(self, logits: torch.Tensor, loss: torch.Tensor, labels: torch.Tensor) -> None:
         detached = loss.detach().float()
@@ -56,22 +75,32 @@ class EpochTotals:
         )
         self.interval += torch.stack([detached, torch.ones_like(detached)])
 
+    def step_ended(self) -> None:
+        """The epoch's training time runs to here (validation and checkpoints come after)."""
+        self.last_step_ended = time.perf_counter()
+
     def interval_loss(self) -> float:
         """Mean micro-batch loss since the last call, on this rank."""
         loss_sum, batches = self.interval.tolist()
         self.interval.zero_()
         return loss_sum / max(batches, 1)
 
-    def position(self, step_in_epoch: int, trained: np.ndarray | None = None) -> EpochPosition:
-        """The epoch's sums over every rank (a collective: every rank calls it), and its rows
-        trained (`TrainingRows.trained`) when given."""
+    def state_dict(self, step: int) -> dict[str, float]:
+        """The epoch's sums over every rank after the run's `step` (a collective: every rank
+        calls it)."""
         totals = self.sums.clone()
         if dist.is_initialized():
             dist.all_reduce(totals)
         loss_sum, correct, seen, skipped = totals.tolist()
-        train_s = self.train_s_before + time.perf_counter() - self.started
-        bitmap = None if trained is None else torch.from_numpy(trained)
-        return EpochPosition(step_in_epoch, loss_sum, correct, seen, train_s, skipped, bitmap)
+        train_s = self.train_s_before + self.last_step_ended - self.started
+        in_epoch = (step - 1) % self.steps_per_epoch + 1
+        return dataclasses.asdict(EpochSums(in_epoch, loss_sum, correct, seen, train_s, skipped))
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        """A mid-epoch checkpoint's sums (None, or a checkpoint at an epoch's end: a new epoch).
+        Checkpoints before 0.20 also held the epoch's rows here; those are TrainingRows'."""
+        fields = {field.name for field in dataclasses.fields(EpochSums)}
+        self.reset(EpochSums(**{k: v for k, v in state.items() if k in fields}) if state else None)
 
 
 class MetricsLogger:
@@ -84,14 +113,12 @@ class MetricsLogger:
         self.device = ray.train.torch.get_device()
         self.clock = clock
         self.run_dir, self.steps = context.run_dir, context.steps
-        self.totals = EpochTotals(self.device, self.rank, run.position)
+        self.totals = EpochTotals(self.device, self.rank, self.steps)
         self.meter = ThroughputMeter(
             self.config.global_batch_size, warmup_steps=THROUGHPUT_SKIP_STEPS
         )
         self.sink = rank_zero_sink(context.loop_config, self.rank)
-        self.validation: dict[str, float] = {}  # the latest scores on the validation split
-        self.data_wait_s, self.lr = 0.0, 0.0
-        self.epoch_sums, self.epoch_rate = EpochPosition(), 0.0  # the epoch just ended
+        self.data_wait_s, self.lr, self.epoch_rate = 0.0, 0.0, 0.0
         self.skipped_named: set[str] = set()  # files this rank could not decode, logged once
 
     def timed(
@@ -113,11 +140,6 @@ class MetricsLogger:
             self.note_skipped(batch.pop("skipped", []))
             yield batch
 
-    def record(self, validation: dict[str, float] | None) -> None:
-        """Keep the validation split's scores (when the validator ran) for the epoch's row."""
-        if validation is not None:
-            self.validation = validation
-
     def note_skipped(self, files: list[str]) -> None:
         """One line for each file this rank could not decode, the first time it meets it (its
         row still counts as trained: the epoch goes on without it)."""
@@ -130,10 +152,11 @@ class MetricsLogger:
                     *(self.rank, file),
                 )
 
-    def step_end(self, run: RunState, lr: float) -> None:
-        """Count the step; rank 0's progress line every --log-every-steps and at an epoch's end;
-        at an epoch's end, its training sums over every rank (a collective: every rank calls)."""
+    def step_end(self, run: RunState, *, lr: float) -> None:
+        """Count the step; rank 0's progress line every --log-every-steps and at an epoch's end
+        (no collective: the epoch's sums over every rank are gathered by the checkpoint)."""
         self.meter.step()
+        self.totals.step_ended()
         self.lr = lr
         if run.startup_s is None:
             run.startup_s = self.clock.first_step(self.rank)
@@ -141,13 +164,8 @@ class MetricsLogger:
         epoch_end = run.step % self.steps == 0
         if self.rank == 0 and (run.step % self.config.log_every_steps == 0 or epoch_end):
             self.sink.log(self.interval_row(run), run.step)
-        if epoch_end:
-            self.epoch_sums = self.totals.position(self.steps)
+        if epoch_end:  # the rate of the epoch's training alone (validation comes after)
             self.epoch_rate = self.meter.steady().items_per_s
-            # Every rank sees the same reduced value, and stops alike.
-            loss = self.epoch_sums.loss_sum / self.epoch_sums.seen
-            where = f"(the mean of epoch {run.step // self.steps})"
-            require_finite(loss, where, "lower --lr, or set --grad-clip-norm")
 
     def interval_row(self, run: RunState) -> dict[str, float]:
         """Rank 0's progress line and curve point for the steps since the last one."""
@@ -163,25 +181,31 @@ class MetricsLogger:
         )
         return {"train_loss_interval": loss, "lr": self.lr}
 
-    def epoch_row(self, run: RunState) -> dict[str, float]:
-        """The ended epoch's row of metrics.csv and MLflow, with its validation scores (the
-        checkpointer flushes it to the store before its report: a sweep may stop the trial on
-        it)."""
-        sums, validation = self.epoch_sums, self.validation
+    def epoch_row(
+        self, run: RunState, sums: dict[str, float], validation: dict[str, float] | None
+    ) -> dict[str, float]:
+        """The ended epoch's row of metrics.csv and MLflow, from its sums over every rank and its
+        validation scores (None under --validation async), on every rank alike (the checkpointer
+        flushes it to the store before its report: a sweep may stop the trial on it)."""
+        loss = require_finite(
+            sums["loss_sum"] / sums["seen"],
+            f"(the mean of epoch {run.step // self.steps})",
+            "lower --lr, or set --grad-clip-norm",
+        )
         row = {
             "epoch": run.step // self.steps,
             "step": run.step,
-            "train_loss": sums.loss_sum / sums.seen,
-            "train_accuracy": sums.correct / sums.seen,
+            "train_loss": loss,
+            "train_accuracy": sums["correct"] / sums["seen"],
             "train_images_per_s": self.epoch_rate,
-            "train_s": sums.train_s,
-            "skipped_files": sums.skipped,
-            **validation,
+            "train_s": sums["train_s"],
+            "skipped_files": sums["skipped"],
+            **(validation or {}),
             "lr": self.lr,
         }
         if (memory := peak_memory_gb(self.device)) is not None:
             row["peak_memory_gb"] = memory  # on a GPU
-        row["data_wait_share"] = self.data_wait_s / max(sums.train_s, 1e-9)
+        row["data_wait_share"] = self.data_wait_s / max(sums["train_s"], 1e-9)
         if self.rank == 0 and "val_loss" in row:
             log.info(
                 "epoch %d/%d  train loss %.4f  val loss %.4f  val accuracy %.4f  %.0f img/s",
@@ -202,7 +226,7 @@ class MetricsLogger:
         its checkpoint: rank 0 rewrites it; every rank starts the next epoch's sums and meter."""
         if self.rank == 0:
             write_metrics_csv(self.run_dir.join(METRICS_FILE), run.history)
-        self.totals = EpochTotals(self.device, self.rank, None)
+        self.totals.reset()
         self.meter.restart()
 
     def flush(self) -> None:

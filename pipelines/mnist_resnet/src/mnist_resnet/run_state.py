@@ -1,6 +1,5 @@
 """The run's record that every checkpoint holds besides the weights (steps done, one row per epoch,
-the position inside an epoch: its sums and its trained rows, faults survived, timing), and what
-every worker knows of the run (`WorkerContext`)."""
+faults survived, timing), and what every worker knows of the run (`WorkerContext`)."""
 
 from __future__ import annotations
 
@@ -9,43 +8,25 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray.train
-import torch
 
 from mnist_resnet.config import TrainConfig
 from raytrain_common.configs import per_worker_batch_size
-from raytrain_common.faults import FaultLog
 from raytrain_common.images.dataset import DatasetInfo
+from raytrain_common.loop import RunRecord
 from raytrain_common.storage import StoragePath, resolve_storage
 
 
 @dataclass
-class EpochPosition:
-    """Where a run is inside an epoch, saved with every mid-epoch checkpoint so a resume continues
-    exactly there: the steps taken in the epoch, and the epoch's sums over all ranks so far (its
-    training loss and accuracy then equal an uninterrupted epoch's)."""
-
-    step: int = 0
-    loss_sum: float = 0.0
-    correct: float = 0.0
-    seen: float = 0.0
-    train_s: float = 0.0
-    skipped: float = 0.0  # rows whose file could not be decoded (counted as trained)
-    trained_rows: torch.Tensor | None = None  # the epoch's rows trained, a bitmap (TrainingRows)
-
-
-@dataclass
-class RunState:
-    """The run's record, saved in every checkpoint: steps done, one row per epoch, the interval
-    losses (curves), the position inside an epoch, faults survived, and timing."""
+class RunState(RunRecord):
+    """The run's record, saved in every checkpoint: the library's (faults, start-up), steps done,
+    one row per epoch, the interval losses (curves), the compute dtype, the first batch's wait.
+    Where the run is inside an epoch is the epoch's own state: its sums (the logger's
+    `EpochTotals`) and its trained rows (`TrainingRows`)."""
 
     step: int = 0
     history: list[dict[str, float]] = dataclasses.field(default_factory=list)
     step_log: list[dict[str, float]] = dataclasses.field(default_factory=list)
-    position: EpochPosition | None = None
-    faults: FaultLog = dataclasses.field(default_factory=FaultLog)
     compute_dtype: str | None = None
-    startup_s: float | None = None  # from the command's start to the first optimiser step
-    startup_phases: dict[str, float] | None = None  # those seconds, phase by phase (StartupClock)
     first_batch_s: float | None = None
 
 

@@ -14,10 +14,9 @@ import ray
 import ray.train
 
 from mnist_resnet import __version__
-from mnist_resnet.checkpointer import SCORE
 from mnist_resnet.config import TrainConfig
 from mnist_resnet.predict import checkpoint_test_metrics
-from mnist_resnet.validator import read_async_validations
+from mnist_resnet.validator import SCORE, read_async_validations
 from raytrain_common.checkpoint import (
     best_complete_checkpoint,
     load_state,

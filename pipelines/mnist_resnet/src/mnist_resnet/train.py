@@ -31,15 +31,15 @@ from ray.train import UserCallback
 from ray.train.torch import TorchTrainer
 from torch import nn
 
-from mnist_resnet.checkpointer import SCORE, Checkpointer, read_state, restore_run, resumed_rows
+from mnist_resnet.checkpointer import Checkpointer
 from mnist_resnet.config import PREPARE_COMMAND, TrainConfig
 from mnist_resnet.metrics_logger import THROUGHPUT_SKIP_STEPS, EpochTotals, MetricsLogger
-from mnist_resnet.run_state import WorkerContext, steps_per_epoch, training_rows
+from mnist_resnet.run_state import RunState, WorkerContext, steps_per_epoch, training_rows
 from mnist_resnet.summary import finished_run_summary, write_run_outputs
 from mnist_resnet.task import autocast, build_model, loss_fn, on_device
 from mnist_resnet.transforms import augment
-from mnist_resnet.validator import Validator, async_validation
-from raytrain_common.checkpoint import load_model_weights, resume_checkpoint
+from mnist_resnet.validator import SCORE, Validator, async_validation
+from raytrain_common.checkpoint import resume_checkpoint
 from raytrain_common.configs import (
     ConfigError,
     build_run_config,
@@ -117,17 +117,17 @@ def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
 def train_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
-    lr: float,
     batch: dict[str, torch.Tensor],
-    info: DatasetInfo,
-    config: TrainConfig,
+    context: WorkerContext,
+    *,
+    lr: float,
     totals: EpochTotals,
 ) -> str:
     """One optimiser step at learning rate `lr` over this rank's rows (uint8 images, normalised on
     the model's device), in `grad_accum_steps` micro-batches; returns the dtype the forward pass
     computed in (bfloat16 when autocast is really in effect)."""
-    device = totals.sums.device
-    inputs = on_device(batch, info, device)
+    config, device = context.config, totals.sums.device
+    inputs = on_device(batch, context.info, device)
     images, labels = inputs["image"], inputs["label"]
     model.train()
     logits = torch.empty(0)
@@ -158,18 +158,13 @@ def train_step(
 
 
 def build_training(
-    info: DatasetInfo, config: TrainConfig, state: dict[str, Any] | None
+    info: DatasetInfo, config: TrainConfig
 ) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """The model (the checkpoint's weights loaded before DDP wraps it) and optimiser."""
+    """The model (seeded, then moved to the device and wrapped in DDP by Ray) and its optimiser."""
     torch.manual_seed(config.seed)
     model = build_model(info.num_classes, info.channels, config.model_width)
-    if state is not None:
-        load_model_weights(model, state["model"])
     model = ray.train.torch.prepare_model(model)  # moves to the device, wraps in DDP if world > 1
-    optimizer = build_optimizer(model, config)
-    if state is not None:
-        optimizer.load_state_dict(state["optimizer"])
-    return model, optimizer
+    return model, build_optimizer(model, config)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -190,13 +185,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     clock = StartupClock(loop_config["startup"])  # the driver's phases; rank 0 adds the rest
     clock.mark("worker_group")
 
-    # Resume from this run's newest complete checkpoint, if any (a restarted worker group, a rerun).
-    checkpoint = resume_checkpoint(ray.train.get_checkpoint(), context.run_dir)
-    state = read_state(checkpoint)
-    model, optimizer = build_training(info, config, state)
-    run = restore_run(state, context)
-    clock.mark("model_build")
-    rows = TrainingRows(
+    model, optimizer = build_training(info, config)
+    run = RunState()  # the run's counters and history
+    rows = TrainingRows(  # the epoch's rows: which the epoch reads, each trained once
         context.run_dir,
         context.rank,
         context.train_rows,
@@ -204,12 +195,22 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         config.global_batch_size,
         config.record_row_ids,
     )
-    rows.load_state_dict(resumed_rows(state, run))  # a resumed epoch reads only the rest
-    logger = MetricsLogger(context, run, clock)
+    logger = MetricsLogger(context, run, clock)  # its EpochTotals: the epoch's metric sums
     validator = Validator(model, context)
-    checkpointer = Checkpointer(model, optimizer, context, rows, logger)
+    checkpointer = Checkpointer(
+        context,
+        model=model,
+        optimizer=optimizer,
+        run=run,
+        rows=rows,
+        epoch_sums=logger.totals,
+        logger=logger,
+    )
+    # Resume from this run's newest complete checkpoint, if any (a restarted worker group, a rerun).
+    checkpointer.restore(resume_checkpoint(ray.train.get_checkpoint(), context.run_dir))
+    clock.mark("model_build")
     try:
-        for epoch in checkpointer.epochs_left(run):
+        for epoch in checkpointer.epochs_left():
             # A resumed epoch reads only the rows it has not trained; a new one all, in a new order.
             shard = ray.train.get_dataset_shard(rows.dataset())
             batches = shard.iter_torch_batches(
@@ -222,11 +223,17 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             for batch in logger.timed(rows.counted(batches, epoch, run.step)):
                 lr = learning_rate(run.step, context.last_step, config)
                 totals = logger.totals  # the epoch's sums, which the step adds to
-                run.compute_dtype = train_step(model, optimizer, lr, batch, info, config, totals)
+                run.compute_dtype = train_step(
+                    model, optimizer, batch, context, lr=lr, totals=totals
+                )
                 run.step += 1
-                logger.step_end(run, lr)
-                logger.record(validator.maybe_validate(run.step))
-                if checkpointer.step_end(run):
+                logger.step_end(run, lr=lr)
+                # No logger.record (llm-fsdp's): the epoch's row, with its validation, is written
+                # at the epoch's checkpoint.
+                validation = validator.maybe_validate(run.step)  # a collective at epoch ends
+                # Every other collective of the step: the preemption check, and at a checkpoint
+                # the epoch's sums and rows over the ranks.
+                if checkpointer.step_end(validation):
                     return
     finally:
         logger.close()

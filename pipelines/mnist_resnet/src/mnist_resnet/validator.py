@@ -21,6 +21,7 @@ from raytrain_common.ingest.data_config import VAL
 from raytrain_common.loop import ValidationPolicy
 from raytrain_common.storage import StoragePath, resolve_storage
 
+SCORE = "val_accuracy"  # checkpoints, sweeps and early stopping choose by it; never by test
 VAL_BATCH_ROWS = 512
 VALIDATIONS_FOLDER = "validations"  # async: one JSON per validated checkpoint, for the history
 

@@ -119,12 +119,31 @@ class TrainingRows:
         """Rows an epoch trains: its full global batches (the rest wait for another epoch)."""
         return self.steps_per_epoch * self.global_batch_size
 
+    def state_dict(self, step: int) -> dict[str, Any]:
+        """Where the run is in its epochs after its `step`, for a checkpoint (a collective: every
+        rank calls it): the epoch in progress and the bitmap of its rows trained by every rank, or,
+        at an epoch's end, the epoch checked complete and the next one with none trained; and
+        where rank 0's rows were decoded."""
+        epoch = (step - 1) // self.steps_per_epoch + 1
+        if step % self.steps_per_epoch == 0:
+            self.check_epoch_complete()
+            epoch, trained = epoch + 1, np.zeros(0, dtype=np.uint8)
+        else:
+            trained = self.trained()
+        return {"epoch": epoch, "trained": trained, "decoded_on": dict(self.decoded_on)}
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """What the checkpoint resumed holds of the epoch: `trained`, the bitmap of its rows
-        trained before the stop (None: a fresh epoch), and `decoded_on`; a resumed epoch reads and
-        counts only the rest."""
-        self.carried = state.get("trained")
+        trained before the stop (None or empty: a fresh epoch), and `decoded_on`; a resumed epoch
+        reads and counts only the rest."""
+        trained = state.get("trained")
+        self.carried = trained if trained is not None and len(trained) else None
         self.decoded_on = dict(state.get("decoded_on") or {})
+
+    def write_audit(self, step: int) -> None:
+        """With --record-row-ids: the ids of the rows this rank trained since the last checkpoint,
+        written with the checkpoint after the run's `step`."""
+        self.audit.write((step - 1) // self.steps_per_epoch + 1, step)
 
     def dataset(self) -> str:
         """The dataset an epoch reads: the whole split in a fresh order, or the rows a resumed
