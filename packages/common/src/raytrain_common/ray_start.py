@@ -294,13 +294,33 @@ def _filter_streamed_lines() -> None:
         dispatcher.handlers = handlers
 
 
+# Ray Train's controller, when its autoscaling coordinator does not answer within its timeout (a
+# busy box): a WARNING with a traceback, ~17 lines at every start, which its own words call "safe to
+# ignore" when transient. One line says so instead; the traceback stays in Ray's log files.
+SAFE_TO_IGNORE = re.compile(r"^Failed to (send resource request|get reserved resources) for ")
+TRACEBACK_LINE = re.compile(
+    r"^(Traceback \(most recent call last\):|\s|During handling of|The above exception|$"
+    r"|[\w.]+(Error|Exception|Timeout)\b)"
+)
+
+
 def _without_harmless_lines(handler: Any) -> Any:
+    in_traceback: dict[Any, bool] = {}  # by process: a traceback may continue in the next batch
+
     def filtered(data: dict[str, Any]) -> None:
-        lines = [
-            line
-            for line in data.get("lines", [])
-            if not any(pattern.search(line) for pattern in KNOWN_HARMLESS_LINES)
-        ]
+        lines, pid = [], data.get("pid")
+        for line in data.get("lines", []):
+            if in_traceback.get(pid) and TRACEBACK_LINE.match(line):
+                continue
+            in_traceback[pid] = False
+            if SAFE_TO_IGNORE.match(line):
+                in_traceback[pid] = True
+                line = (
+                    "Ray Train's autoscaling request timed out (a busy CPU; Ray calls it safe "
+                    f"to ignore when it passes): its traceback is in {ray_log_folder()}"
+                )
+            if not any(pattern.search(line) for pattern in KNOWN_HARMLESS_LINES):
+                lines.append(line)
         if lines:
             handler({**data, "lines": lines})
 
