@@ -160,6 +160,25 @@ def manifests(session: nox.Session) -> None:
 
 
 @nox.session(venv_backend="none")
+def cluster(session: nox.Session) -> None:
+    """A Ray cluster that stays up, so `train` attaches to it instead of starting one: the edit-run
+    loop (docs/benchmarks.md: bench_first_step). `nox -s cluster` starts it in .nox/ray-cluster and
+    prints the variables to export; `nox -s cluster -- stop` stops it, and only it."""
+    python = stack_python(session)
+    folder = str(Path(".nox") / "ray-cluster")
+    verb = session.posargs[0] if session.posargs else "start"
+    run_in_stack(session, python, "-m", "raytrain_common.local_cluster", verb, folder)
+
+
+@nox.session(venv_backend="none")
+def bench_first_step(session: nox.Session) -> None:
+    """Each pipeline's first optimiser step, cold and attached to a running cluster, against Ray
+    Train's floor in the same run (tools/bench_first_step.py); ~10 minutes on 2 cores."""
+    python = stack_python(session)
+    run_in_stack(session, python, "tools/bench_first_step.py", *session.posargs)
+
+
+@nox.session(venv_backend="none")
 def doctor(session: nox.Session) -> None:
     """`raytrain-doctor`: check the cluster at RAY_ADDRESS (or a new local one) for a run, in under
     a minute. Arguments go to it, e.g. `nox -s doctor -- --pipeline NAME --storage-path

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import socket
@@ -19,7 +20,13 @@ from ray.train.torch import TorchTrainer
 
 from raytrain_common.checkpoint import load_state, resume_checkpoint, save_state, write_manifest
 from raytrain_common.configs import RayTrainSettings, build_run_config, build_scaling_config
-from raytrain_common.ray_start import ResourceError, alive_nodes, init_ray, require_resources
+from raytrain_common.ray_start import (
+    DATA_CPUS,
+    ResourceError,
+    alive_nodes,
+    init_ray,
+    require_resources,
+)
 from raytrain_common.storage import resolve_storage
 
 pytestmark = pytest.mark.ray
@@ -189,4 +196,53 @@ def test_local_cluster_stop_ends_every_process_of_its_cluster_and_spares_the_res
     finally:
         bystander.kill()
         stop(temp)
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def test_a_started_cluster_takes_commands_with_its_token_and_refuses_them_without() -> None:
+    """`local_cluster start DIR` (what `nox -s cluster` runs): a head that a process given the
+    printed variables attaches to, with the CPUs a command's own cluster would have; without the
+    token it is refused; `stop DIR` ends it."""
+    temp = Path(tempfile.mkdtemp(prefix="rt-start-", dir="/tmp"))
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {key: value for key, value in os.environ.items() if not key.startswith("RAY_")}
+    attach = [sys.executable, "-c", "import ray; ray.init(); print(ray.cluster_resources()['CPU'])"]
+    try:
+        start = [sys.executable, "-m", "raytrain_common.local_cluster", "start", str(temp)]
+        started = subprocess.run(
+            [*start, f"--port={port}"],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+            check=True,
+        )
+        exports = dict(
+            line.removeprefix("export ").split("=", 1)
+            for line in started.stdout.splitlines()
+            if line.startswith("export ")
+        )
+        assert set(exports) == {"RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH"}
+        assert oct(Path(exports["RAY_AUTH_TOKEN_PATH"]).stat().st_mode & 0o777) == "0o600"
+        joined = subprocess.run(
+            attach, capture_output=True, text=True, env={**env, **exports}, timeout=120
+        )
+        assert joined.returncode == 0, joined.stderr[-2000:]
+        assert float(joined.stdout.split()[-1]) == math.ceil((os.cpu_count() or 1) + DATA_CPUS)
+        refused = subprocess.run(
+            attach,
+            capture_output=True,
+            text=True,
+            env={**env, "RAY_ADDRESS": exports["RAY_ADDRESS"]},
+            timeout=120,
+        )
+        assert refused.returncode != 0
+    finally:
+        subprocess.run(
+            [sys.executable, "-m", "raytrain_common.local_cluster", "stop", str(temp)],
+            capture_output=True,
+            timeout=120,
+        )
         shutil.rmtree(temp, ignore_errors=True)

@@ -1,5 +1,10 @@
-"""Stop the Ray cluster you started, and no other: `python -m raytrain_common.local_cluster stop
-DIR`.
+"""A Ray cluster that stays up between runs, and stopping it (and no other):
+`python -m raytrain_common.local_cluster start DIR` / `stop DIR`.
+
+A command run with the variables `start` prints attaches to that cluster instead of starting its
+own: a rerun after an edit skips the cluster's start (an edit-run loop of seconds, `nox -s
+cluster`). The cluster has token authentication, as every cluster of ours does: its token is a file
+in DIR that only its owner reads.
 
 `ray stop` (with or without --force) ends every Ray process of the user on the machine: another
 person's training run, a test's cluster, a notebook's. A cluster started with
@@ -99,15 +104,65 @@ def stop(temp_dir: str | Path, timeout_s: float = 5.0) -> int:
     return len(processes)
 
 
+def start(temp_dir: str | Path, port: int = 6390) -> dict[str, str]:
+    """Start a one-node cluster in `temp_dir` sized as a command's own local cluster would be (the
+    cores plus Ray Data's slots), with the commands' environment; return the variables a shell
+    exports to attach to it."""
+    import math
+    import secrets
+    import shutil
+    import subprocess
+
+    from raytrain_common.ray_start import DATA_CPUS, RUN_ENV
+
+    folder = Path(temp_dir).resolve()
+    folder.mkdir(parents=True, exist_ok=True)
+    token = folder / "token"
+    if not token.exists():
+        token.touch(mode=0o600)
+        token.write_text(secrets.token_hex(32))
+    attach = {
+        "RAY_ADDRESS": f"127.0.0.1:{port}",
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN_PATH": str(token),
+    }
+    ray = shutil.which("ray", path=str(Path(sys.executable).parent)) or "ray"
+    # Its dashboard and Ray Client server beside its GCS port, not on Ray's 8265 and 10001, which
+    # a command's own local cluster takes.
+    command = [ray, "start", "--head", f"--port={port}", f"--dashboard-port={port + 1}"]
+    command += [f"--ray-client-server-port={port + 2}", f"--temp-dir={folder}"]
+    command.append(f"--num-cpus={math.ceil((os.cpu_count() or 1) + DATA_CPUS)}")
+    environment = {**os.environ, **RUN_ENV, **attach, "RAY_prestart_worker_first_driver": "0"}
+    environment.pop("RAY_ADDRESS")
+    subprocess.run(command, env=environment, check=True, stdout=subprocess.DEVNULL)
+    return attach
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m raytrain_common.local_cluster",
-        description="Stop only the Ray cluster started with --temp-dir DIR (ray stop stops all).",
+        description="Start a cluster that commands attach to; stop only the Ray cluster started "
+        "with --temp-dir DIR (ray stop stops all).",
     )
     commands = parser.add_subparsers(dest="command", required=True)
+    starting = commands.add_parser(
+        "start", help="a one-node cluster in DIR that commands attach to"
+    )
+    starting.add_argument("temp_dir", help="its folder: Ray's logs and sockets, its token")
+    starting.add_argument(
+        "--port",
+        type=int,
+        default=6390,
+        help="the head's GCS port (its dashboard's and client server's: the next two)",
+    )
     stopping = commands.add_parser("stop", help="end the processes of the cluster of DIR")
     stopping.add_argument("temp_dir", help="the --temp-dir the cluster's nodes were started with")
     args = parser.parse_args(argv)
+    if args.command == "start":
+        attach = start(args.temp_dir, args.port)
+        print("\n".join(f"export {name}={value}" for name, value in attach.items()))
+        print(f"# stop it: python -m raytrain_common.local_cluster stop {args.temp_dir}")
+        return 0
     if not Path(args.temp_dir).is_dir():
         print(f"{args.temp_dir}: no such folder (the cluster's --temp-dir)", file=sys.stderr)
         return 2
