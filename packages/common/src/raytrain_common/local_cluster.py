@@ -113,6 +113,8 @@ def start(temp_dir: str | Path, port: int = 6390) -> dict[str, str]:
     import shutil
     import subprocess
 
+    import ray.util
+
     from raytrain_common.ray_start import DATA_CPUS, RUN_ENV
 
     folder = Path(temp_dir).resolve()
@@ -126,14 +128,21 @@ def start(temp_dir: str | Path, port: int = 6390) -> dict[str, str]:
         "RAY_AUTH_MODE": "token",
         "RAY_AUTH_TOKEN_PATH": str(token),
     }
-    ray = shutil.which("ray", path=str(Path(sys.executable).parent)) or "ray"
+    ray_cli = shutil.which("ray", path=str(Path(sys.executable).parent)) or "ray"
     # Its dashboard and Ray Client server beside its GCS port, not on Ray's 8265 and 10001, which
     # a command's own local cluster takes.
-    command = [ray, "start", "--head", f"--port={port}", f"--dashboard-port={port + 1}"]
+    command = [ray_cli, "start", "--head", f"--port={port}", f"--dashboard-port={port + 1}"]
     command += [f"--ray-client-server-port={port + 2}", f"--temp-dir={folder}"]
     command.append(f"--num-cpus={math.ceil((os.cpu_count() or 1) + DATA_CPUS)}")
-    environment = {**os.environ, **RUN_ENV, **attach, "RAY_prestart_worker_first_driver": "0"}
-    environment.pop("RAY_ADDRESS")
+    # Its processes know their own cluster's address (see ray_start.own_address_for_its_processes).
+    own = {"RAY_ADDRESS": f"{ray.util.get_node_ip_address()}:{port}"}
+    environment = {
+        **os.environ,
+        **RUN_ENV,
+        **attach,
+        **own,
+        "RAY_prestart_worker_first_driver": "0",
+    }
     subprocess.run(command, env=environment, check=True, stdout=subprocess.DEVNULL)
     return attach
 

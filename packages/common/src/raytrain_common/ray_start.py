@@ -15,11 +15,13 @@ import os
 import re
 import shutil
 import signal
+import socket
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import ray
+import ray.util
 
 from raytrain_common.configs import RayTrainSettings
 from raytrain_common.storage import StoragePath, check_shared_for_cluster
@@ -131,7 +133,7 @@ def init_ray(train_cpus: float, *, data_cpus: float = DATA_CPUS) -> bool:
     # "local", not None: with None, Ray joins whatever cluster /tmp/ray/ray_current_cluster names
     # (the last `ray start` or test cluster, even one long dead) and then refuses num_cpus.
     # A cluster of your own is joined through RAY_ADDRESS (its address, or "auto").
-    with sigterm_kept():
+    with sigterm_kept(), own_address_for_its_processes():
         ray.init(
             address="local",
             num_cpus=num_cpus,
@@ -141,6 +143,30 @@ def init_ray(train_cpus: float, *, data_cpus: float = DATA_CPUS) -> bool:
     quiet_ray_output(_CONSOLE["verbose"])
     log.info("started a local Ray cluster: %s", _describe(ray.cluster_resources()))
     return True
+
+
+@contextlib.contextmanager
+def own_address_for_its_processes() -> Iterator[None]:
+    """While a local cluster starts: its GCS on a free port, and that address in RAY_ADDRESS of the
+    processes it starts (its raylet takes this process's environment), then RAY_ADDRESS as it was
+    here. Ray Train's PlacementGroupCleaner looks its cluster up by address; without one it scans
+    the machine's processes, and with a second cluster on the box (another command's, a test's)
+    it fails ("Found multiple active Ray instances"), so the placement group of a run it was to
+    clean up (a sweep's trial stopped by ASHA) stayed reserved and starved the next trial."""
+    with socket.socket() as probe:
+        probe.bind(("", 0))
+        port = probe.getsockname()[1]
+    saved = {name: os.environ.get(name) for name in ("RAY_ADDRESS", "RAY_GCS_SERVER_PORT")}
+    os.environ["RAY_GCS_SERVER_PORT"] = str(port)
+    os.environ["RAY_ADDRESS"] = f"{ray.util.get_node_ip_address()}:{port}"
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def object_store_bytes() -> int | None:
