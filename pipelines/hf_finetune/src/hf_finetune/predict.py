@@ -33,7 +33,7 @@ def predict_lines(
     classify = SentenceClassifier(checkpoint, batch_size)
     sentences = (line for line in lines if line.strip())
     while batch := list(itertools.islice(sentences, batch_size)):
-        out = classify({"path": np.array([""] * len(batch)), "text": np.array(batch, dtype=object)})
+        out = classify({"text": np.array(batch, dtype=object)})
         yield from zip(out["label"], out["probability"].tolist(), out["text"], strict=True)
 
 
@@ -55,7 +55,7 @@ class SentenceClassifier:
         best = probabilities.argmax(-1)
         labels = [self.model.config.id2label[int(label)] for label in best]
         return {
-            "path": batch["path"],
+            **{key: column for key, column in batch.items() if key != "text"},  # e.g. its path
             "text": np.array(sentences, dtype=object),
             "label": np.array(labels, dtype=object),
             "probability": probabilities.max(-1),
