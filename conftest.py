@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import secrets
 import subprocess
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -128,12 +129,26 @@ def small_volume(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[
         subprocess.run(["umount", "-l", str(folder)], check=False)
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """With $RAYTRAIN_TEST_COSTS set (`.ci/run` sets it), each test's wall and CPU-seconds (its
+    setup and teardown included: a session fixture's cluster counts against the first test that
+    asks for it) go to a file there; `.ci/run` prints the ten most expensive at its end."""
+    folder = os.environ.get("RAYTRAIN_TEST_COSTS")
+    if not folder:
+        yield
+        return
+    from raytrain_testkit.costs import record_cost, tree_cpu_seconds
+
+    started_cpu, started_wall = tree_cpu_seconds(), time.monotonic()
+    yield
+    record_cost(Path(folder), item.nodeid, started_cpu, started_wall)
+
+
 def box_speed() -> str:
     """Training images/s of a ResNet18 (32×32, batch 64, forward and backward) in this process on
     this machine's cores: printed beside each session's time, so a CI time from a slower box (the
     same kind of box differs ~2×) can be read as such. About 5 s."""
-    import time
-
     import torch
     import torchvision
 

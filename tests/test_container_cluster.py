@@ -20,6 +20,8 @@ from typing import Any
 import pytest
 import yaml
 
+from raytrain_testkit.pace import paced
+
 pytestmark = pytest.mark.manifests
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,18 +95,18 @@ class ContainerCluster:
         podman = [*PODMAN, "run", "--rm", *ULIMITS, *POD, "--network", self.network]
         podman += ["--name", name, *self.env()]
         return subprocess.run(
-            [*podman, self.image, *command], capture_output=True, text=True, timeout=900
+            [*podman, self.image, *command], capture_output=True, text=True, timeout=paced(900)
         )
 
-    def wait_ready(self, nodes: int, timeout_s: float = 180) -> None:
+    def wait_ready(self, nodes: int, timeout_s: float | None = None) -> None:
         """Until the head's Jobs API answers and `nodes` nodes are alive (KubeRay creates the
-        submitter once the cluster is ready)."""
+        submitter once the cluster is ready): `timeout_s`, else 180 s paced to the box."""
         probe = (
             "import os, ray, urllib.request as u; u.urlopen(u.Request('http://127.0.0.1:8265/api/"
             "version', headers={'Authorization': 'Bearer ' + os.environ['RAY_AUTH_TOKEN']}));"
             f"ray.init(address='auto'); assert sum(n['Alive'] for n in ray.nodes()) == {nodes}"
         )
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + (paced(180) if timeout_s is None else timeout_s)
         while True:
             done = subprocess.run(
                 ["podman", "exec", "rt-head", "python", "-c", probe], capture_output=True, text=True

@@ -25,15 +25,17 @@ from raytrain_testkit.multinode import (
     multinode_cluster,
     wait_for,
 )
+from raytrain_testkit.pace import paced
 
 pytestmark = pytest.mark.ray
 DOCTOR = str(Path(sys.executable).with_name("raytrain-doctor"))
 
 
 def doctor(
-    address: str, out: Path, *args: str, timeout_s: float = 180
+    address: str, out: Path, *args: str, timeout_s: float | None = None
 ) -> tuple[int, dict[str, Any], str]:
-    """Run the console script as a user would, against the cluster at `address`."""
+    """Run the console script as a user would, against the cluster at `address` (within
+    `timeout_s`, else 180 s paced to the box)."""
     report = out / f"doctor-{time.monotonic_ns()}.json"
     env = {**os.environ, "RAY_ADDRESS": address}
     done = subprocess.run(
@@ -41,7 +43,7 @@ def doctor(
         env=env,
         capture_output=True,
         text=True,
-        timeout=timeout_s,
+        timeout=paced(180) if timeout_s is None else timeout_s,
         cwd=out,
     )
     document = json.loads(report.read_text()) if report.exists() else {}
@@ -238,11 +240,11 @@ def divergent_cluster(tmp_path: Path) -> Iterator[tuple[MultiNodeCluster, Path, 
                 stderr=subprocess.DEVNULL,
             )
             try:
-                wait_for(lambda: len(cluster.alive_node_ids()) == 2, 60, "the second node")
+                wait_for(lambda: len(cluster.alive_node_ids()) == 2, paced(60), "the second node")
                 yield cluster, storage, head_only
             finally:
                 os.killpg(node.pid, signal.SIGTERM)
-                node.wait(timeout=60)
+                node.wait(timeout=paced(60))
     finally:
         if saved is None:
             os.environ.pop("PYTHONPATH", None)
@@ -314,7 +316,7 @@ def test_a_node_without_the_cluster_token_cannot_join(
             env=env,
             capture_output=True,
             text=True,
-            timeout=180,
+            timeout=paced(180),
         )
         assert done.returncode != 0, done.stdout + done.stderr
         assert "InvalidAuthToken" in done.stdout + done.stderr
@@ -338,7 +340,7 @@ def test_a_pipeline_command_without_the_token_ends_naming_the_token_variables(
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=paced(300),
     )
     assert prepared.returncode == 0, prepared.stderr[-3000:]
     done = subprocess.run(
@@ -358,7 +360,7 @@ def test_a_pipeline_command_without_the_token_ends_naming_the_token_variables(
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=paced(300),
         cwd=tmp_path,
     )
     assert done.returncode == 1, done.stdout + done.stderr

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from raytrain_testkit.console import console_noise
+from raytrain_testkit.pace import paced
 
 pytestmark = pytest.mark.manifests
 
@@ -32,7 +33,7 @@ def in_pod(image: str, volume: Path, command: str) -> str:
     carry none of the lines only --verbose may show."""
     podman = [*PODMAN, "run", "--rm", *ULIMITS, *POD, "-v", f"{volume}:/mnt/runs"]
     done = subprocess.run(
-        [*podman, image, "bash", "-c", command], capture_output=True, text=True, timeout=600
+        [*podman, image, "bash", "-c", command], capture_output=True, text=True, timeout=paced(600)
     )
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-4000:]

@@ -35,6 +35,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from raytrain_testkit.pace import paced
+
 pytestmark = pytest.mark.manifests
 ROOT = Path(__file__).resolve().parents[1]
 RAYJOBS = ROOT / "deploy" / "rayjob"
@@ -988,7 +990,7 @@ def test_a_submission_without_the_token_is_refused(ray_head: Head, tmp_path: Pat
             headers={"Content-Type": "application/json", **headers},
         )
         with pytest.raises(urllib.error.HTTPError) as refused:
-            urllib.request.urlopen(request, timeout=30)
+            urllib.request.urlopen(request, timeout=paced(30))
         assert refused.value.code == code, headers
 
     env = {name: value for name, value in os.environ.items() if name not in AUTH_VARIABLES}
@@ -1007,7 +1009,7 @@ def test_a_submission_without_the_token_is_refused(ray_head: Head, tmp_path: Pat
         env=env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=paced(120),
     )
     assert done.returncode != 0
     assert "AuthenticationError" in done.stderr + done.stdout
@@ -1016,7 +1018,7 @@ def test_a_submission_without_the_token_is_refused(ray_head: Head, tmp_path: Pat
     listing = urllib.request.Request(
         f"{ray_head.url}/api/jobs/", headers={"Authorization": f"Bearer {ray_head.token}"}
     )
-    with urllib.request.urlopen(listing, timeout=30) as answer:
+    with urllib.request.urlopen(listing, timeout=paced(30)) as answer:
         jobs = json.loads(answer.read())
     assert not any("pwned" in job.get("entrypoint", "") for job in jobs)
 
@@ -1052,7 +1054,7 @@ def test_the_doctor_manifest_targets_a_pipeline_cluster_and_succeeds_through_the
     )
 
     entrypoint, runtime_env = smoke_job(DOCTOR, tmp_path / "runs")
-    logs = submit_and_wait(ray_head, entrypoint, runtime_env, timeout_s=300)
+    logs = submit_and_wait(ray_head, entrypoint, runtime_env, timeout_s=paced(300))
     report = json.loads((tmp_path / "runs" / "doctor" / f"{pipeline}.json").read_text())
     assert report["ok"] and {row["status"] for row in report["rows"]} == {"OK"}, logs[-3000:]
     assert {"versions", "imports", "collective", "storage", "memory forecast"} <= {

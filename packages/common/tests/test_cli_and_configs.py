@@ -163,7 +163,7 @@ def test_run_and_torch_configs() -> None:
     assert run.failure_config.max_failures == 2
     assert build_torch_config(settings).backend == "gloo"
     assert build_torch_config(Example(use_gpu=True)).backend == "nccl"
-    assert build_torch_config(Example(timeout_s=60)).timeout_s == 60
+    assert build_torch_config(Example(timeout_s=60)).timeout_s == 60  # not a deadline: a setting
 
 
 @pytest.mark.parametrize(

@@ -28,6 +28,7 @@ from raytrain_common.ray_start import (
     require_resources,
 )
 from raytrain_common.storage import resolve_storage
+from raytrain_testkit.pace import paced
 
 pytestmark = pytest.mark.ray
 
@@ -126,7 +127,7 @@ def test_a_stale_cluster_address_file_does_not_stop_a_local_start() -> None:
         env={**env, "RAY_TMPDIR": str(temp)},
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=paced(120),
         check=False,
     )
     shutil.rmtree(temp, ignore_errors=True)
@@ -172,7 +173,7 @@ def test_local_cluster_stop_ends_every_process_of_its_cluster_and_spares_the_res
             capture_output=True,
             text=True,
             env=env,
-            timeout=120,
+            timeout=paced(120),
         )
         started = cluster_processes(temp)
         assert any("ray.util.client.server" in " ".join(p.cmdline()) for p in started)
@@ -180,7 +181,7 @@ def test_local_cluster_stop_ends_every_process_of_its_cluster_and_spares_the_res
             [sys.executable, "-m", "raytrain_common.local_cluster", "stop", str(temp)],
             capture_output=True,
             text=True,
-            timeout=60,
+            timeout=paced(60),
         )
         assert done.returncode == 0, done.stderr
         assert f"stopped {len(started)} process(es)" in done.stdout
@@ -216,7 +217,7 @@ def test_a_started_cluster_takes_commands_with_its_token_and_refuses_them_withou
             capture_output=True,
             text=True,
             env=env,
-            timeout=120,
+            timeout=paced(120),
             check=True,
         )
         exports = dict(
@@ -227,7 +228,7 @@ def test_a_started_cluster_takes_commands_with_its_token_and_refuses_them_withou
         assert set(exports) == {"RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH"}
         assert oct(Path(exports["RAY_AUTH_TOKEN_PATH"]).stat().st_mode & 0o777) == "0o600"
         joined = subprocess.run(
-            attach, capture_output=True, text=True, env={**env, **exports}, timeout=120
+            attach, capture_output=True, text=True, env={**env, **exports}, timeout=paced(120)
         )
         assert joined.returncode == 0, joined.stderr[-2000:]
         assert float(joined.stdout.split()[-1]) == math.ceil((os.cpu_count() or 1) + DATA_CPUS)
@@ -236,13 +237,13 @@ def test_a_started_cluster_takes_commands_with_its_token_and_refuses_them_withou
             capture_output=True,
             text=True,
             env={**env, "RAY_ADDRESS": exports["RAY_ADDRESS"]},
-            timeout=120,
+            timeout=paced(120),
         )
         assert refused.returncode != 0
     finally:
         subprocess.run(
             [sys.executable, "-m", "raytrain_common.local_cluster", "stop", str(temp)],
             capture_output=True,
-            timeout=120,
+            timeout=paced(120),
         )
         shutil.rmtree(temp, ignore_errors=True)

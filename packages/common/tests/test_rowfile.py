@@ -17,6 +17,7 @@ import pytest
 
 from raytrain_common.rowfile import CACHE_ENV, row_file
 from raytrain_common.storage import resolve_storage
+from raytrain_testkit.pace import paced
 
 WIDTH = 65
 
@@ -243,7 +244,7 @@ def test_a_split_in_a_shared_folder_is_built_by_one_process_of_all_that_mount_it
         )
         for _ in range(4)
     ]
-    answers = {process.communicate(timeout=120)[0].strip() for process in processes}
+    answers = {process.communicate(timeout=paced(120))[0].strip() for process in processes}
     assert all(process.returncode == 0 for process in processes)
     assert len(answers) == 1 and answers.pop().endswith(" 600")
     builders = set(log.read_text().split())

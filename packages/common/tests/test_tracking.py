@@ -27,6 +27,7 @@ from raytrain_common.tracking import (
     finish_tracked_run,
     open_tracked_run,
 )
+from raytrain_testkit.pace import paced
 
 
 def open_run(folder: Path, run_name: str = "run", **changes: object) -> TrackedRun | None:
@@ -59,7 +60,7 @@ def test_a_run_logs_into_the_sqlite_store_under_the_storage_path_and_a_rerun_con
     for step in range(1, 6):
         sink.log({"loss": 1.0 / step, "not_a_number": "x", "nan": float("nan")}, step)
     # flush: sent by the time it returns (before the thread is closed), as a sweep's report needs.
-    assert sink.flush(timeout_s=30)
+    assert sink.flush(timeout_s=paced(30))
     assert [step for step, _ in history(first, "loss")] == [1, 2, 3, 4, 5]
     sink.close()
     (tmp_path / "run").mkdir()
@@ -151,11 +152,14 @@ def mlflow_server(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180  # ~15 s on an idle 2-core box
+        allowed_s = paced(180)  # ~15 s on an idle 2-core box
+        deadline = time.monotonic() + allowed_s
         while not serving(url):
             if time.monotonic() > deadline or server.poll() is not None:
                 log_text = (tmp_path / "server.log").read_text()[-2000:]
-                pytest.fail(f"mlflow server did not serve its store within 180 s:\n{log_text}")
+                pytest.fail(
+                    f"mlflow server did not serve its store within {allowed_s:.0f} s:\n{log_text}"
+                )
             time.sleep(0.5)
         yield url, server
     finally:
@@ -167,11 +171,11 @@ def serving(url: str) -> bool:
     that reads its store, which its worker makes at the first such request (MLflow's migrations on
     a new SQLite file: past the client's two 10 s tries once, beside the image's build)."""
     try:
-        with urllib.request.urlopen(f"{url}/health", timeout=5) as answer:
+        with urllib.request.urlopen(f"{url}/health", timeout=paced(5)) as answer:
             if answer.status != 200:
                 return False
         store = f"{url}/api/2.0/mlflow/experiments/get-by-name?experiment_name=Default"
-        with urllib.request.urlopen(store, timeout=60) as answer:
+        with urllib.request.urlopen(store, timeout=paced(60)) as answer:
             return answer.status == 200
     except OSError:  # refused, reset or timed out (URLError is an OSError)
         return False
@@ -180,7 +184,7 @@ def serving(url: str) -> bool:
 def with_group(process: subprocess.Popen[bytes], sig: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, sig)
-    process.wait(timeout=30)
+    process.wait(timeout=paced(30))
 
 
 class Relay:
@@ -247,7 +251,7 @@ def close_socket(connection: socket.socket) -> None:
 
 
 def wait_for_steps(tracked: TrackedRun, last: int) -> list[int]:
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + paced(60)
     while len(history(tracked, "loss")) < last and time.monotonic() < deadline:
         time.sleep(0.5)
     return [step for step, _ in history(tracked, "loss")]
@@ -300,7 +304,7 @@ def test_a_server_receives_the_run_and_its_loss_mid_run_costs_a_warning_not_the_
         caplog.clear()
         for step in range(250, 260):
             sink.log({"loss": float(step)}, step)
-        sink.close(timeout_s=30)
+        sink.close(timeout_s=paced(30))
         finish_tracked_run(tracked)
     assert "cannot be reached" in caplog.text
     assert "could not finish MLflow run" in caplog.text

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from raytrain_testkit.memory_cap import MemoryCap, unavailable
+from raytrain_testkit.pace import paced
 
 pytestmark = pytest.mark.skipif(unavailable() is not None, reason=f"{unavailable()}")
 
@@ -21,7 +22,7 @@ def run_inside(cap: MemoryCap, *args: str) -> int:
     process = subprocess.Popen([sys.executable, "-c", *args], stdin=subprocess.PIPE)
     cap.adopt(process.pid)
     process.stdin.close()  # type: ignore[union-attr]
-    return process.wait(timeout=60)
+    return process.wait(timeout=paced(60))
 
 
 def test_a_process_over_the_cap_is_killed_and_one_under_it_is_not(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ import socket
 import pytest
 
 from raytrain_common.storage import resolve_storage
+from raytrain_testkit.pace import paced
 
 pytest.importorskip("moto.server")
 
@@ -28,4 +29,4 @@ def test_a_server_of_its_own_serves_pyarrow_and_stops(monkeypatch: pytest.Monkey
             assert stream.read_at(10, 1000) == data[1000:1010]
         port = int(server.endpoint.rsplit(":", 1)[1])
     with pytest.raises(ConnectionRefusedError):  # the server process is gone: nothing listens
-        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        socket.create_connection(("127.0.0.1", port), timeout=paced(1)).close()

@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,14 +18,13 @@ import pytest
 from ray.util.state import list_actors
 
 from hf_finetune.cli import main
-from hf_finetune.config import PrepareConfig
-from hf_finetune.data import prepare
 from hf_finetune.evaluate import evaluate
 from hf_finetune.predict import predict_lines
 from raytrain_common.faults import read_progress
 from raytrain_common.metrics import read_metrics_csv
 from raytrain_common.storage import StoragePath, resolve_storage
 from raytrain_testkit.multinode import Driver, MultiNodeCluster, multinode_cluster, wait_for
+from raytrain_testkit.pace import paced
 from raytrain_testkit.vocabulary import METRIC_COLUMNS, summary_problems, unknown_names
 
 pytestmark = pytest.mark.faults
@@ -86,7 +86,7 @@ def kill_a_worker_in_epoch_2(cluster: MultiNodeCluster, run_dir: Path) -> dict[s
     """SIGKILL one worker of the group that replaced the preempted one (progress.json's attempt ≥
     1) once it is 2 steps into epoch 2, past epoch 1's checkpoint (step 32), as a lost node would;
     returns the Trainer's log history that checkpoint holds, read before the kill."""
-    deadline = time.monotonic() + 400
+    deadline = time.monotonic() + paced(400)
     while time.monotonic() < deadline:
         progress = read_progress(resolve_storage(run_dir)) or {}
         restarted = (progress.get("attempt") or 0) >= 1
@@ -105,7 +105,9 @@ def kill_a_worker_in_epoch_2(cluster: MultiNodeCluster, run_dir: Path) -> dict[s
 def seconds_a_step(run_dir: Path) -> float:
     """The run's time per step now, over the next 2 steps of rank 0's progress note."""
     started, from_step = time.monotonic(), progress_step(run_dir)
-    wait_for(lambda: progress_step(run_dir) >= from_step + 2, 120, "2 more steps", poll_s=0.05)
+    wait_for(
+        lambda: progress_step(run_dir) >= from_step + 2, paced(120), "2 more steps", poll_s=0.05
+    )
     return (time.monotonic() - started) / (progress_step(run_dir) - from_step)
 
 
@@ -123,7 +125,10 @@ def epoch_1_history(run_dir: Path) -> list[dict[str, Any]] | None:
 
 
 def test_a_preempted_node_then_a_lost_worker_cost_only_their_steps_and_the_checkpoint_predicts(
-    vader_sdist: Path, minilm: str, tmp_path: Path
+    vader_sdist: Path,
+    minilm: str,
+    shared_vader: Callable[[Path, str], StoragePath],
+    tmp_path: Path,
 ) -> None:
     """One run of 2 workers, one per node, the faults of a cloud in turn, then what the run is for.
 
@@ -139,13 +144,12 @@ def test_a_preempted_node_then_a_lost_worker_cost_only_their_steps_and_the_check
        once, and `evaluate` scores any checkpoint on the whole split beside it."""
     run_dir = tmp_path / "preempted"
     with multinode_cluster(head_cpus=3) as cluster:
-        data_dir = resolve_storage(tmp_path / "data")
-        prepare(PrepareConfig(vader_sdist=str(vader_sdist)), data_dir, minilm, tmp_path / "dl")
+        data_dir = shared_vader(vader_sdist, minilm)  # prepared once per machine
         cluster.add_node(cpus=2)
         driver = Driver(
             train_command(tmp_path, data_dir, "preempted"), cluster.address, tmp_path / "d.log"
         )
-        wait_for(lambda: progress_step(run_dir) >= 4, 300, "step 4", poll_s=0.05)
+        wait_for(lambda: progress_step(run_dir) >= 4, paced(300), "step 4", poll_s=0.05)
         step_s = seconds_a_step(run_dir)
         low, high = DEADLINE_BOUNDS_S
         deadline_s = round(min(max(DEADLINE_STEPS * step_s, low), high))
@@ -162,7 +166,7 @@ def test_a_preempted_node_then_a_lost_worker_cost_only_their_steps_and_the_check
         time.sleep(deadline_s)
         cluster.remove_node(victim_node)  # the cloud reclaims the machine
         seen = kill_a_worker_in_epoch_2(cluster, run_dir)
-        assert driver.wait(timeout_s=600) == 0, driver.log()
+        assert driver.wait(timeout_s=paced(600)) == 0, driver.log()
         predicted_folder = predict_a_folder(tmp_path, "preempted")
         summary = json.loads((run_dir / "summary.json").read_text())
         evaluated = evaluate(str(tmp_path), "preempted", summary["latest_checkpoint"])

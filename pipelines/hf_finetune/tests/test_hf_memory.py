@@ -37,6 +37,7 @@ from hf_finetune.data import read_vader
 from raytrain_common.pretokenize import STATS_FILE
 from raytrain_testkit.memory_cap import unavailable
 from raytrain_testkit.multinode import Driver, train_capped_after_baseline
+from raytrain_testkit.pace import paced
 from raytrain_testkit.scaling import write_labelled_csv
 
 pytestmark = [
@@ -125,7 +126,7 @@ def train(data_dir: Path, root: Path, name: str, address: str, *extra: str) -> t
         *extra,
     ]
     driver = Driver(command, address, root / f"{name}.log")
-    return driver.wait(timeout_s=1500), driver.log()
+    return driver.wait(timeout_s=paced(1500)), driver.log()
 
 
 def test_a_large_csv_fine_tunes_on_a_node_capped_below_its_baseline_plus_its_training_split(

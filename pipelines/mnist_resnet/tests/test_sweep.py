@@ -18,6 +18,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from raytrain_common.storage import StoragePath
+from raytrain_testkit.pace import paced
 
 pytestmark = pytest.mark.ray
 
@@ -91,18 +92,19 @@ def test_a_sweep_stops_lagging_trials_resumes_after_a_kill_and_its_best_command_
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    deadline = time.monotonic() + 400
+    allowed_s = paced(400)
+    deadline = time.monotonic() + allowed_s
     while not finished_trials(trials) and first.poll() is None and time.monotonic() < deadline:
         time.sleep(1)
     assert first.poll() is None, "the sweep ended before it could be interrupted"
     os.killpg(first.pid, signal.SIGKILL)
-    first.wait(timeout=60)
+    first.wait(timeout=paced(60))
     done_before = finished_trials(trials)
-    assert done_before, "no trial finished within 400 s"
+    assert done_before, f"no trial finished within {allowed_s:.0f} s"
     metrics_before = {trial: (trials / trial / "metrics.csv").read_text() for trial in done_before}
 
     rerun = subprocess.run(
-        command, env=env, capture_output=True, text=True, timeout=900, check=False
+        command, env=env, capture_output=True, text=True, timeout=paced(900), check=False
     )
     assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
     assert "resuming sweep small" in rerun.stderr
@@ -174,7 +176,7 @@ def test_a_sweep_stops_lagging_trials_resumes_after_a_kill_and_its_best_command_
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=paced(300),
         check=False,
     )
     assert trained.returncode == 0, trained.stderr[-3000:]

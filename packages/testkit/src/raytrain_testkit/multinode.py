@@ -29,6 +29,7 @@ import ray
 from ray.cluster_utils import Cluster
 
 from raytrain_testkit.memory_cap import NO_CAP_MB, CappedRun, MemoryCap
+from raytrain_testkit.pace import paced
 from raytrain_testkit.s3 import free_port
 
 NodeHandle = Any  # ray._private.node.Node: the processes of one node
@@ -129,7 +130,7 @@ class MultiNodeCluster:
         ]
         if deadline_s is not None:
             command += ["--deadline-remaining-seconds", str(deadline_s)]
-        subprocess.run(command, check=True, capture_output=True, text=True, timeout=60)
+        subprocess.run(command, check=True, capture_output=True, text=True, timeout=paced(60))
 
     def alive_node_ids(self) -> list[str]:
         if not self.connected:  # asked of the GCS directly
@@ -162,9 +163,11 @@ class MultiNodeCluster:
         attempt = max(newest, key=lambda a: a.start_time_ns)
         return {worker.world_rank: worker.node_id for worker in attempt.workers}
 
-    def node_of_rank(self, rank: int, timeout_s: float = 120) -> str:
-        """The node id hosting `rank` of the running worker group (waits for the group to start)."""
-        workers = wait_for(lambda: self.train_workers().get(rank), timeout_s, f"rank {rank}")
+    def node_of_rank(self, rank: int, timeout_s: float | None = None) -> str:
+        """The node id hosting `rank` of the running worker group (waits for the group to start:
+        `timeout_s`, else 120 s paced to the box)."""
+        allowed_s = paced(120) if timeout_s is None else timeout_s
+        workers = wait_for(lambda: self.train_workers().get(rank), allowed_s, f"rank {rank}")
         return workers
 
     def shutdown(self) -> None:
@@ -174,7 +177,8 @@ class MultiNodeCluster:
 
 
 def wait_for(condition: Callable[[], Any], timeout_s: float, what: str, poll_s: float = 0.5) -> Any:
-    """Poll until `condition()` is truthy and return it; TimeoutError naming `what` otherwise."""
+    """Poll until `condition()` is truthy and return it; TimeoutError naming `what` otherwise.
+    `timeout_s` is the caller's, already paced (`raytrain_testkit.pace.paced`)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         value = condition()
@@ -305,7 +309,7 @@ class Driver:
     def kill(self) -> None:
         """SIGKILL, as a driver pod evicted or OOM-killed goes: no cleanup runs."""
         self.process.send_signal(signal.SIGKILL)
-        self.process.wait(timeout=60)
+        self.process.wait(timeout=paced(60))
         self.stream.close()
 
     def wait(self, timeout_s: float) -> int:

@@ -25,8 +25,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from raytrain_common.storage import join_uri
+from raytrain_testkit.pace import paced
 
-START_TIMEOUT_S = 60.0
+START_TIMEOUT_S = 60.0  # on the reference box: paced()
 
 
 @dataclass(frozen=True)
@@ -51,16 +52,17 @@ def free_port() -> int:
 
 
 def wait_until_listening(port: int, process: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
+    allowed_s = paced(START_TIMEOUT_S)
+    deadline = time.monotonic() + allowed_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"the S3 server on port {port} exited with {process.returncode}")
         try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1):
+            with socket.create_connection(("127.0.0.1", port), timeout=paced(1)):
                 return
         except OSError:
             time.sleep(0.1)
-    raise RuntimeError(f"the S3 server did not listen on port {port} in {START_TIMEOUT_S:.0f} s")
+    raise RuntimeError(f"the S3 server did not listen on port {port} in {allowed_s:.0f} s")
 
 
 def list_moto_services_once() -> None:
@@ -107,7 +109,7 @@ def s3_server(buckets: Sequence[str] = ()) -> Iterator[S3Server]:
     finally:
         process.terminate()
         try:
-            process.wait(timeout=10)
+            process.wait(timeout=paced(10))
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
