@@ -9,6 +9,7 @@ import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -129,20 +130,32 @@ def small_volume(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[
         subprocess.run(["umount", "-l", str(folder)], check=False)
 
 
+_cpu_meter: Any = None  # this pytest process's CpuMeter, made at its first test
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     """With $RAYTRAIN_TEST_COSTS set (`.ci/run` sets it), each test's wall and CPU-seconds (its
     setup and teardown included: a session fixture's cluster counts against the first test that
-    asks for it) go to a file there; `.ci/run` prints the ten most expensive at its end."""
+    asks for it) go to a file there; `.ci/run` prints the ten most expensive at its end
+    (raytrain_testkit.costs says how the CPU is counted)."""
+    global _cpu_meter
     folder = os.environ.get("RAYTRAIN_TEST_COSTS")
     if not folder:
         yield
         return
-    from raytrain_testkit.costs import record_cost, tree_cpu_seconds
+    from raytrain_testkit.costs import CpuMeter, record_cost
 
-    started_cpu, started_wall = tree_cpu_seconds(), time.monotonic()
+    if _cpu_meter is None:
+        _cpu_meter = CpuMeter()
+    started_cpu, started_wall = _cpu_meter.seconds(), time.monotonic()
     yield
-    record_cost(Path(folder), item.nodeid, started_cpu, started_wall)
+    record_cost(Path(folder), item.nodeid, _cpu_meter, started_cpu, started_wall)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _cpu_meter is not None:
+        _cpu_meter.close()
 
 
 def box_speed() -> str:

@@ -27,8 +27,10 @@ def read_costs(folder: Path) -> list[dict[str, object]]:
 def table(rows: list[dict[str, object]], top: int) -> str:
     ranked = sorted(rows, key=lambda row: float(str(row["cpu_s"])), reverse=True)
     total = sum(float(str(row["cpu_s"])) for row in rows)
+    kinds = sorted({str(row.get("counted_by", "process tree (a floor)")) for row in rows})
     lines = [
-        f"the {min(top, len(rows))} most expensive of {len(rows)} tests ({total:,.0f} CPU-s in all):"
+        f"the {min(top, len(rows))} most expensive of {len(rows)} tests ({total:,.0f} CPU-s in all, "
+        f"counted by {' and '.join(kinds)}):"
     ]
     lines.append(f"{'CPU-s':>8} {'wall s':>8}  test")
     for row in ranked[:top]:
