@@ -210,6 +210,15 @@ CASES = [
         needs_ray=True,  # the shards are read by Ray Data tasks
     ),
     Case(
+        "a tar member larger than an image can be",
+        "mnist-resnet",
+        lambda r: ["prepare", "--source", str(tar_with_a_huge_member(r)), *storage(r)],
+        r"none of the 1 samples in .*shards can be used \(first: .*a\.tar: unreadable after 0 "
+        r"samples \(DataError: member cat/0\.png holds 4,096 MiB, over the limit of 256 MiB per "
+        r"member",
+        needs_ray=True,  # the shards are read by Ray Data tasks
+    ),
+    Case(
         "image size out of range",
         "mnist-resnet",
         lambda r: [
@@ -736,6 +745,20 @@ def parquet_without_labels(root: Path) -> Path:
 def tars_that_are_not(root: Path) -> Path:
     text(root / "shards" / "a.tar", "a text file named like a tar")
     text(root / "shards" / "b.tar", "another")
+    return root / "shards"
+
+
+def tar_with_a_huge_member(root: Path) -> Path:
+    """A tar whose first member's header says 4 GiB (a crafted or damaged shard): its header and a
+    few bytes are on disk, so the test writes kilobytes, and a reader that trusted the header would
+    try to read the rest."""
+    import tarfile
+
+    member = tarfile.TarInfo("cat/0.png")
+    member.size = 4 * 2**30
+    path = root / "shards" / "a.tar"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(member.tobuf(format=tarfile.GNU_FORMAT) + b"\x89PNG" + bytes(1024))
     return root / "shards"
 
 

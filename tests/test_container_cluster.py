@@ -1,8 +1,10 @@
 """Each RayJob's entrypoint on a Ray cluster of containers built from the image every RayJob
 names (tools/build_image.py; tests/test_image.py runs the image as single pods): a head, a
 CPU-only ingest node and a training node, each a container with its own file system, run as the
-RayJobs' pods run (uid 1000, read-only root file system, no capabilities, the shared volume at
-/mnt/runs), each job submitted from a fourth container as KubeRay's submitter does."""
+manifests' pods run (`pod_flags`: their securityContext and emptyDirs read from the YAML; the
+shared volume at /mnt/runs), each job submitted from a fourth container by the shell line
+KubeRay's operator gives its submitter, and judged as the operator judges it: by the job's status
+in the Jobs API."""
 
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ pytestmark = pytest.mark.manifests
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 
-from build_image import POD, PODMAN, ULIMITS  # noqa: E402  (tools/ is not a package)
+from build_image import PODMAN, ULIMITS, pod_flags  # noqa: E402  (tools/ is not a package)
 
 SMOKE_ANNOTATION = "raytrain-pipelines/cpu-smoke"
 STORE = str(512 * 2**20)  # each node's object store: the manifests' 2-8 GiB do not fit this box
@@ -56,17 +58,52 @@ def smoke_entrypoint(document: dict[str, Any], mount: str = "/mnt/runs") -> str:
     return entrypoint.replace("/mnt/runs", mount)
 
 
-def kuberay_submitter_line(address: str, job_id: str, runtime_env: dict, entrypoint: str) -> str:
-    """The submitter pod's shell line as KubeRay 1.x builds it (GetK8sJobCommand): words joined
-    by spaces, the runtime env Go-quoted (`strconv.Quote`, the same as a JSON string for this
-    ASCII), the entrypoint pasted unquoted; the pod runs it with `/bin/bash -c`."""
-    quoted_env = json.dumps(json.dumps(runtime_env))
-    return (
-        f"if ray job status --address {address} {job_id} >/dev/null 2>&1 ; "
-        f"then ray job logs --address {address} --follow {job_id} ; "
-        f"else ray job submit --address {address} --runtime-env-json {quoted_env} "
-        f"--submission-id {job_id} -- {entrypoint} ; fi"
+# The KubeRay release the manifests target, and where its submitter's line comes from.
+KUBERAY = "v1.7.0"
+KUBERAY_SOURCE = "ray-operator/controllers/ray/common/job.go (BuildJobSubmitCommand)"
+
+
+def kuberay_submitter_command(
+    address: str, job_id: str, runtime_env: dict, entrypoint: str
+) -> list[str]:
+    """The submitter container's command as KubeRay v1.7.0 builds it in K8sJobMode: the words of
+    BuildJobSubmitCommand joined by spaces (the runtime env Go-quoted by `strconv.Quote`, the same
+    as a JSON string for this ASCII; the entrypoint pasted unquoted), run by `/bin/bash -ce --`
+    (rayjob_controller.go, configureSubmitterContainer). It waits for the dashboard's GCS health,
+    submits with --no-wait unless the id is known, then follows the logs: its exit status is
+    not the job's (the operator reads that from the Jobs API)."""
+    health_url = f"{address}/api/gcs_healthz"
+    health = (
+        'python -c "import urllib.request; '
+        f"r=urllib.request.urlopen('{health_url}', timeout=10); "
+        "exit(0 if b'success' in r.read() else 1)\""
     )
+    waiting = json.dumps(f"Waiting for Ray Dashboard GCS to become healthy at {address} ...")
+    quoted_env = json.dumps(json.dumps(runtime_env))
+    words = [
+        *("until", health, ">/dev/null", "2>&1", ";", "do", "echo", waiting, ";"),
+        *("sleep", "2", ";", "done", ";"),
+        *("if", "!", "ray", "job", "status", "--address", address, job_id, ">/dev/null", "2>&1"),
+        *(";", "then", "ray", "job", "submit", "--address", address, "--no-wait"),
+        *("--runtime-env-json", quoted_env, "--submission-id", job_id, "--", entrypoint, ";"),
+        *("fi", ";", "ray", "job", "logs", "--address", address, "--follow", job_id),
+    ]
+    return ["/bin/bash", "-ce", "--", " ".join(words)]
+
+
+def manifest_pod_flags(group: str) -> list[str]:
+    """The podman flags of mnist's RayJob pod `group` ("head", a worker group's name,
+    "submitter"), from the manifest (every manifest's pods run alike: tests/test_manifests.py)."""
+    spec = rayjob("mnist_resnet")["spec"]
+    if group == "submitter":
+        template = spec["submitterPodTemplate"]
+    elif group == "head":
+        template = spec["rayClusterSpec"]["headGroupSpec"]["template"]
+    else:
+        groups = spec["rayClusterSpec"]["workerGroupSpecs"]
+        template = next(g["template"] for g in groups if g["groupName"] == group)
+    pod = template["spec"]
+    return pod_flags(pod, pod["containers"][0])
 
 
 @dataclass
@@ -80,10 +117,10 @@ class ContainerCluster:
     def env(self) -> list[str]:
         return ["-e", "RAY_AUTH_MODE=token", "-e", f"RAY_AUTH_TOKEN={self.token}"]
 
-    def start(self, name: str, ray_start: list[str], shm: str = "1g") -> None:
-        """A Ray node in a container of its own file system, as the RayJob's pods: the shared
-        volume at /mnt/runs, the cluster's token."""
-        podman = [*PODMAN, "run", "-d", "--rm", *ULIMITS, *POD, "--shm-size", shm]
+    def start(self, name: str, group: str, ray_start: list[str]) -> None:
+        """A Ray node in a container of its own file system, run as the manifest's pod `group`
+        runs: the shared volume at /mnt/runs, the cluster's token."""
+        podman = [*PODMAN, "run", "-d", "--rm", *ULIMITS, *manifest_pod_flags(group)]
         podman += ["--network", self.network, "--name", name, "--hostname", name]
         podman += ["-v", f"{self.volume}:/mnt/runs", *self.env(), "-e", "RAY_USAGE_STATS_ENABLED=0"]
         command = ["ray", "start", "--block", "--disable-usage-stats", *ray_start]
@@ -91,8 +128,10 @@ class ContainerCluster:
         self.names.append(name)
 
     def run(self, command: list[str], name: str) -> subprocess.CompletedProcess[str]:
-        """A container of its own on the network (KubeRay's submitter pod): no volume."""
-        podman = [*PODMAN, "run", "--rm", *ULIMITS, *POD, "--network", self.network]
+        """A container of its own on the network, run as the manifest's submitter pod: no
+        shared volume."""
+        podman = [*PODMAN, "run", "--rm", *ULIMITS, *manifest_pod_flags("submitter")]
+        podman += ["--network", self.network]
         podman += ["--name", name, *self.env()]
         return subprocess.run(
             [*podman, self.image, *command], capture_output=True, text=True, timeout=paced(900)
@@ -115,6 +154,26 @@ class ContainerCluster:
                 return
             assert time.monotonic() < deadline, done.stderr[-2000:]
             time.sleep(3)
+
+    def job_status(self, job_id: str) -> str:
+        """The job's status from the head's Jobs API (with the cluster's token), once it is final
+        (`ray job logs --follow` may return a moment before the status is written)."""
+        probe = (
+            "from ray.job_submission import JobSubmissionClient; "
+            f"print(JobSubmissionClient('http://127.0.0.1:8265').get_job_status('{job_id}').value)"
+        )
+        deadline = time.monotonic() + paced(60)
+        while True:
+            done = subprocess.run(
+                ["podman", "exec", "rt-head", "python", "-c", probe], capture_output=True, text=True
+            )
+            lines = done.stdout.strip().splitlines()
+            status = (
+                lines[-1] if done.returncode == 0 and lines else f"unread: {done.stderr[-500:]}"
+            )
+            if status in ("SUCCEEDED", "FAILED", "STOPPED") or time.monotonic() > deadline:
+                return status
+            time.sleep(2)
 
     def node_id(self, name: str) -> str:
         probe = (
@@ -145,10 +204,11 @@ def container_cluster(
     cluster = ContainerCluster(network, new_auth_token(), volume, image, [])
     head = ["--head", "--num-cpus=0", "--num-gpus=0", "--dashboard-host=0.0.0.0"]
     try:
-        cluster.start("rt-head", [*head, f"--object-store-memory={STORE}"])
+        cluster.start("rt-head", "head", [*head, f"--object-store-memory={STORE}"])
         joined = ["--address=rt-head:6379", f"--object-store-memory={STORE}"]
-        cluster.start("rt-ingest", [*joined, "--num-cpus=4", "--labels=ray.io/node-group=ingest"])
-        cluster.start("rt-gpu", [*joined, "--num-cpus=16", "--labels=ray.io/node-group=gpu"])
+        ingest = [*joined, "--num-cpus=4", "--labels=ray.io/node-group=ingest"]
+        cluster.start("rt-ingest", "ingest", ingest)
+        cluster.start("rt-gpu", "gpu", [*joined, "--num-cpus=16", "--labels=ray.io/node-group=gpu"])
         cluster.wait_ready(nodes=3)
         yield cluster
     finally:
@@ -157,30 +217,37 @@ def container_cluster(
         subprocess.run(["podman", "network", "rm", "-f", network], capture_output=True)
 
 
-def submit(cluster: ContainerCluster, name: str, entrypoint: str, runtime_env: dict) -> str:
-    """The entrypoint submitted from a fourth container by KubeRay's own shell line; its output
-    (`ray job submit` follows the job's log and exits non-zero when the job fails)."""
+@dataclass
+class Submitted:
+    status: str  # the job's status in the Jobs API, as the operator reads it
+    output: str  # the submitter's console: `ray job logs --follow`
+
+
+def submit(cluster: ContainerCluster, name: str, entrypoint: str, runtime_env: dict) -> Submitted:
+    """The entrypoint submitted from a fourth container by KubeRay's own submitter command, then
+    the job's status read from the head's Jobs API (KubeRay's operator polls it there and sets the
+    RayJob's status from it; the submitter's exit status carries nothing of it)."""
     job_id = f"{name}-{uuid.uuid4().hex[:6]}"
-    line = kuberay_submitter_line("http://rt-head:8265", job_id, runtime_env, entrypoint)
-    done = cluster.run(["/bin/bash", "-c", line], f"submitter-{job_id}")
-    return f"exit {done.returncode}\n{done.stdout}{done.stderr}"
+    command = kuberay_submitter_command("http://rt-head:8265", job_id, runtime_env, entrypoint)
+    done = cluster.run(command, f"submitter-{job_id}")
+    return Submitted(cluster.job_status(job_id), done.stdout + done.stderr)
 
 
 @pytest.mark.parametrize("name", ["mnist_resnet", "hf_finetune", "llm_fsdp"])
 def test_each_rayjob_entrypoint_succeeds_on_a_cluster_of_containers(
     name: str, container_cluster: ContainerCluster
 ) -> None:
-    """The RayJob's entrypoint, read from its YAML, submitted as KubeRay's submitter submits it:
-    the job ends SUCCEEDED, its run folder is on the shared volume, and mnist's decode ran on the
-    ingest container (its node labels), not where the workers train."""
+    """The RayJob's entrypoint, read from its YAML, submitted as KubeRay v1.7's submitter submits
+    it: the job's status in the Jobs API is SUCCEEDED, its run folder is on the shared volume, and
+    mnist's decode ran on the ingest container (its node labels), not where the workers train."""
     document = rayjob(name)
-    said = submit(
+    submitted = submit(
         container_cluster,
         name.replace("_", "-"),
         smoke_entrypoint(document),
         smoke_runtime_env(document),
     )
-    assert said.startswith("exit 0") and "succeeded" in said, said[-4000:]
+    assert submitted.status == "SUCCEEDED", submitted.output[-4000:]
     run_name = re.search(r"--run-name (\S+)", document["spec"]["entrypoint"])[1]
     summary = json.loads((container_cluster.volume / run_name / "summary.json").read_text())
     assert summary["steps_done"] >= 1
@@ -193,10 +260,17 @@ def test_a_node_local_path_handed_from_the_head_fails_on_a_cluster_of_containers
     container_cluster: ContainerCluster,
 ) -> None:
     """mnist's entrypoint with its storage on the head's own disk (/tmp/runs, which the other
-    containers do not have): on processes sharing one file system this would pass; here the job
-    fails, naming the folder that is not there."""
+    containers do not have) and without --storage-is-shared: `train` refuses it before any worker
+    starts, naming the path and what to use instead (the shared-storage check of
+    raytrain_common.storage: without it, the job would fail later, on another node, for another
+    reason), and the job's status is FAILED."""
     document = rayjob("mnist_resnet")
     entrypoint = smoke_entrypoint(document, mount="/tmp/runs")
-    said = submit(container_cluster, "node-local", entrypoint, smoke_runtime_env(document))
-    assert not said.startswith("exit 0"), said[-4000:]
-    assert "/tmp/runs" in said, said[-4000:]
+    assert " --storage-is-shared" in entrypoint
+    entrypoint = entrypoint.replace(" --storage-is-shared", "")
+    submitted = submit(container_cluster, "node-local", entrypoint, smoke_runtime_env(document))
+    assert submitted.status == "FAILED", submitted.output[-4000:]
+    said = " ".join(submitted.output.split())  # the message, whatever the console's wrapping
+    assert "storage path '/tmp/runs' is on this node's own disk" in said, said[-4000:]
+    assert "but the Ray cluster has 3 nodes" in said, said[-4000:]
+    assert "Set --storage-path to storage every node shares" in said, said[-4000:]

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from raytrain_testkit.console import console_noise
 from raytrain_testkit.pace import paced
@@ -25,13 +26,22 @@ pytestmark = pytest.mark.manifests
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 
-from build_image import POD, PODMAN, ULIMITS  # noqa: E402  (tools/ is not a package)
+from build_image import PODMAN, ULIMITS, pod_flags  # noqa: E402  (tools/ is not a package)
+
+
+def head_pod_flags() -> list[str]:
+    """How mnist's RayJob runs its head pod, read from the manifest (tools/build_image.pod_flags):
+    uid 1000, a read-only root, /tmp and /dev/shm its only writable places besides the volume."""
+    text = (ROOT / "deploy" / "rayjob" / "mnist_resnet.yaml").read_text()
+    document = next(d for d in yaml.safe_load_all(text) if d and d["kind"] == "RayJob")
+    pod = document["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
+    return pod_flags(pod, pod["containers"][0])
 
 
 def in_pod(image: str, volume: Path, command: str) -> str:
     """`command` (bash) in a container of `image` run as a RayJob pod; its console, which must
     carry none of the lines only --verbose may show."""
-    podman = [*PODMAN, "run", "--rm", *ULIMITS, *POD, "-v", f"{volume}:/mnt/runs"]
+    podman = [*PODMAN, "run", "--rm", *ULIMITS, *head_pod_flags(), "-v", f"{volume}:/mnt/runs"]
     done = subprocess.run(
         [*podman, image, "bash", "-c", command], capture_output=True, text=True, timeout=paced(600)
     )

@@ -148,11 +148,24 @@ def rayjobs() -> dict[str, dict[str, Any]]:
 
 
 def network_policies() -> dict[str, dict[str, Any]]:
-    """Each RayJob file's NetworkPolicy (the document after the RayJob), by file."""
-    return {
-        name: next(d for d in load(RAYJOBS / f"{name}.yaml") if d["kind"] == "NetworkPolicy")
-        for name in RAYJOB_FILES
-    }
+    """Each RayJob file's NetworkPolicy of its Ray pods (the one selecting them by the job's label),
+    by file."""
+    return {name: policy_selecting(name, "raytrain-pipelines/rayjob") for name in RAYJOB_FILES}
+
+
+def submitter_policies() -> dict[str, dict[str, Any]]:
+    """Each RayJob file's NetworkPolicy of its submitter pod, by file."""
+    return {name: policy_selecting(name, "raytrain-pipelines/submitter") for name in RAYJOB_FILES}
+
+
+def policy_selecting(name: str, label: str) -> dict[str, Any]:
+    [policy] = [
+        document
+        for document in load(RAYJOBS / f"{name}.yaml")
+        if document["kind"] == "NetworkPolicy"
+        and label in document["spec"]["podSelector"].get("matchLabels", {})
+    ]
+    return policy
 
 
 def containers(document: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any], dict[str, Any]]]:
@@ -195,11 +208,9 @@ def restricted_violations(pod: dict[str, Any]) -> list[str]:
     """What in a pod spec the "restricted" Pod Security profile refuses (empty: it is admitted):
     host namespaces, host paths and ports, privileged or root containers, privilege escalation,
     capabilities not dropped, seccomp neither RuntimeDefault nor Localhost."""
-    found = [
-        f"{key}: true"
-        for key in ("hostNetwork", "hostPID", "hostIPC", "hostUsers")
-        if pod.get(key) is (key != "hostUsers")
-    ]
+    # The host namespaces the profile refuses. Not hostUsers: `hostUsers: false` (a user namespace)
+    # is the safer setting and never refused, and `true` is every pod's default.
+    found = [f"{key}: true" for key in ("hostNetwork", "hostPID", "hostIPC") if pod.get(key)]
     for volume in pod.get("volumes", []):
         kinds = set(volume) - {"name"}
         if not kinds <= RESTRICTED_VOLUMES:
@@ -360,25 +371,35 @@ DASHBOARD = 8265
 def policy_cases(job: str) -> list[tuple[str, Source, set[int]]]:
     """(who, the source pod, the ports it must reach: every other one of RAY_PORTS is refused)."""
     ours = {"raytrain-pipelines/rayjob": job}
-    operator = {
+    submitter = {"batch.kubernetes.io/job-name": job, "raytrain-pipelines/submitter": job}
+    # The operator pod's labels (KubeRay v1.5-v1.7): the Helm chart's deployment template and
+    # ray-operator/config/manager/manager.yaml (kustomize). Both installs go to `default` unless
+    # told otherwise: Helm into the current namespace, config/default's `namespace: default`.
+    helm = {
         "app.kubernetes.io/name": "kuberay-operator",
+        "app.kubernetes.io/instance": "kuberay-operator",
+        "app.kubernetes.io/component": "kuberay-operator",
+    }
+    operator = helm
+    kustomize = {
+        "app.kubernetes.io/name": "kuberay",
         "app.kubernetes.io/component": "kuberay-operator",
     }
     return [
         ("the job's head or worker", Source(ours, "team"), set(RAY_PORTS)),
-        ("its submitter", Source({"batch.kubernetes.io/job-name": job}, "team"), {DASHBOARD}),
-        ("the operator (Helm chart)", Source(operator, "kuberay-system"), {DASHBOARD}),
+        ("its submitter", Source(submitter, "team"), {DASHBOARD}),
+        ("the operator (Helm, its recommended install)", Source(helm, "default"), {DASHBOARD}),
+        ("the operator (kustomize, config/default)", Source(kustomize, "default"), {DASHBOARD}),
+        ("the operator (Helm, -n kuberay-system)", Source(helm, "kuberay-system"), {DASHBOARD}),
+        ("the operator (Helm, -n kuberay)", Source(helm, "kuberay"), {DASHBOARD}),
+        ("the operator (Helm, -n kuberay-operator)", Source(helm, "kuberay-operator"), {DASHBOARD}),
         (
-            "the operator (kustomize install)",
-            Source(
-                {
-                    "app.kubernetes.io/name": "kuberay",
-                    "app.kubernetes.io/component": "kuberay-operator",
-                },
-                "ray-system",
-            ),
+            "the operator (an older kustomize, ray-system)",
+            Source(kustomize, "ray-system"),
             {DASHBOARD},
         ),
+        ("an unlabelled pod where the operator runs", Source({"app": "web"}, "default"), set()),
+        ("the operator in a namespace the base does not name", Source(helm, "my-operators"), set()),
         ("another job's pod", Source({"raytrain-pipelines/rayjob": "other-job"}, "team"), set()),
         (
             "another job's submitter",
@@ -419,8 +440,9 @@ def test_the_network_policy_admits_the_job_its_submitter_and_the_operator_and_no
     assert not wrong, wrong
 
 
-DNS = {("UDP", 53), ("TCP", 53)}
+DNS = {(protocol, port) for protocol in ("UDP", "TCP") for port in (53, 5353)}
 S3_ADDRESS, MLFLOW = "52.216.8.10", Source({"app.kubernetes.io/name": "mlflow"}, "mlflow")
+NODE_LOCAL_DNS, METADATA_SERVER, STS_ENDPOINT = "169.254.20.10", "169.254.169.254", "10.0.128.7"
 
 
 def egress_cases(job: str) -> list[tuple[str, Source | str, set[tuple[str, int]]]]:
@@ -428,9 +450,13 @@ def egress_cases(job: str) -> list[tuple[str, Source | str, set[tuple[str, int]]
     every other one of EGRESS_PORTS is refused)."""
     every = set(EGRESS_PORTS)  # between the job's own pods, every port
     dns = Source({"k8s-app": "kube-dns"}, "kube-system")
+    openshift_dns = Source({"dns.operator.openshift.io/daemonset-dns": "default"}, "openshift-dns")
     return [
         ("the job's head or worker", Source({"raytrain-pipelines/rayjob": job}, "team"), every),
-        ("the cluster's DNS", dns, DNS),
+        ("the cluster's DNS (kube-dns / CoreDNS)", dns, DNS),
+        ("OpenShift's DNS", openshift_dns, DNS),
+        ("NodeLocal DNSCache", NODE_LOCAL_DNS, DNS),
+        ("GKE Cloud DNS (the metadata server's resolver)", METADATA_SERVER, DNS),
         ("a DNS look-alike in the job's namespace", Source({"k8s-app": "kube-dns"}, "team"), set()),
         ("another job's pod", Source({"raytrain-pipelines/rayjob": "other-job"}, "team"), set()),
         ("a pod of another namespace", Source({"app": "notebook"}, "elsewhere"), set()),
@@ -441,7 +467,7 @@ def egress_cases(job: str) -> list[tuple[str, Source | str, set[tuple[str, int]]
     ]
 
 
-EGRESS_PORTS = sorted({("TCP", port) for port in (*RAY_PORTS, 443, 5000)} | DNS)
+EGRESS_PORTS = sorted({("TCP", port) for port in (*RAY_PORTS, 80, 443, 988, 5000)} | DNS)
 
 
 def wrong_egress(policy: dict[str, Any], cases: list[Any]) -> list[str]:
@@ -467,18 +493,18 @@ def test_the_network_policy_lets_the_job_reach_its_own_pods_and_dns_and_nothing_
     assert not wrong, wrong
 
 
-def test_the_example_overlay_names_object_storage_mlflow_and_an_operator_namespace() -> None:
-    """The example overlay's additions to a job's policy take effect and open nothing else: S3's
-    addresses on 443, the MLflow server on 5000, the operator from my-operators."""
-    overlay = load(OVERLAYS / "example" / "kustomization.yaml")[0]
-    [name] = [
-        p["target"]["name"] for p in overlay["patches"] if p["target"]["kind"] == "NetworkPolicy"
-    ]
-    policy = next(
+def overlay_policy(name: str) -> dict[str, Any]:
+    return next(
         doc
         for doc in kustomize(OVERLAYS / "example")
         if doc["kind"] == "NetworkPolicy" and doc["metadata"]["name"] == name
     )
+
+
+def test_the_example_overlay_names_object_storage_mlflow_and_an_operator_namespace() -> None:
+    """The example overlay's additions to mnist's policy take effect and open nothing else: S3's
+    addresses on 443, the MLflow server on 5000, the operator from my-operators (one line)."""
+    policy = overlay_policy("mnist-resnet-ray")
     job = policy["spec"]["podSelector"]["matchLabels"]["raytrain-pipelines/rayjob"]
     cases = [case for case in egress_cases(job) if case[1] not in (S3_ADDRESS, MLFLOW)] + [
         ("object storage (named)", S3_ADDRESS, {("TCP", 443)}),
@@ -488,8 +514,68 @@ def test_the_example_overlay_names_object_storage_mlflow_and_an_operator_namespa
     assert not wrong, wrong
     operator = Source({"app.kubernetes.io/component": "kuberay-operator"}, "my-operators")
     assert admits(policy, operator, DASHBOARD) and not admits(policy, operator, 6379)
-    base = next(p for p in network_policies().values() if p["metadata"]["name"] == name)
+    base = network_policies()["mnist_resnet"]
     assert not admits(base, operator, DASHBOARD)
+
+
+def test_the_example_overlay_reaches_object_storage_through_workload_identity() -> None:
+    """hf's pods in the example overlay run as a ServiceAccount annotated for IRSA and for GKE
+    Workload Identity, with no key in any Secret, and their policy reaches where each trades the
+    pod's identity for credentials: an STS endpoint on 443 (IRSA), the GKE metadata server on 80
+    and 988 (Workload Identity); nothing else is opened."""
+    rendered = kustomize(OVERLAYS / "example")
+    [account] = [doc for doc in rendered if doc["kind"] == "ServiceAccount"]
+    annotations = account["metadata"]["annotations"]
+    assert {"eks.amazonaws.com/role-arn", "iam.gke.io/gcp-service-account"} <= set(annotations)
+    job = next(
+        doc
+        for doc in rendered
+        if doc["kind"] == "RayJob" and doc["metadata"]["name"] == "hf-finetune"
+    )
+    for role, pod, _ in containers(job):
+        assert pod.get("serviceAccountName") == account["metadata"]["name"], role
+        assert pod.get("automountServiceAccountToken") is False, role  # no Kubernetes API token
+    policy = overlay_policy("hf-finetune-ray")
+    cases = [case for case in egress_cases("hf-finetune") if case[1] != METADATA_SERVER] + [
+        ("an STS endpoint (IRSA)", STS_ENDPOINT, {("TCP", 443)}),
+        (
+            "the metadata server (Workload Identity)",
+            METADATA_SERVER,
+            {("TCP", 80), ("TCP", 988)} | DNS,
+        ),
+    ]
+    wrong = wrong_egress(policy, cases)
+    assert not wrong, wrong
+    base = network_policies()["hf_finetune"]
+    assert not admits(base, METADATA_SERVER, 80, direction="Egress")
+    assert not admits(base, STS_ENDPOINT, 443, direction="Egress")
+
+
+@pytest.mark.parametrize("name", RAYJOB_FILES)
+def test_the_submitter_reaches_only_the_heads_dashboard_and_dns(name: str) -> None:
+    """The submitter pod holds the cluster's token: its own policy (it is labelled) lets it reach
+    the head's dashboard and the cluster's DNS, nothing else (a worker, the Kubernetes API, the
+    internet, object storage), and lets nothing reach it."""
+    document = rayjobs()[name]
+    job = document["metadata"]["name"]
+    labels = document["spec"]["submitterPodTemplate"]["metadata"]["labels"]
+    policy = submitter_policies()[name]
+    assert selects(policy["spec"]["podSelector"], labels)
+    head = Source({"raytrain-pipelines/rayjob": job, "ray.io/node-type": "head"}, "team")
+    worker = Source({"raytrain-pipelines/rayjob": job, "ray.io/node-type": "worker"}, "team")
+    cases = [
+        ("the head", head, {("TCP", DASHBOARD)}),
+        ("a worker", worker, set()),
+        ("the cluster's DNS", Source({"k8s-app": "kube-dns"}, "kube-system"), DNS),
+        ("NodeLocal DNSCache", NODE_LOCAL_DNS, DNS),
+        ("the Kubernetes API", "10.96.0.1", set()),
+        ("the internet", "93.184.216.34", set()),
+        ("object storage", S3_ADDRESS, set()),
+    ]
+    wrong = wrong_egress(policy, cases)
+    assert not wrong, wrong
+    for peer in (head, worker, Source({"app": "notebook"}, "team")):
+        assert not any(admits(policy, peer, port) for port in RAY_PORTS), peer
 
 
 @pytest.mark.parametrize("name", RAYJOB_FILES)
@@ -502,6 +588,63 @@ def test_no_node_and_no_job_process_reports_usage_statistics(name: str) -> None:
         assert env.get("RAY_USAGE_STATS_ENABLED") == "0", (role, container["name"])
     runtime = yaml.safe_load(document["spec"]["runtimeEnvYAML"])
     assert runtime["env_vars"]["RAY_USAGE_STATS_ENABLED"] == "0"
+
+
+QUIET_AND_OFFLINE = {
+    "MLFLOW_DISABLE_TELEMETRY": "true",  # MLflow's telemetry (on by default since 3.x)
+    "HF_HUB_OFFLINE": "1",  # no Hugging Face hub call: the models and data ship in the image
+    "HF_HUB_DISABLE_TELEMETRY": "1",
+    "DO_NOT_TRACK": "1",  # the convention several libraries honour
+}
+
+
+@pytest.mark.parametrize("name", RAYJOB_FILES)
+def test_every_job_process_runs_without_telemetry_and_offline(name: str) -> None:
+    """MLflow's and Hugging Face's telemetry off and the hub offline in every job's runtime env
+    (its driver, its workers, its tasks): an overlay that wants the hub sets HF_HUB_OFFLINE=0."""
+    runtime = yaml.safe_load(rayjobs()[name]["spec"]["runtimeEnvYAML"])
+    assert QUIET_AND_OFFLINE.items() <= runtime["env_vars"].items(), runtime["env_vars"]
+
+
+@pytest.mark.parametrize("name", RAYJOB_FILES)
+def test_every_container_runs_on_a_read_only_root_writing_only_its_empty_dirs(name: str) -> None:
+    """Every container of every pod (head, each worker group, the submitter; KubeRay's
+    wait-gcs-ready init container copies the Ray container's securityContext and volumeMounts,
+    v1.7.0 pod.go) runs as uid 1000, gid 100 (numbers: the image's USER is numeric too) on a
+    read-only root, with /tmp an emptyDir and, in Ray's pods, /dev/shm a memory-backed one.
+    tests/test_image.py and tests/test_container_cluster.py run the image with the flags these
+    give (tools/build_image.pod_flags), so what the tests prove is what ships."""
+    for role, template in pod_templates(rayjobs()[name]).items():
+        pod = template["spec"]
+        volumes = {volume["name"]: volume for volume in pod.get("volumes", [])}
+        for container in pod["containers"]:
+            context = {**pod["securityContext"], **container["securityContext"]}
+            assert container["securityContext"].get("readOnlyRootFilesystem") is True, role
+            assert (context["runAsUser"], context["runAsGroup"]) == (1000, 100), role
+            mounts = {m["mountPath"]: volumes[m["name"]] for m in container.get("volumeMounts", [])}
+            assert "emptyDir" in mounts.get("/tmp", {}), (role, "no emptyDir at /tmp")
+            if role != "submitter":
+                assert mounts["/dev/shm"]["emptyDir"].get("medium") == "Memory", role
+    dockerfile = (ROOT / "deploy" / "Dockerfile").read_text()
+    assert re.findall(r"^USER (.+)$", dockerfile, re.M)[-1] == "1000:100"
+
+
+def test_the_pod_flags_follow_the_manifest() -> None:
+    """tools/build_image.pod_flags, which the image tests run pods with, reads the manifest: a
+    read-only root without podman's own writable /tmp, the uid and gid, the emptyDirs; a manifest
+    that dropped readOnlyRootFilesystem would run its test pods writable too."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    from build_image import pod_flags
+
+    head = rayjobs()[next(iter(PIPELINES))]["spec"]["rayClusterSpec"]["headGroupSpec"]
+    pod = head["template"]["spec"]
+    flags = pod_flags(pod, pod["containers"][0])
+    assert flags[:2] == ["--user", "1000:100"]
+    assert "--read-only" in flags and "--read-only-tmpfs=false" in flags
+    assert any(flag.startswith("/tmp:") for flag in flags) and "--shm-size" in flags
+    writable = copy.deepcopy(pod)
+    del writable["containers"][0]["securityContext"]["readOnlyRootFilesystem"]
+    assert "--read-only" not in pod_flags(writable, writable["containers"][0])
 
 
 def test_the_policy_evaluator_reads_selectors_as_kubernetes_does() -> None:
@@ -579,6 +722,7 @@ def test_the_restricted_check_refuses_what_admission_would() -> None:
         (lambda pod: pod["securityContext"].update(runAsUser=0), "runAsUser 0"),
         (lambda pod: pod["volumes"].append({"name": "h", "hostPath": {"path": "/"}}), "volume h"),
         (lambda pod: pod.update(hostNetwork=True), "hostNetwork: true"),
+        (lambda pod: pod.update(hostPID=True), "hostPID: true"),
         (
             lambda pod: pod["containers"][0]["securityContext"]["capabilities"].update(
                 add=["SYS_ADMIN"]
@@ -589,6 +733,8 @@ def test_the_restricted_check_refuses_what_admission_would() -> None:
         pod = copy.deepcopy(good)
         change(pod)
         assert any(expected in problem for problem in restricted_violations(pod)), expected
+    in_a_user_namespace = {**copy.deepcopy(good), "hostUsers": False}
+    assert not restricted_violations(in_a_user_namespace)
 
 
 def test_the_validation_rejects_what_the_api_server_would() -> None:
@@ -640,9 +786,9 @@ def kustomize(folder: Path) -> list[dict[str, Any]]:
 def test_every_kustomize_output_validates(folder: Path) -> None:
     documents = kustomize(folder)
     kinds = sorted(doc["kind"] for doc in documents)
-    assert kinds == sorted(
-        ["PersistentVolumeClaim"] + ["RayJob", "NetworkPolicy"] * len(RAYJOB_FILES)
-    )
+    per_job = ["RayJob", "NetworkPolicy", "NetworkPolicy"]  # the Ray pods' and the submitter's
+    extra = ["ServiceAccount"] if folder.name == "example" else []  # its workload identity
+    assert kinds == sorted(["PersistentVolumeClaim", *extra] + per_job * len(RAYJOB_FILES))
     for document in documents:
         if document["kind"] == "RayJob":
             check_rayjob(document)
@@ -652,7 +798,11 @@ def test_every_kustomize_output_validates(folder: Path) -> None:
 
 def test_the_overlay_changes_image_replicas_gpus_and_storage_class_in_one_place() -> None:
     overlay = load(OVERLAYS / "example" / "kustomization.yaml")[0]
-    [patched] = {p["target"]["name"] for p in overlay["patches"] if p["target"]["kind"] == "RayJob"}
+    [patched] = {
+        p["target"]["name"]
+        for p in overlay["patches"]
+        if p["target"]["kind"] == "RayJob" and "runtimeEnvYAML" in p["patch"]
+    }
     rendered = {doc["metadata"]["name"]: doc for doc in kustomize(OVERLAYS / "example")}
     spec = rendered[patched]["spec"]
     worker = spec["rayClusterSpec"]["workerGroupSpecs"][0]
@@ -783,8 +933,12 @@ def test_the_image_installs_what_the_entrypoints_run() -> None:
     assert "--require-hashes -r /opt/raytrain/requirements/image.txt" in dockerfile
     assert "--require-hashes --no-deps -r /opt/raytrain/requirements/no-deps.txt" in dockerfile
     assert "--require-hashes --no-deps --no-binary :all: -d /home/ray/sources" in dockerfile
-    assert "COPY --chown=ray:users deploy/requirements /opt/raytrain/requirements" in dockerfile
-    assert "COPY --chown=ray:users pipelines /opt/raytrain/pipelines" in dockerfile
+    assert "COPY --chown=1000:100 deploy/requirements /opt/raytrain/requirements" in dockerfile
+    assert "COPY --chown=1000:100 pipelines /opt/raytrain/pipelines" in dockerfile
+    # The local packages' build backend pinned (the index's newest setuptools is not a build input).
+    assert "PIP_CONSTRAINT=/opt/raytrain/requirements/build.txt" in dockerfile
+    build = (ROOT / "deploy" / "requirements" / "build.txt").read_text()
+    assert re.search(r"^setuptools==\d+\.\d+\.\d+$", build, re.M), build
     assert "/opt/raytrain/pipelines/*/" in dockerfile  # every pipeline, a copied one too
     assert "/opt/raytrain/packages/common" in dockerfile
     stack = (ROOT / "tools" / "nox_stack.py").read_text()

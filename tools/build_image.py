@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 DEBIAN = "localhost/raytrain-debian:bookworm"
@@ -45,11 +46,39 @@ PODMAN = ["podman", "--runtime", "runc"]
 # Set, or runc refuses the defaults here; nproc counts every thread of the uid over all containers
 # (Ray starts dozens per process: 1,024 ran out with a 3-node cluster of containers).
 ULIMITS = ["--ulimit", "nofile=20000:20000", "--ulimit", "nproc=32768:32768"]
-# How a RayJob's pod runs the image (the manifests' securityContext), for the tests that run it.
-POD = [
-    *("--user", "1000:100", "--read-only", "--tmpfs", "/tmp", "--shm-size", "2g"),
-    *("--cap-drop", "ALL", "--security-opt", "no-new-privileges"),
-]
+
+
+def pod_flags(pod: dict[str, Any], container: dict[str, Any]) -> list[str]:
+    """`podman run` flags that run a container as a RayJob manifest's pod runs it, read from the
+    manifest itself so the tests that run the image cannot drift from what ships: the pod's and
+    the container's securityContext (uid and gid, read-only root, capabilities, no privilege
+    escalation) and every emptyDir the container mounts (/tmp, /dev/shm), which are all it may
+    write besides the shared volume (mounted by the caller). KubeRay's wait-gcs-ready init
+    container copies the Ray container's securityContext and volumeMounts (KubeRay v1.7.0,
+    ray-operator/controllers/ray/common/pod.go), so it runs the same way. An emptyDir on the
+    node's disk is a tmpfs here (this box has no per-container disk quota); the size limits are
+    the manifest's."""
+    context = {**pod.get("securityContext", {}), **container.get("securityContext", {})}
+    flags = ["--user", f"{context['runAsUser']}:{context.get('runAsGroup', 0)}"]
+    if context.get("readOnlyRootFilesystem"):
+        # podman adds writable tmpfs at /tmp, /var/tmp and /run to a read-only root unless told
+        # not to: only the manifest's own mounts may be writable, as on Kubernetes.
+        flags += ["--read-only", "--read-only-tmpfs=false"]
+    if "ALL" in context.get("capabilities", {}).get("drop", []):
+        flags += ["--cap-drop", "ALL"]
+    if context.get("allowPrivilegeEscalation") is False:
+        flags += ["--security-opt", "no-new-privileges"]
+    volumes = {volume["name"]: volume for volume in pod.get("volumes", [])}
+    for mount in container.get("volumeMounts", []):
+        empty_dir = volumes[mount["name"]].get("emptyDir")
+        if empty_dir is None:
+            continue  # the shared volume: the caller's to mount
+        size = str(empty_dir.get("sizeLimit", "1Gi")).replace("Gi", "g").replace("Mi", "m")
+        if mount["mountPath"] == "/dev/shm":
+            flags += ["--shm-size", size]
+        else:
+            flags += ["--tmpfs", f"{mount['mountPath']}:rw,size={size},mode=1777"]
+    return flags
 
 
 def image_exists(tag: str) -> bool:

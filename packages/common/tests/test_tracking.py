@@ -19,12 +19,13 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from raytrain_common.storage import resolve_storage
+from raytrain_common.storage import redact_uri, resolve_storage
 from raytrain_common.tracking import (
     CLIENT_ENV,
     MetricSink,
     TrackedRun,
     finish_tracked_run,
+    flatten,
     open_tracked_run,
 )
 from raytrain_testkit.pace import paced
@@ -313,3 +314,41 @@ def test_a_server_receives_the_run_and_its_loss_mid_run_costs_a_warning_not_the_
     with caplog.at_level(logging.WARNING):
         assert open_run(tmp_path, run_name="later", tracking_uri=server_url) is None
     assert "MLflow tracking is off for this run" in caplog.text
+
+
+def test_a_tracking_uri_with_credentials_is_never_logged_with_them(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A store that fails at a URI holding a password (a database behind MLflow): the warning names
+    the store with the password replaced, and no line of the log holds it; params that hold URIs
+    (the config's) reach the store redacted too."""
+    secret = "hunter2-not-a-real-password"
+    uri = f"postgresql://mlflow:{secret}@127.0.0.1:9/mlflow"  # port 9 (discard): refused at once
+    with caplog.at_level(logging.INFO):
+        tracked = open_run(tmp_path, tracking="mlflow", tracking_uri=uri)
+    assert tracked is None  # tracking off for this run, the run goes on
+    assert "mlflow:***@127.0.0.1:9/mlflow" in caplog.text, caplog.text
+    assert secret not in caplog.text, caplog.text
+    assert flatten("", {"tracking_uri": uri, "data": {"dir": "s3://b/d?secret_key=abc"}}) == {
+        "tracking_uri": "postgresql://mlflow:***@127.0.0.1:9/mlflow",
+        "data.dir": "s3://b/d?secret_key=***",
+    }
+
+
+@pytest.mark.parametrize(
+    ("uri", "shown"),
+    [
+        ("https://user:pw@mlflow.example.com/", "https://user:***@mlflow.example.com/"),
+        ("https://token@mlflow.example.com", "https://***@mlflow.example.com"),
+        (
+            "s3://b/p?endpoint_override=h:9000&access_key=AK",
+            "s3://b/p?endpoint_override=h:9000&access_key=***",
+        ),
+        ("https://x/y?sv=2024&sig=abc", "https://x/y?sv=2024&sig=***"),
+        ("http://127.0.0.1:5000", "http://127.0.0.1:5000"),
+        ("sqlite:////mnt/runs/mlflow.db", "sqlite:////mnt/runs/mlflow.db"),
+        ("/mnt/runs/data", "/mnt/runs/data"),
+    ],
+)
+def test_redact_uri(uri: str, shown: str) -> None:
+    assert redact_uri(uri) == shown

@@ -83,6 +83,43 @@ def lasting_storage_problem(error: BaseException) -> str | None:
     return None
 
 
+# Query parameters that carry a secret in the URIs users pass (pyarrow's S3 and GCS URIs take
+# access_key / secret_key / session_token; presigned and SAS URLs carry signatures and tokens).
+SECRET_QUERY_KEYS = re.compile(
+    r"(?i)password|passwd|secret|token|signature|credential|^access_key$|^sig$|^key$|^x-amz-"
+)
+
+
+def redact_uri(uri: str) -> str:
+    """`uri` fit for a log line: a password in its user info and every query value that carries a
+    secret replaced by `***` (postgresql://ml:***@db/mlflow, s3://b/p?access_key=***). Anything
+    that is not a URI with those parts comes back unchanged."""
+    from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+    try:
+        parts = urlsplit(uri)
+    except ValueError:
+        return uri
+    netloc = parts.netloc
+    if "@" in netloc:
+        user_info, host = netloc.rsplit("@", 1)
+        user = user_info.split(":", 1)[0]
+        netloc = f"{user}:***@{host}" if ":" in user_info else f"***@{host}"
+    query = parts.query
+    if query:
+        pairs = parse_qsl(query, keep_blank_values=True)
+        hidden = [(k, "***" if SECRET_QUERY_KEYS.search(k) else v) for k, v in pairs]
+        query = urlencode(hidden, safe="*/:")
+    if (netloc, query) == (parts.netloc, parts.query):
+        return uri
+    return urlunsplit(parts._replace(netloc=netloc, query=query))
+
+
+def redact_uri_in(text: str, uri: str) -> str:
+    """`text` (an error's message, say) with every copy of `uri` in it redacted."""
+    return text.replace(uri, redact_uri(uri)) if uri else text
+
+
 def join_uri(uri: str, *parts: str) -> str:
     """`uri`/parts, its options (?endpoint_override=…&region=… of an object store) kept last: the
     one way every command computes a folder under the storage path (`posixpath.join` would put the

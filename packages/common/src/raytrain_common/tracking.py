@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from raytrain_common.metrics import CURVES_FILE, METRICS_FILE, SUMMARY_FILE, package_versions
-from raytrain_common.storage import StoragePath
+from raytrain_common.storage import StoragePath, redact_uri, redact_uri_in
 
 log = logging.getLogger(__name__)
 
@@ -175,12 +175,12 @@ def open_tracked_run(
         log.warning(
             "MLflow tracking is off for this run: the store at %s failed (%s: %s); the run goes on "
             "and writes metrics.csv and summary.json as always",
-            uri,
+            redact_uri(uri),
             type(error).__name__,
-            str(error).splitlines()[0] if str(error) else "",
+            redact_uri_in(str(error).splitlines()[0], uri) if str(error) else "",
         )
         return None
-    log.info("MLflow run %s %s in %s (experiment %s)", run_id, action, uri, experiment)
+    log.info("MLflow run %s %s in %s (experiment %s)", run_id, action, redact_uri(uri), experiment)
     return TrackedRun(tracking_uri=uri, run_id=run_id, experiment_id=experiment_key)
 
 
@@ -216,7 +216,8 @@ def flatten(prefix: str, values: Mapping[str, Any]) -> dict[str, Any]:
         if isinstance(value, Mapping):
             flat |= flatten(name, value)
         else:
-            flat[name] = value
+            # A URI given as a setting (tracking, storage, data) keeps no credential in the store.
+            flat[name] = redact_uri(value) if isinstance(value, str) else value
     return flat
 
 
@@ -253,9 +254,9 @@ def finish_tracked_run(
         log.warning(
             "could not finish MLflow run %s at %s (%s: %s); the run's files are in place",
             tracked.run_id,
-            tracked.tracking_uri,
+            redact_uri(tracked.tracking_uri),
             type(error).__name__,
-            error,
+            redact_uri_in(str(error), tracked.tracking_uri),
         )
 
 
@@ -324,7 +325,7 @@ class MetricSink:
         if self._thread.is_alive():
             log.warning(
                 "MLflow at %s did not take the last metrics within %.0f s; they are in metrics.csv",
-                self.tracked.tracking_uri if self.tracked else "?",
+                redact_uri(self.tracked.tracking_uri) if self.tracked else "?",
                 timeout_s,
             )
         self._thread = None
@@ -395,14 +396,14 @@ class MetricSink:
                 log.warning(
                     "MLflow at %s cannot be reached (%s); training goes on, metrics wait in "
                     "memory and are in metrics.csv",
-                    *(self.tracked.tracking_uri, type(error).__name__),
+                    *(redact_uri(self.tracked.tracking_uri), type(error).__name__),
                 )
                 return time.monotonic()
             return failing_since
         if failing_since is not None:
             log.warning(
                 "MLflow at %s is back after %.0f s; the metrics logged meanwhile are sent",
-                *(self.tracked.tracking_uri, time.monotonic() - failing_since),
+                *(redact_uri(self.tracked.tracking_uri), time.monotonic() - failing_since),
             )
         return None
 

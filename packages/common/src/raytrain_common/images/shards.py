@@ -108,9 +108,16 @@ Sample = tuple[str, bytes | None, str | None, str]
 Checked = tuple[str, str, str, int, str, str]  # class_name, path, kind, side, mode, error
 
 
+# The most a tar member may hold: one image (an 8192×8192 RGB image, the pixel limit, is 192 MiB
+# even uncompressed) or its class. A member's size comes from its header, so a crafted or
+# corrupted tar could otherwise make a task read gigabytes into memory for one sample.
+MAX_TAR_MEMBER_BYTES = 256 * 2**20
+
+
 def tar_samples(stream: Any) -> Iterator[Sample]:
     """A WebDataset tar's samples, streamed: members sharing a key (the name up to the first dot of
-    its base name) are consecutive; the first image member is the image."""
+    its base name) are consecutive; the first image member is the image. A member larger than
+    MAX_TAR_MEMBER_BYTES ends the shard's reading with a DataError naming it (never read)."""
     key: str | None = None
     image: bytes | None = None
     label: str | None = None
@@ -126,6 +133,12 @@ def tar_samples(stream: Any) -> Iterator[Sample]:
                 if key is not None:
                     yield key, image, label, first
                 key, image, label, first = member_key, None, None, member.name
+            if member.size > MAX_TAR_MEMBER_BYTES:
+                raise DataError(
+                    f"member {member.name} holds {member.size / 2**20:,.0f} MiB, over the limit of "
+                    f"{MAX_TAR_MEMBER_BYTES / 2**20:.0f} MiB per member (one image or its class): "
+                    "not a WebDataset shard of images, or a damaged one"
+                )
             data = archive.extractfile(member)
             assert data is not None  # a regular file
             if extension.lower() == CLASS_MEMBER:
