@@ -380,10 +380,17 @@ def write_standalone(
 
 
 def write_overlay(deploy: Path, rayjob: str) -> None:
-    """The example overlay of this repository, its per-job patch aimed at the copy's RayJob."""
-    source = (ROOT / "deploy" / "overlays" / "example" / "kustomization.yaml").read_text()
+    """The example overlay of this repository, every per-job patch aimed at the copy's RayJob and
+    its policy, with the files it names beside it (its workload identity's ServiceAccount)."""
+    folder = ROOT / "deploy" / "overlays" / "example"
+    source = (folder / "kustomization.yaml").read_text()
     patched = re.sub(r"(target: \{kind: RayJob, name: )[\w-]+(\})", rf"\g<1>{rayjob}\g<2>", source)
+    policy = rf"\g<1>{rayjob}-ray\g<2>"
+    patched = re.sub(r"(target: \{kind: NetworkPolicy, name: )[\w-]+(\})", policy, patched)
     write_atomically(deploy / "overlays" / "example" / "kustomization.yaml", patched)
+    for extra in sorted(folder.glob("*.yaml")):
+        if extra.name != "kustomization.yaml":
+            write_atomically(deploy / "overlays" / "example" / extra.name, extra.read_text())
 
 
 def add_to_repo(origin: str, name: str, today: str, with_benchmarks: bool = False) -> list[Path]:
