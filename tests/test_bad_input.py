@@ -124,6 +124,38 @@ def dataset_without_test() -> dict[str, object]:
     }
 
 
+def image_dataset_folder(root: Path) -> Path:
+    """A folder an image pipeline prepared: its dataset.json and a split of Parquet."""
+    marker = {
+        "source": "mnist",
+        "num_classes": 10,
+        "height": 28,
+        "width": 28,
+        "mean": 0.13,
+        "std": 0.31,
+        "train_rows": 1,
+        "test_rows": 1,
+    }
+    text(root / "images" / "train" / "part-000.parquet", b"PAR1")
+    return text(root / "images" / "dataset.json", json.dumps(marker)).parent
+
+
+def labelled_dataset_folder(root: Path) -> Path:
+    """A folder a text classifier's prepare wrote: its dataset.json and a split of Parquet."""
+    marker = {
+        "source": "reviews.csv",
+        "labels": ["neg", "pos"],
+        "rows": {"train": 1, "validation": 1, "test": 1},
+        "tokenizer": "bert",
+        "tokenizer_sha256": "0" * 64,
+        "max_length": 64,
+        "stratified_by": "label",
+        "seed": 0,
+    }
+    text(root / "reviews" / "train" / "part-000.parquet", b"PAR1")
+    return text(root / "reviews" / "dataset.json", json.dumps(marker)).parent
+
+
 def fake_mnist_checkpoint(root: Path) -> Path:
     """The files an mnist-resnet checkpoint holds: a folder that is no Hugging Face model."""
     import torch
@@ -273,6 +305,20 @@ CASES = [
             *storage(r),
         ],
         r"theirs holds a dataset\.json this command did not write, so it is not an output of "
+        r"this command \(--force replaces only its own\)",
+    ),
+    Case(
+        "forced onto an image dataset's folder",
+        "hf-finetune",
+        lambda r: hf_prepare(r, "--force", "--data-dir", str(image_dataset_folder(r))),
+        r"images holds a dataset\.json this command did not write, so it is not an output of "
+        r"this command \(--force replaces only its own\)",
+    ),
+    Case(
+        "forced onto a text classifier's data folder",
+        "llm-fsdp",
+        lambda r: llm_prepare(r, "--force", "--data-dir", str(labelled_dataset_folder(r))),
+        r"reviews holds a dataset\.json this command did not write, so it is not an output of "
         r"this command \(--force replaces only its own\)",
     ),
     Case(

@@ -3,17 +3,25 @@ pyarrow."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
+from dataclasses import dataclass
 
+import pyarrow.fs as pafs
 import pytest
 
 from raytrain_common.metrics import read_metrics_csv, write_metrics_csv
 from raytrain_common.storage import (
+    FILES_IN,
+    OutputMarker,
     StorageError,
+    StoragePath,
     check_writable,
+    files_of,
     is_shared,
     join_uri,
     resolve_storage,
+    staged_output,
 )
 
 moto_server = pytest.importorskip("moto.server")
@@ -76,3 +84,94 @@ def test_folders_and_checkpoint_uris_keep_the_options_of_an_object_store_uri(
     assert resolve_storage(uri).join("state.pt").read_bytes() == b"weights"
     assert join_uri("/local/runs", "data") == "/local/runs/data"
     assert resolve_storage("/local/runs").uri_for("/local/runs/x") == "/local/runs/x"
+
+
+@dataclass(frozen=True)
+class Made:
+    """What a test output's marker holds."""
+
+    version: int
+
+
+MADE = OutputMarker.of("made.json", Made)
+
+
+def write_output(target: StoragePath, version: int, fail_before_marker: bool = False) -> None:
+    """An output of two files and its marker, as every prepare and export writes one."""
+    with staged_output(target, MADE) as staged:
+        for name in ("train/part-0.parquet", "train/part-1.parquet"):
+            staged.folder.join(name).write_text(f"v{version}")
+        if fail_before_marker:  # everything new is written: the one PUT that swaps is next
+            raise OSError("injected: the connection dropped")
+        staged.write_marker({"version": version})
+
+
+def read_output(target: StoragePath) -> tuple[int, list[str]]:
+    """The version an output's marker names, and its files' contents, as a reader finds them."""
+    record = json.loads(target.join(MADE.name).read_text())
+    files = files_of(target, record[FILES_IN]).join("train").list_files(".parquet")
+    return record["version"], [file.read_text() for file in files]
+
+
+def keys(target: StoragePath) -> set[str]:
+    selector = pafs.FileSelector(target.path, recursive=True, allow_not_found=True)
+    infos = target.filesystem.get_file_info(selector)
+    return {info.path[len(target.path) + 1 :] for info in infos if info.type == pafs.FileType.File}
+
+
+def test_a_forced_rewrite_on_an_object_store_swaps_in_one_put_and_a_failed_one_changes_nothing(
+    bucket_uri: str,
+) -> None:
+    """No rename on S3: the new files go to a generation of their own and the marker, written
+    last, names it. A rewrite that fails at its worst moment (every new file written, the marker
+    not yet) or is killed leaves the old output readable as it was; the next one that completes
+    deletes the old generation and whatever a killed one left."""
+    target = resolve_storage(bucket_uri).join("outputs", "swap")
+    write_output(target, 1)
+    assert read_output(target) == (1, ["v1", "v1"])
+    first = keys(target)
+    assert first >= {"made.json"} and all(k.startswith("files-") for k in first - {"made.json"})
+
+    with pytest.raises(OSError, match="injected"):
+        write_output(target, 2, fail_before_marker=True)
+    assert keys(target) == first and read_output(target) == (1, ["v1", "v1"])
+
+    killed = target.join("files-20260101T000000-dead00", "train", "part-0.parquet")
+    killed.write_text("v3, cut off")  # what a killed rewrite leaves: an unnamed generation
+    assert read_output(target) == (1, ["v1", "v1"])
+    write_output(target, 4)
+    assert read_output(target) == (4, ["v4", "v4"])
+    left = keys(target)
+    assert len({k.split("/")[0] for k in left - {"made.json"}}) == 1  # the old and killed: gone
+    assert not left & first - {"made.json"}
+
+
+def test_a_block_that_completes_without_its_marker_keeps_the_old_output(bucket_uri: str) -> None:
+    """Had the old marker stood for the new one, the old files it names would be deleted."""
+    target = resolve_storage(bucket_uri).join("outputs", "unmarked")
+    write_output(target, 1)
+    unmarked = pytest.raises(RuntimeError, match="completed without its marker")
+    with unmarked, staged_output(target, MADE) as staged:
+        staged.folder.join("train", "part-0.parquet").write_text("v2")
+    assert read_output(target) == (1, ["v1", "v1"])
+
+
+@pytest.mark.parametrize(
+    ("held", "message"),
+    [
+        ({"made.json": '{"name": "theirs"}'}, "holds a made.json this command did not write"),
+        ({"made.json": '{"version": 1'}, "holds a made.json this command did not write"),
+        ({"notes/thesis.tex": "mine"}, "holds files but no made.json"),
+        ({".env": "SECRET=1"}, "holds hidden files only but no made.json"),
+    ],
+    ids=["another command's marker", "a marker cut short", "the user's files", "hidden files"],
+)
+def test_a_folder_that_is_not_this_commands_output_is_refused_on_an_object_store(
+    bucket_uri: str, held: dict[str, str], message: str
+) -> None:
+    target = resolve_storage(bucket_uri).join("outputs", "refused", str(abs(hash(message))))
+    for name, content in held.items():
+        target.join(name).write_text(content)
+    with pytest.raises(StorageError, match=message):
+        write_output(target, 1)
+    assert keys(target) == set(held)

@@ -364,10 +364,18 @@ def test_shards_written_from_a_tree_and_read_from_webdataset_tars_and_parquet_tr
         return [item["Key"] for item in listed]
 
     def s3_files(prefix: str) -> tuple[list[str], Callable[[str], bytes]]:
-        def read(key: str) -> bytes:
-            return bytes(client.get_object(Bucket="images", Key=prefix + key)["Body"].read())
+        """An output on S3: its marker, and the files of the generation the marker names."""
+        marker = json.loads(
+            client.get_object(Bucket="images", Key=f"{prefix}dataset.json")["Body"].read()
+        )
+        assert marker["files_in"].startswith("files-")  # no rename on S3: swapped by the marker
+        root = f"{prefix}{marker['files_in']}/"
 
-        return [key.removeprefix(prefix) for key in s3_keys(prefix)], read
+        def read(key: str) -> bytes:
+            at = prefix if key == "dataset.json" else root
+            return bytes(client.get_object(Bucket="images", Key=at + key)["Body"].read())
+
+        return [key.removeprefix(root) for key in s3_keys(root)], read
 
     def local_files(folder: Path) -> tuple[list[str], Callable[[str], bytes]]:
         def read(key: str) -> bytes:

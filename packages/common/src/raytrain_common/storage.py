@@ -9,15 +9,19 @@ the driver before any worker starts.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
+import json
 import os
 import posixpath
 import re
 import shutil
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pyarrow.fs as pafs
 
@@ -362,21 +366,60 @@ def restart_marked_folder(folder: StoragePath, marker: str) -> StoragePath:
     return marker_path
 
 
-def check_output_folder(
-    target: StoragePath, marker: str, is_ours: Callable[[StoragePath], bool] | None = None
-) -> None:
+FILES_IN = "files_in"  # a marker's field: where the output's files lie, relative to its folder
+
+
+@dataclass(frozen=True)
+class OutputMarker:
+    """The file that marks a folder as one command's complete output, written last, and the
+    JSON fields it holds. `--force` replaces a folder only when its marker is one of these: a
+    JSON object with the `required` fields and none outside `allowed`."""
+
+    name: str
+    required: frozenset[str]
+    allowed: frozenset[str]
+
+    @classmethod
+    def of(cls, name: str, record: type) -> OutputMarker:
+        """The marker named `name` that holds a `record` dataclass (its fields without a default
+        are required)."""
+        fields = dataclasses.fields(record)
+        required = {
+            field.name
+            for field in fields
+            if field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING
+        }
+        allowed = {field.name for field in fields} | {FILES_IN}
+        return cls(name, frozenset(required), frozenset(allowed))
+
+    def is_ours(self, marker_path: StoragePath) -> bool:
+        try:
+            record = json.loads(marker_path.read_text())
+        except (ValueError, UnicodeDecodeError):  # not JSON: cut short, or someone else's
+            return False
+        return isinstance(record, dict) and self.required <= set(record) <= self.allowed
+
+
+def files_of(folder: StoragePath, files_in: str) -> StoragePath:
+    """Where an output's files lie: `folder` itself, or the generation its marker names (an
+    object store's output, `staged_output`)."""
+    return folder.join(files_in) if files_in else folder
+
+
+def check_output_folder(target: StoragePath, marker: OutputMarker) -> None:
     """Refuse a folder of the user's own files as an output, before any work is done: one without
-    `marker` that holds any file (a hidden one too: `.git`, `.env`), or one whose `marker` this
-    command did not write (`is_ours` says, given the marker's path)."""
+    the marker that holds any file (a hidden one too: `.git`, `.env`), or one whose marker this
+    command did not write (another command's, or not what this command writes)."""
     if not target.is_dir():
         return
-    marker_path = target.join(marker)
+    marker_path = target.join(marker.name)
     if marker_path.exists():
-        if is_ours is None or is_ours(marker_path):
+        if marker.is_ours(marker_path):
             return
         raise StorageError(
-            f"{target.uri} holds a {marker} this command did not write, so it is not an output of "
-            "this command (--force replaces only its own): choose a new or empty folder to write to"
+            f"{target.uri} holds a {marker.name} this command did not write, so it is not an "
+            "output of this command (--force replaces only its own): choose a new or empty folder "
+            "to write to"
         )
     selector = pafs.FileSelector(target.path, allow_not_found=True, recursive=True)
     held = [
@@ -390,29 +433,78 @@ def check_output_folder(
             for path in held
         )
         raise StorageError(
-            f"{target.uri} holds {'hidden files only' if hidden else 'files'} but no {marker}, so "
-            "it is not an output of this command: choose a new or empty folder to write to"
+            f"{target.uri} holds {'hidden files only' if hidden else 'files'} but no "
+            f"{marker.name}, so it is not an output of this command: choose a new or empty folder "
+            "to write to"
         )
 
 
+@dataclass(frozen=True)
+class StagedOutput:
+    """Where a command writes an output that replaces `target` only once it is complete."""
+
+    folder: StoragePath  # every file of the output goes here
+    files_in: str  # the marker records it: where the files lie relative to the target
+    marker: StoragePath  # written last, by write_marker
+
+    def write_marker(self, record: dict[str, Any]) -> None:
+        """Write the marker (last: on an object store this one PUT is what swaps the outputs)."""
+        self.marker.write_text(json.dumps({**record, FILES_IN: self.files_in}, indent=2) + "\n")
+
+
 @contextlib.contextmanager
-def staged_folder(
-    target: StoragePath, marker: str, is_ours: Callable[[StoragePath], bool] | None = None
-) -> Iterator[StoragePath]:
-    """A folder to write a whole output into, which becomes `target` only if the block completes.
+def staged_output(target: StoragePath, marker: OutputMarker) -> Iterator[StagedOutput]:
+    """An output written whole, which replaces `target` only if the block completes and writes
+    the marker; the one rule every `prepare` and `export` follows.
 
-    `target` may be absent, empty, or an earlier output (it holds `marker`); a folder of anything
-    else is refused, so a --data-dir pointed at the user's own files never gets replaced.
+    `target` may be absent, empty, or an earlier output of this command (its marker is ours); a
+    folder of anything else is refused before any work, so the user's own files are never replaced.
 
-    Locally the writes go to a hidden sibling that replaces `target` (and whatever it held) by a
-    rename at the end, and is deleted on an error: a failed or interrupted `prepare` leaves the
-    user's folder as it was. Object stores have no rename: there the writes go to `target` itself,
-    and the marker file its writer puts last is what tells a complete output from a partial one.
+    Locally the files go to a hidden sibling that replaces `target` by a rename at the end and is
+    deleted on an error. Object stores have no rename: there the files go to a new generation
+    folder inside `target` (`files-<time>-<id>`), the old output untouched and still marked, and
+    the marker, rewritten last in one PUT, names the new generation; only then are the old
+    output's files deleted. A refused, failed or killed `--force` leaves the old output usable
+    (a killed one leaves its partial generation, which the next completed write deletes).
     """
-    check_output_folder(target, marker, is_ours)
-    if not target.is_local:
-        yield target
+    check_output_folder(target, marker)
+    if target.is_local:
+        with _staged_locally(target) as staging:
+            staged = StagedOutput(staging, "", staging.join(marker.name))
+            yield staged
+            _check_marked(staged)
         return
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+    files_in = f"files-{stamp}-{uuid.uuid4().hex[:6]}"
+    staged = StagedOutput(target.join(files_in), files_in, target.join(marker.name))
+    try:
+        yield staged
+        _check_marked(staged)
+    except BaseException:
+        with contextlib.suppress(OSError):  # best effort: the next completed write deletes it
+            target.filesystem.delete_dir(staged.folder.path)
+        raise
+    selector = pafs.FileSelector(target.path, allow_not_found=True)
+    for info in target.filesystem.get_file_info(selector):
+        if info.base_name in (files_in, marker.name):
+            continue
+        if info.type == pafs.FileType.Directory:
+            target.filesystem.delete_dir(info.path)
+        else:
+            target.filesystem.delete_file(info.path)
+
+
+def _check_marked(staged: StagedOutput) -> None:
+    """The block's own marker is in place (not an earlier output's, whose files would go)."""
+    written = staged.marker.exists() and json.loads(staged.marker.read_text())
+    if not written or written.get(FILES_IN) != staged.files_in:
+        raise RuntimeError(f"the output in {staged.folder.uri} was completed without its marker")
+
+
+@contextlib.contextmanager
+def _staged_locally(target: StoragePath) -> Iterator[StoragePath]:
+    """A hidden sibling of `target` that replaces it by a rename when the block completes, and
+    is deleted (with any parent folder this call created) when it fails."""
     parent, name = posixpath.split(target.path)
     created = Path(parent)  # the outermost folder this call creates, removed again on a failure
     while not created.parent.exists():

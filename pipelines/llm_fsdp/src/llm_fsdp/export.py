@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,10 +21,25 @@ from llm_fsdp import __version__
 from llm_fsdp.checkpointer import STATE_FILE
 from llm_fsdp.model import ModelSpec, build_lm
 from raytrain_common.checkpoint import verify_checkpoint
-from raytrain_common.storage import check_output_folder, resolve_storage, staged_folder
+from raytrain_common.storage import (
+    OutputMarker,
+    check_output_folder,
+    resolve_storage,
+    staged_output,
+)
 from raytrain_common.tokens.corpus import DataError
 
-EXPORT_MARKER = "llm_fsdp_export.json"  # written last: an export's own folder, whole
+
+@dataclass(frozen=True)
+class ExportRecord:
+    """What an export's marker holds: the checkpoint it consolidates and the package that wrote it."""
+
+    checkpoint: str
+    llm_fsdp: str
+
+
+# Written last: marks a folder as an export's own, whole (the library's one rule for outputs).
+EXPORT_MARKER = OutputMarker.of("llm_fsdp_export.json", ExportRecord)
 
 
 def export(checkpoint: str, output: str, loop_config: dict[str, Any] | None = None) -> Path:
@@ -44,11 +60,10 @@ def export(checkpoint: str, output: str, loop_config: dict[str, Any] | None = No
     model, config = load_consolidated(folder, loop_config)
     info = config["dataset"]
     hf_logging.disable_progress_bar()  # transformers' save and load bars: a console line each
-    with staged_folder(target, EXPORT_MARKER) as staging:
-        model.save_pretrained(staging.path)
-        AutoTokenizer.from_pretrained(info["tokenizer"]).save_pretrained(staging.path)
-        marker = {"checkpoint": str(folder.resolve()), "llm_fsdp": __version__}
-        staging.join(EXPORT_MARKER).write_text(json.dumps(marker, indent=1))
+    with staged_output(target, EXPORT_MARKER) as staged:
+        model.save_pretrained(staged.folder.path)
+        AutoTokenizer.from_pretrained(info["tokenizer"]).save_pretrained(staged.folder.path)
+        staged.write_marker(asdict(ExportRecord(str(folder.resolve()), __version__)))
     return Path(target.path)
 
 

@@ -24,7 +24,7 @@ from raytrain_common.ingest.watch import IngestLostError
 from raytrain_common.loop import process_started_at
 from raytrain_common.metrics import SUMMARY_FILE
 from raytrain_common.ray_start import show_ray_output
-from raytrain_common.storage import resolve_storage
+from raytrain_common.storage import files_of, resolve_storage
 from raytrain_common.sweep import SWEEP_HELP
 
 # Errors of the user's input (the library's and these), and faults whose cause and fix are known
@@ -92,7 +92,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         + f"\nvalidation split: {info.notes['val_split']}"
         + (
             f"\n{info.bad_files} file(s) cannot be decoded and were left out: "
-            f"{data_dir.join(BAD_FILES)}"
+            f"{files_of(data_dir, info.files_in).join(BAD_FILES)}"
             if info.bad_files
             else ""
         )

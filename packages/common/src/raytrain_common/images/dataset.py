@@ -28,9 +28,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from raytrain_common.storage import (
-    StoragePath,
-)
+from raytrain_common.storage import OutputMarker, StoragePath, files_of
 
 log = logging.getLogger(__name__)
 
@@ -45,12 +43,14 @@ SPLIT_FOLDERS = {"train": "train", "val": "validation", "test": "test"}
 FORMER_VAL_FOLDER = "val"
 
 
-def split_folder(data_dir: StoragePath, split: str) -> StoragePath:
-    """Where a prepared split's files are: `validation/` for "val", or the `val/` of a folder an
-    earlier version prepared (read as it is; `prepare --force` writes `validation/`)."""
-    folder = data_dir.join(SPLIT_FOLDERS[split])
+def split_folder(data_dir: StoragePath, split: str, files_in: str = "") -> StoragePath:
+    """Where a prepared split's files are: `validation/` for "val" (under the generation
+    dataset.json names, `files_in`, on an object store), or the `val/` of a folder an earlier
+    version prepared (read as it is; `prepare --force` writes `validation/`)."""
+    root = files_of(data_dir, files_in)
+    folder = root.join(SPLIT_FOLDERS[split])
     if split == "val" and not folder.exists():
-        former = data_dir.join(FORMER_VAL_FOLDER)
+        former = root.join(FORMER_VAL_FOLDER)
         if former.exists():
             return former
     return folder
@@ -79,6 +79,7 @@ class DatasetInfo:
     fingerprint: str = ""  # of every split's (id, label) rows: what a checkpoint was trained on
     bad_files: int = 0  # files of an image tree left out by prepare's check (bad_files.csv)
     shards: bool = False  # rows hold each image's file, encoded as it was (prepare --shards)
+    files_in: str = ""  # the splits' folder under the data folder ("": beside dataset.json)
 
     @property
     def content(self) -> str:
@@ -94,6 +95,9 @@ class DatasetInfo:
 
     def class_name(self, label: int) -> str:
         return self.class_names[label] if self.class_names else str(label)
+
+
+MARKER = OutputMarker.of(DATASET_FILE, DatasetInfo)  # written last by prepare
 
 
 @dataclass(frozen=True)
@@ -129,7 +133,7 @@ def inspect_dataset(data_dir: StoragePath, prepare_command: str = "prepare") -> 
         )
     expected_rows = {"train": info.train_rows, "val": info.val_rows, "test": info.test_rows}
     for split in SPLITS:
-        folder = split_folder(data_dir, split)
+        folder = split_folder(data_dir, split, info.files_in)
         files = folder.list_files(".parquet")
         if not files:
             raise DataError(f"no Parquet files in {folder}: rerun `{prepare_command} --force`")

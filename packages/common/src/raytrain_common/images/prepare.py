@@ -31,6 +31,7 @@ from raytrain_common.images import tree as tree_prep
 from raytrain_common.images.dataset import (
     DATASET_FILE,
     FORMAT,
+    MARKER,
     SPLIT_FOLDERS,
     SPLITS,
     DataError,
@@ -41,7 +42,7 @@ from raytrain_common.storage import (
     StoragePath,
     check_output_folder,
     resolve_storage,
-    staged_folder,
+    staged_output,
     write_atomic,
 )
 
@@ -49,7 +50,7 @@ log = logging.getLogger(__name__)
 
 IMAGE_SIZE = (28, 28)
 ROWS_PER_FILE = 10_000
-BAD_FILES = "bad_files.csv"  # beside dataset.json: an image tree's files left out, and why
+BAD_FILES = "bad_files.csv"  # beside the splits: an image tree's files left out, and why
 IDX_UNPACK_CHUNK = 16 << 20  # bytes of a gzipped IDX file unpacked at a time
 
 
@@ -353,7 +354,7 @@ def prepare(
     if existing is not None:
         return existing
     # The user's own files, or a dataset.json of someone else's: refused before any work.
-    check_output_folder(data_dir, DATASET_FILE, written_by_prepare)
+    check_output_folder(data_dir, MARKER)
     if tree:
         return prepare_image_tree(
             source,
@@ -378,10 +379,9 @@ def prepare(
     splits = {"train": train, "val": val, "test": test}
     num_classes = checked_class_count(splits)
     mean, std = pixel_stats(train).mean_std()
-    unmark_remote(data_dir)
-    with staged_folder(data_dir, DATASET_FILE, written_by_prepare) as staging:
+    with staged_output(data_dir, MARKER) as staged:
         for name, split in splits.items():
-            write_split(fresh_folder(staging, name), split_tables(split, seed))
+            write_split(staged.folder.join(SPLIT_FOLDERS[name]), split_tables(split, seed))
         info = DatasetInfo(
             source=source_id,
             num_classes=num_classes,
@@ -395,8 +395,9 @@ def prepare(
             notes=notes,
             format=FORMAT,
             fingerprint=fingerprint(source_id, IMAGE_SIZE[0], 1, splits),
+            files_in=staged.files_in,
         )
-        staging.join(DATASET_FILE).write_text(json.dumps(asdict(info), indent=2) + "\n")
+        staged.write_marker(asdict(info))
     return info
 
 
@@ -442,9 +443,8 @@ def prepare_image_tree(
         "skipped_files": dict(sorted(summary.skipped.items())),
         **carve_plan.notes,
     }
-    unmark_remote(data_dir)
-    with staged_folder(data_dir, DATASET_FILE, written_by_prepare) as staging:
-        folders = {name: fresh_folder(staging, name) for name in SPLITS}
+    with staged_output(data_dir, MARKER) as staged:
+        folders = {name: staged.folder.join(SPLIT_FOLDERS[name]) for name in SPLITS}
         shard_writer: tree_prep.ShardWriter | shard_prep.SourceShardWriter | None = None
         if shard_source is not None:
             shard_writer = shard_prep.SourceShardWriter(tree.root.uri, columns)
@@ -468,7 +468,7 @@ def prepare_image_tree(
         if dict(writer.rows) != sizes:
             raise DataError(f"prepare wrote {dict(writer.rows)} rows, not the {sizes} planned")
         bad_rows = tree_prep.bad_files_rows(tree.listed, tree.root.uri, summary.bad)
-        write_atomic(staging.join(BAD_FILES), tree_prep.bad_files_csv(bad_rows))
+        write_atomic(staged.folder.join(BAD_FILES), tree_prep.bad_files_csv(bad_rows))
         if shard_source is not None:
             stats = shard_pixel_stats(folders["train"], side, channels)
         else:
@@ -493,35 +493,10 @@ def prepare_image_tree(
             fingerprint=tree_prep.tree_fingerprint(source_id, side, channels, writer),
             bad_files=summary.bad,
             shards=shards,
+            files_in=staged.files_in,
         )
-        staging.join(DATASET_FILE).write_text(json.dumps(asdict(info), indent=2) + "\n")
+        staged.write_marker(asdict(info))
     return info
-
-
-def written_by_prepare(marker: StoragePath) -> bool:
-    """Whether a data folder's dataset.json is a prepared image dataset's (any version): a JSON object with
-    DatasetInfo's fields and no others. --force replaces such a folder and nothing else."""
-    try:
-        DatasetInfo(**json.loads(marker.read_text()))
-    except (ValueError, TypeError, UnicodeDecodeError):  # not JSON, not an object, other fields
-        return False
-    return True
-
-
-def unmark_remote(data_dir: StoragePath) -> None:
-    """On an object store (no rename) the output is rewritten in place: its marker goes first, so
-    it is unmarked until complete."""
-    marker = data_dir.join(DATASET_FILE)
-    if marker.exists() and not data_dir.is_local:
-        marker.filesystem.delete_file(marker.path)
-
-
-def fresh_folder(staging: StoragePath, split: str) -> StoragePath:
-    """A split's folder in the staging output, emptied of an earlier preparation's files."""
-    folder = staging.join(SPLIT_FOLDERS[split])
-    if folder.exists():
-        folder.filesystem.delete_dir_contents(folder.path)
-    return folder
 
 
 def check_prepare_options(
@@ -547,7 +522,7 @@ def prepared_already(
     as asked (and no --force); a refusal when it holds another preparation; None when there is
     none, or --force rewrites."""
     marker = data_dir.join(DATASET_FILE)
-    if not marker.exists() or force or not written_by_prepare(marker):
+    if not marker.exists() or force or not MARKER.is_ours(marker):
         return None  # (someone else's dataset.json: check_output_folder refuses it)
     info = DatasetInfo(**json.loads(marker.read_text()))
     if info.format != FORMAT:

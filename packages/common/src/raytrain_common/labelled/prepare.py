@@ -28,7 +28,14 @@ import pyarrow.json
 import pyarrow.parquet as pq
 
 from raytrain_common.pretokenize import TokenStats, read_stats
-from raytrain_common.storage import StoragePath, resolve_storage, staged_folder
+from raytrain_common.storage import (
+    OutputMarker,
+    StoragePath,
+    check_output_folder,
+    files_of,
+    resolve_storage,
+    staged_output,
+)
 from raytrain_common.text import UTF8, TextEncodingError, iter_decoded
 
 log = logging.getLogger(__name__)
@@ -99,10 +106,14 @@ class DatasetInfo:
     stratified_by: str | None
     seed: int
     token_stats: dict[str, dict[str, float]] = field(default_factory=dict)
+    files_in: str = ""  # the splits' folder under the data folder ("": beside dataset.json)
 
     @property
     def num_labels(self) -> int:
         return len(self.labels)
+
+
+MARKER = OutputMarker.of(DATASET_FILE, DatasetInfo)  # written last by prepare
 
 
 # ---------------------------------------------------------------------------------------------
@@ -454,10 +465,6 @@ def tokenizer_fingerprint(tokenizer_path: str) -> str:
     return hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode()).hexdigest()
 
 
-def write_info(data_dir: StoragePath, info: DatasetInfo) -> None:
-    data_dir.join(DATASET_FILE).write_text(json.dumps(asdict(info), indent=2) + "\n")
-
-
 def inspect_dataset(data_dir: StoragePath, prepare_command: str = "prepare") -> DatasetInfo:
     """The prepared dataset's description; an error naming the command to run (`prepare_command`,
     the pipeline's own) if it is incomplete."""
@@ -469,7 +476,10 @@ def inspect_dataset(data_dir: StoragePath, prepare_command: str = "prepare") -> 
         )
     info = DatasetInfo(**json.loads(marker.read_text()))
     for split in SPLITS:
-        stats: TokenStats = read_stats(data_dir.join(split))
+        try:
+            stats: TokenStats = read_stats(split_dir(data_dir, split, info))
+        except FileNotFoundError as error:  # a split deleted or cut off behind the marker's back
+            raise DataError(f"{error}: rerun `{prepare_command} --force`") from error
         if stats.rows != info.rows[split]:
             raise DataError(
                 f"{data_dir.uri}/{split} has {stats.rows} rows, {DATASET_FILE} says "
@@ -478,14 +488,24 @@ def inspect_dataset(data_dir: StoragePath, prepare_command: str = "prepare") -> 
     return info
 
 
+def split_dir(data_dir: StoragePath, split: str, info: DatasetInfo | None = None) -> StoragePath:
+    """A prepared split's folder: under the generation dataset.json names (an object store's
+    output: `storage.staged_output`); `info` when the caller has read it."""
+    if info is None:
+        info = DatasetInfo(**json.loads(data_dir.join(DATASET_FILE).read_text()))
+    return files_of(data_dir, info.files_in).join(split)
+
+
 def read_labels(data_dir: StoragePath, split: str, prepare_command: str = "prepare") -> np.ndarray:
     """One split's class ids, read from the label column alone, a file at a time."""
     labels = []
-    for file in data_dir.join(split).list_files(".parquet"):
+    for file in split_dir(data_dir, split).list_files(".parquet"):
         with file.filesystem.open_input_file(file.path) as stream:
             labels.append(pq.read_table(stream, columns=["label"]).column("label").to_numpy())
     if not labels:
-        raise DataError(f"no Parquet files in {data_dir.uri}/{split}: rerun `{prepare_command}`")
+        raise DataError(
+            f"no Parquet files in {data_dir.uri}/{split}: rerun `{prepare_command} --force`"
+        )
     return np.concatenate(labels)
 
 
@@ -691,6 +711,7 @@ def prepare(
     existing = prepared_already(data_dir, options, fingerprint, force, named, prepare_command)
     if existing is not None:
         return existing
+    check_output_folder(data_dir, MARKER)  # the user's own files: refused before any work
     parts, source = load_source(options, download_dir, named)
     own = named[options.dataset].stratify_by if options.dataset in named else None
     stratify = options.stratify_column or own or options.label_column
@@ -699,7 +720,8 @@ def prepare(
     placements = place_rows(parts, seen, options)
     counts = split_counts(placements, source)
     init_ray(train_cpus=1)  # only now: every check above runs without a cluster
-    with staged_folder(data_dir, DATASET_FILE) as staging:
+    with staged_output(data_dir, MARKER) as staged:
+        staging = staged.folder
         raw = staging.join(".raw")
         class_ids = [part.labels.ids(names) for part in seen]
         write_raw_splits(parts, class_ids, placements, options, counts, raw)
@@ -717,8 +739,9 @@ def prepare(
             stratified_by=stratify,
             seed=options.seed,
             token_stats=token_stats,
+            files_in=staged.files_in,
         )
-        write_info(staging, info)
+        staged.write_marker(asdict(info))
     return info
 
 
@@ -743,10 +766,23 @@ def prepared_already(
 ) -> DatasetInfo | None:
     """The dataset in `data_dir` when it was prepared with these settings (and no --force); a
     refusal when it holds another preparation; None when there is none, or --force rewrites it
-    (an object store's marker removed first: unmarked until complete)."""
+    (a damaged one too, when its dataset.json is ours: `storage.staged_output` checks)."""
     marker = data_dir.join(DATASET_FILE)
-    if not marker.exists():
-        return None
+    if force or not marker.exists() or not MARKER.is_ours(marker):
+        return None  # (someone else's dataset.json: check_output_folder refuses it)
+    existing = inspect_dataset(data_dir, prepare_command)
+    same = (existing.tokenizer_sha256, existing.max_length, existing.seed) == (
+        fingerprint,
+        options.max_length,
+        options.seed,
+    )
+    if same and existing.source.startswith(_source_prefix(options, named)):
+        log.info("dataset at %s is prepared already; --force rewrites it", data_dir.uri)
+        return existing
+    raise DataError(
+        f"{data_dir.uri} holds data prepared from {existing.source} with {existing.tokenizer} "
+        "and other settings: pass --force to rewrite it, or choose another --data-dir"
+    )
     existing = inspect_dataset(data_dir, prepare_command)
     same = (existing.tokenizer_sha256, existing.max_length, existing.seed) == (
         fingerprint,
@@ -761,8 +797,6 @@ def prepared_already(
             f"{data_dir.uri} holds data prepared from {existing.source} with {existing.tokenizer} "
             "and other settings: pass --force to rewrite it, or choose another --data-dir"
         )
-    if not data_dir.is_local:
-        marker.filesystem.delete_file(marker.path)
     return None
 
 

@@ -20,6 +20,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from raytrain_common.labelled.prepare import split_dir as prepared_split_dir
 from raytrain_common.rowfile import RowSource, row_file
 from raytrain_common.storage import StoragePath
 
@@ -54,7 +55,7 @@ class TokenizedSplit(torch.utils.data.Dataset):
     ) -> TokenizedSplit:
         """The split's first `limit` rows of its seeded order (row ids below `limit`: a random
         sample whatever order the files hold), all if None, read through this node's row files."""
-        split_dir = data_dir.join(split)
+        split_dir = prepared_split_dir(data_dir, split)
         layout = f"ids{max_length}-i32-v1"
         ids = row_file(
             split_dir,

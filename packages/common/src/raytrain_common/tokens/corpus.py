@@ -36,7 +36,7 @@ import pyarrow.json
 import pyarrow.parquet as pq
 
 from raytrain_common.pretokenize import STATS_FILE
-from raytrain_common.storage import StoragePath, resolve_storage, staged_folder
+from raytrain_common.storage import OutputMarker, StoragePath, resolve_storage, staged_output
 from raytrain_common.text import UTF8, check_encoding, iter_decoded
 from raytrain_common.tokens.file import (
     TOKEN_FILE,
@@ -99,9 +99,13 @@ class DatasetInfo:
     seed: int
     split_by: str = "documents"  # or "characters": each document's tail held out (small corpora)
     files: dict[str, dict[str, int]] = field(default_factory=dict)  # read / skipped, by suffix
+    files_in: str = ""  # always beside dataset.json: prepare writes local or mounted folders
 
     def blocks(self, split: str) -> int:
         return self.packing[split]["blocks"]
+
+
+MARKER = OutputMarker.of(DATASET_FILE, DatasetInfo)  # written last by prepare
 
 
 # ---------------------------------------------------------------------------------------------
@@ -804,7 +808,8 @@ def prepare(
     existing = prepared_already(data_dir, tokenizer, seq_len, seed, force, prepare_command)
     if existing is not None:
         return existing
-    with staged_folder(data_dir, DATASET_FILE) as staging:
+    with staged_output(data_dir, MARKER) as staged:
+        staging = staged.folder
         texts = staging.join("texts")
         shards, report = read_corpus(
             dataset, text_column, download_dir, encoding, glob, texts.join("all"), named_corpora
@@ -838,8 +843,9 @@ def prepare(
             seed=seed,
             split_by=split_by,
             files=report.files(),
+            files_in=staged.files_in,
         )
-        staging.join(DATASET_FILE).write_text(json.dumps(asdict(info), indent=2) + "\n")
+        staged.write_marker(asdict(info))
     return info
 
 
@@ -890,8 +896,9 @@ def prepared_already(
 ) -> DatasetInfo | None:
     """The dataset in `data_dir` when it was prepared with these settings (and no --force); a
     refusal when it was prepared with others; None when there is none, or --force rewrites it."""
-    if not data_dir.join(DATASET_FILE).exists() or force:
-        return None
+    marker = data_dir.join(DATASET_FILE)
+    if force or not marker.exists() or not MARKER.is_ours(marker):
+        return None  # (someone else's dataset.json, the user's own files: staged_output refuses)
     existing = inspect_dataset(data_dir, prepare_command)
     if (existing.seq_len, existing.tokenizer_name, existing.seed) == (seq_len, tokenizer, seed):
         log.info("dataset at %s is prepared already; --force rewrites it", data_dir.uri)
