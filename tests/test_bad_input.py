@@ -554,6 +554,12 @@ CASES = [
     ),
     # llm-fsdp: document trees, encodings, sizes, checkpoints, models
     Case(
+        "LoRA on a model trained from scratch",
+        "llm-fsdp",
+        lambda r: ["train", "--model", "tiny", "--lora-rank", "8", *storage(r)],
+        r"--lora-rank 8 with --model tiny: LoRA adapts a pretrained model.*give --model smollm2",
+    ),
+    Case(
         "folder without text files",
         "llm-fsdp",
         lambda r: llm_prepare(r, "--dataset", str(image(r / "pics" / "a" / "x.png").parents[1])),

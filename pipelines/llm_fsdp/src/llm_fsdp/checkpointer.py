@@ -18,9 +18,14 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from ray.train import Checkpoint, CheckpointUploadMode
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
 
 from llm_fsdp.loss import NextTokenLoss
+from llm_fsdp.model import parameter_count, trainable_parameter_count
 from llm_fsdp.run_state import RunState, WorkerContext
 from raytrain_common.checkpoint import (
     UploadFn,
@@ -35,6 +40,8 @@ from raytrain_common.loop import CheckpointPolicy, ProgressNotes
 log = logging.getLogger("llm_fsdp")
 
 STATE_FILE = "train_state.json"  # step, data position, history: beside the DCP shards
+# What a checkpoint holds of the model: the parameters that train (all of them, or LoRA's adapters).
+TRAINED_ONLY = StateDictOptions(ignore_frozen_params=True)
 # The validation loss of a checkpoint an async validation has not scored yet: above any real loss,
 # so Ray ranks it last (its ranking takes numbers only: NaN and infinity do not sort).
 NOT_EVALUATED = 1e9
@@ -49,8 +56,10 @@ def save_checkpoint(
     upload: UploadFn | None = None,
     validate: bool = False,
 ) -> None:
-    # The LM's state alone, so the keys are a plain Hugging Face model's (export loads them).
-    model_state, optimizer_state = get_state_dict(model.lm, optimizer)
+    # The LM's state alone, so the keys are a plain Hugging Face model's (export loads them); what
+    # trains only: under LoRA the adapters, the frozen base being the pretrained folder's.
+    model_state, optimizer_state = get_state_dict(model.lm, optimizer, options=TRAINED_ONLY)
+    model_state = trained_state(model.lm, model_state)
     folder = new_scratch_folder("llm-fsdp-ckpt")
     dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=folder)
     if dist.get_rank() == 0:
@@ -73,14 +82,37 @@ def save_checkpoint(
 def load_checkpoint(
     model: NextTokenLoss, optimizer: torch.optim.Optimizer, folder: str
 ) -> dict[str, Any]:
-    """Load shards into the current sharding (DCP reshards for another worker count)."""
-    model_state, optimizer_state = get_state_dict(model.lm, optimizer)
-    loaded = {"model": model_state, "optimizer": optimizer_state}
+    """Load shards into the current sharding (DCP reshards for another worker count): every
+    parameter that trains; the frozen ones (LoRA's base) are the pretrained weights already."""
+    model_state, optimizer_state = get_state_dict(model.lm, optimizer, options=TRAINED_ONLY)
+    loaded = {"model": trained_state(model.lm, model_state), "optimizer": optimizer_state}
     dcp.load(loaded, checkpoint_id=folder)
-    set_state_dict(
-        model.lm, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optimizer"]
+    keys = set_state_dict(
+        model.lm,
+        optimizer,
+        model_state_dict=loaded["model"],
+        optim_state_dict=loaded["optimizer"],
+        options=StateDictOptions(ignore_frozen_params=True, strict=False),
     )
+    frozen = frozen_names(model.lm) | {name for name, _ in model.lm.named_buffers()}
+    if keys.unexpected_keys or set(keys.missing_keys) - frozen:
+        raise RuntimeError(
+            f"{folder} does not fit the model: missing {sorted(set(keys.missing_keys) - frozen)[:5]}"
+            f", unexpected {sorted(keys.unexpected_keys)[:5]}"
+        )
     return json.loads((Path(folder) / STATE_FILE).read_text())
+
+
+def frozen_names(lm: torch.nn.Module) -> set[str]:
+    """The names of the parameters that do not train (LoRA's base), a tied one under each name."""
+    return {n for n, p in lm.named_parameters(remove_duplicate=False) if not p.requires_grad}
+
+
+def trained_state(lm: torch.nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+    """`state` without the frozen parameters: `ignore_frozen_params` keeps a tied one (the output
+    layer sharing the embeddings' weight) under its second name."""
+    frozen = frozen_names(lm)
+    return {name: value for name, value in state.items() if name not in frozen}
 
 
 def read_train_state(checkpoint: Checkpoint) -> dict[str, Any]:
@@ -171,6 +203,8 @@ class Checkpointer:
             "sequences_seen": run.step * self.config.global_batch_size,
             "world_size": self.world,
             "compute_dtype": str(self.model.compute_dtype).removeprefix("torch."),
+            "parameters": parameter_count(self.model.lm),  # DTensors count their global size
+            "trainable_parameters": trainable_parameter_count(self.model.lm),
             "worker_peak_rss_mb": workers_peak_rss_mb(),  # on every rank: a collective
             "loop_config": self.context.loop_config,
         }

@@ -189,8 +189,13 @@ def cmd_export(args: argparse.Namespace) -> int:
     run_dir = resolve_storage(config.storage_path).join(config.run_name)
     checkpoint = chosen_checkpoint(run_dir, config.checkpoint, TRAIN_COMMAND)
     output = config.output or join_uri(config.run_dir(), "export")
-    folder = export(checkpoint, output)
-    print(f"exported {checkpoint}\nto {folder} (AutoModelForCausalLM.from_pretrained loads it)")
+    folder = export(checkpoint, output, adapter_only=config.adapter_only)
+    loads = (
+        "PeftModel.from_pretrained(base, folder)"
+        if config.adapter_only
+        else "AutoModelForCausalLM.from_pretrained"
+    )
+    print(f"exported {checkpoint}\nto {folder} ({loads} loads it)")
     return 0
 
 

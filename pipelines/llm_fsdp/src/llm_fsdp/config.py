@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar
 
-from llm_fsdp.model import SMOLLM2
+from llm_fsdp.model import SIZE_PRESETS, SMOLLM2
 from raytrain_common.cli import option
 from raytrain_common.configs import (
     ConfigError,
@@ -84,6 +84,11 @@ class ExportConfig(RunLocation):
         "best", "best (lowest validation loss), latest, or a checkpoint folder."
     )
     output: str | None = option(None, "Folder to write (none: <run folder>/export).")
+    adapter_only: bool = option(
+        False,
+        "A LoRA run's adapters alone (adapter_model.safetensors; PeftModel.from_pretrained(base, "
+        "folder) loads them), instead of the model with them merged in.",
+    )
 
 
 @dataclass(kw_only=True)
@@ -126,6 +131,18 @@ class TrainConfig(ValidationSettings, TrainingSettings):
         "A size preset built from config (tiny, small), smollm2 (the offline SmolLM2-135M that "
         "`prepare --tokenizer smollm2` converted), or a local Hugging Face folder or hub id. "
         "Its tokenizer must be the one the data was prepared with.",
+    )
+    lora_rank: int = option(
+        0,
+        "Fine-tune through LoRA adapters of this rank (PEFT), the pretrained weights frozen and "
+        "sharded; checkpoints hold the adapters alone (0: full fine-tuning).",
+    )
+    lora_alpha: float = option(8.0, "LoRA's scale: the adapters' output × alpha / rank (PEFT's).")
+    lora_dropout: float = option(0.0, "Dropout on the adapters' input (PEFT's default: none).")
+    lora_target_modules: str | None = option(
+        None,
+        "Comma-separated names of the linear layers that get adapters (none: PEFT's for the "
+        "model family; q_proj,v_proj for Llama, SmolLM2, Qwen, Mistral).",
     )
     max_steps: int = option(400, "Optimiser steps of the whole run (a rerun continues up to this).")
     epochs: float | None = option(
@@ -209,6 +226,26 @@ class TrainConfig(ValidationSettings, TrainingSettings):
             )
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError(f"min_lr_ratio={self.min_lr_ratio}: it must be in [0, 1]")
+        self.validate_lora()
+
+    def validate_lora(self) -> None:
+        if self.lora_rank < 0 or self.lora_alpha <= 0 or not 0 <= self.lora_dropout < 1:
+            raise ConfigError(
+                f"lora_rank={self.lora_rank}, lora_alpha={self.lora_alpha}, lora_dropout="
+                f"{self.lora_dropout}: give a rank of 0 (no LoRA) or more, an alpha above 0 and "
+                "a dropout in [0, 1)"
+            )
+        if self.lora_rank and self.model in SIZE_PRESETS:
+            raise ConfigError(
+                f"--lora-rank {self.lora_rank} with --model {self.model}: LoRA adapts a pretrained "
+                "model, and a size preset starts from random weights; give --model smollm2 or a "
+                "Hugging Face folder (an exported run's, say)"
+            )
+
+    def lora_targets(self) -> list[str] | None:
+        if self.lora_target_modules is None:
+            return None
+        return [name.strip() for name in self.lora_target_modules.split(",") if name.strip()]
 
 
 def cpu_preset() -> TrainConfig:

@@ -18,8 +18,8 @@ from torch import nn
 from transformers.utils import logging as hf_logging
 
 from llm_fsdp import __version__
-from llm_fsdp.checkpointer import STATE_FILE
-from llm_fsdp.model import ModelSpec, build_lm
+from llm_fsdp.checkpointer import STATE_FILE, trained_state
+from llm_fsdp.model import ModelSpec, build_lm, merged
 from raytrain_common.checkpoint import verify_checkpoint
 from raytrain_common.storage import (
     OutputMarker,
@@ -42,8 +42,15 @@ class ExportRecord:
 EXPORT_MARKER = OutputMarker.of("llm_fsdp_export.json", ExportRecord)
 
 
-def export(checkpoint: str, output: str, loop_config: dict[str, Any] | None = None) -> Path:
-    """Consolidate `checkpoint` into `output` (model.safetensors, config, tokenizer), atomically.
+def export(
+    checkpoint: str,
+    output: str,
+    loop_config: dict[str, Any] | None = None,
+    adapter_only: bool = False,
+) -> Path:
+    """Consolidate `checkpoint` into `output` (model.safetensors, config, tokenizer), atomically:
+    a LoRA run's adapters merged into the base weights, or with `adapter_only` the adapters alone
+    (adapter_model.safetensors, adapter_config.json naming the base model).
 
     `output` may be absent, empty, or an earlier export (it holds EXPORT_MARKER, written last); a
     folder of anything else is refused before any work, so the user's own files are never replaced.
@@ -58,6 +65,10 @@ def export(checkpoint: str, output: str, loop_config: dict[str, Any] | None = No
     check_output_folder(target, EXPORT_MARKER)  # now, before the checkpoint is loaded
     folder = Path(checkpoint)
     model, config = load_consolidated(folder, loop_config)
+    if adapter_only and not config["model"].get("lora_rank"):
+        raise DataError(f"--adapter-only: {folder} is a full fine-tune's, it holds no adapters")
+    if not adapter_only:
+        model = merged(model)
     info = config["dataset"]
     hf_logging.disable_progress_bar()  # transformers' save and load bars: a console line each
     with staged_output(target, EXPORT_MARKER) as staged:
@@ -79,14 +90,14 @@ def load_consolidated(
     verify_checkpoint(folder)  # every rank's shards as written, none cut off
     config = loop_config or json.loads((folder / STATE_FILE).read_text())["loop_config"]
     info, spec = config["dataset"], ModelSpec(**config["model"])
-    model = build_lm(
+    model = build_lm(  # with its LoRA adapters when it trained them, over the pretrained base
         spec, vocab_size=info["vocab_size"], seq_len=info["seq_len"], eos_id=info["eos_id"]
     )
-    state = {"model": model.state_dict()}
+    state = {"model": trained_state(model, model.state_dict())}
     with warnings.catch_warnings():  # torch warns that one process reads every rank's shards
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
         dcp.load(state, checkpoint_id=str(folder), no_dist=True)
-    model.load_state_dict(state["model"])
+    model.load_state_dict(state["model"], strict=not spec.lora_rank)
     return model, config
 
 

@@ -53,16 +53,24 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         chunk_loss: ChunkLoss,
     ) -> torch.Tensor:
         grad_hidden = torch.empty_like(hidden)
-        # fp32 accumulation over chunks: more exact than the plain path's single bf16 matmul.
-        grad_weight = torch.zeros_like(weight, dtype=torch.float32)
+        # fp32 accumulation over chunks: more exact than the plain path's single bf16 matmul. A
+        # frozen output layer (LoRA) gets none: a third of the head's work saved.
+        grad_weight = (
+            torch.zeros_like(weight, dtype=torch.float32)
+            if ctx.needs_input_grad[1]  # type: ignore[attr-defined]
+            else None
+        )
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start in range(0, hidden.shape[0], chunk_tokens):
             part = hidden[start : start + chunk_tokens]
             loss, grad_logits = chunk_loss(part @ weight.T, targets[start : start + chunk_tokens])
             total += loss
             grad_hidden[start : start + chunk_tokens] = grad_logits @ weight
-            grad_weight += grad_logits.T @ part
-        ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
+            if grad_weight is not None:
+                grad_weight += grad_logits.T @ part
+        ctx.save_for_backward(
+            grad_hidden, grad_weight.to(weight.dtype) if grad_weight is not None else None
+        )
         return total
 
     @staticmethod
@@ -71,7 +79,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     ) -> tuple[torch.Tensor | None, ...]:
         grad_hidden, grad_weight = ctx.saved_tensors  # type: ignore[attr-defined]
         scale = grad_total.to(grad_hidden.dtype)
-        return grad_hidden * scale, grad_weight * scale, None, None, None
+        weight_grad = grad_weight * scale if grad_weight is not None else None
+        return grad_hidden * scale, weight_grad, None, None, None
 
 
 def chunked_cross_entropy_sum(

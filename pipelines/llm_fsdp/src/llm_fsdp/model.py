@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import shutil
 import uuid
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from transformers import (
     LlamaForCausalLM,
     PreTrainedModel,
 )
+from transformers.utils import logging as hf_logging
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +55,12 @@ class ModelSpec:
     name: str  # what the user gave
     preset: str | None  # a size preset, or None for a pretrained folder / hub id
     path: str | None  # the pretrained folder or hub id
+    lora_rank: int = 0  # > 0: LoRA adapters of this rank train, the base stays frozen (PEFT)
+    lora_alpha: float = 8.0
+    lora_dropout: float = 0.0
+    lora_targets: list[str] | None = (
+        None  # None: PEFT's modules for the family (Llama: q_proj, v_proj)
+    )
 
 
 def resolve_model(name: str, storage_path: str) -> ModelSpec:
@@ -92,7 +100,8 @@ def meta_model(spec: ModelSpec, *, vocab_size: int, seq_len: int, eos_id: int) -
     with torch.device("meta"):
         if spec.preset is not None:
             return build_lm(spec, vocab_size=vocab_size, seq_len=seq_len, eos_id=eos_id)
-        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(spec.path))
+        lm = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(spec.path))
+        return with_lora(lm, spec) if spec.lora_rank else lm  # its target modules checked
 
 
 def max_positions(spec: ModelSpec) -> int | None:
@@ -103,7 +112,50 @@ def max_positions(spec: ModelSpec) -> int | None:
 
 
 def build_lm(spec: ModelSpec, *, vocab_size: int, seq_len: int, eos_id: int) -> PreTrainedModel:
-    """The model in fp32 on the CPU: a fresh preset (seeded by the caller) or pretrained weights."""
+    """The model in fp32 on the CPU: a fresh preset (seeded by the caller) or pretrained weights,
+    with LoRA adapters (seeded too) and its base frozen when the spec asks for them."""
+    lm = build_base_lm(spec, vocab_size=vocab_size, seq_len=seq_len, eos_id=eos_id)
+    return with_lora(lm, spec) if spec.lora_rank else lm
+
+
+def with_lora(lm: PreTrainedModel, spec: ModelSpec) -> PreTrainedModel:
+    """`lm` wrapped by PEFT: a low-rank pair (A: rank × in, B: out × rank, B zero at the start) beside
+    each target linear layer, its output scaled by alpha / rank; only the pairs train."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=spec.lora_rank,
+        lora_alpha=spec.lora_alpha,
+        lora_dropout=spec.lora_dropout,
+        target_modules=spec.lora_targets,
+        task_type="CAUSAL_LM",
+    )
+    try:
+        with warnings.catch_warnings():  # PEFT 0.21 asks transformers 5 a deprecated property
+            warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated")
+            return get_peft_model(lm, config)  # type: ignore[return-value]
+    except ValueError as error:  # no such modules, or a family PEFT has no default for
+        raise ModelError(
+            f"LoRA on {spec.name}: {str(error).splitlines()[0][:300]}. Name the linear layers to "
+            "adapt with --lora-target-modules (e.g. q_proj,v_proj)"
+        ) from error
+
+
+def merged(lm: torch.nn.Module) -> PreTrainedModel:
+    """A plain model: LoRA's pairs added into the weights they adapt (W + B·A·alpha/rank), or
+    the model itself when it has none."""
+    merge = getattr(lm, "merge_and_unload", None)
+    return merge() if merge is not None else lm  # type: ignore[no-any-return]
+
+
+def trainable_parameter_count(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def build_base_lm(
+    spec: ModelSpec, *, vocab_size: int, seq_len: int, eos_id: int
+) -> PreTrainedModel:
+    """The model without adapters: a fresh preset (seeded by the caller) or pretrained weights."""
     if spec.preset is not None:
         config = LlamaConfig(
             vocab_size=vocab_size,
@@ -115,6 +167,7 @@ def build_lm(spec: ModelSpec, *, vocab_size: int, seq_len: int, eos_id: int) -> 
             **SIZE_PRESETS[spec.preset],
         )
         return LlamaForCausalLM(config)
+    hf_logging.disable_progress_bar()  # a loading bar per worker, each a console line
     model = AutoModelForCausalLM.from_pretrained(spec.path, dtype=torch.float32)
     if model.config.vocab_size < vocab_size:
         raise ModelError(

@@ -27,6 +27,8 @@ class UnsupportedModelError(TypeError):
 def decoder_blocks(model: torch.nn.Module) -> torch.nn.ModuleList:
     """The repeated transformer blocks of a Hugging Face causal LM: each is sharded (and compiled,
     and checkpointed) on its own."""
+    if hasattr(model, "get_base_model"):  # a PEFT model (LoRA): the blocks are its base model's
+        model = model.get_base_model()
     for path in BLOCK_PATHS:
         found: object = model
         for name in path.split("."):

@@ -89,6 +89,9 @@ def write_run_outputs(
     summary = {
         **summary_header("llm_fsdp", __version__, config.run_name, run_dir),
         "model": spec.name,
+        "lora_rank": spec.lora_rank,  # 0: full fine-tuning
+        "parameters": state.get("parameters"),
+        "trainable_parameters": state.get("trainable_parameters"),
         "steps_done": state["step"],
         "epochs_done": round(state["step"] * config.global_batch_size / info.blocks("train"), 4),
         "startup_s": state.get("startup_s"),

@@ -205,10 +205,11 @@ def out_of_memory_advice(config: TrainConfig, micro: int, seq_len: int, step: in
 
 
 def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW, fused into one kernel on GPUs; no weight decay on norms and biases (1-D
-    parameters)."""
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    """AdamW over the parameters that train (all, or LoRA's adapters), fused into one kernel on
+    GPUs; no weight decay on norms and biases (1-D parameters)."""
+    trained = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in trained if p.ndim >= 2]
+    no_decay = [p for p in trained if p.ndim < 2]
     groups = [
         {"params": decay, "weight_decay": config.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
@@ -324,7 +325,14 @@ def check_run(config: TrainConfig) -> tuple[TrainConfig, DatasetInfo, ModelSpec,
     tokens and the model that reads them. The config comes back with its steps (from --epochs)
     and paths resolved."""
     storage, data_dir = locate_run(config)
-    spec = resolve_model(config.model, storage.path if storage.is_local else "")
+    config.validate_lora()  # before the model is looked for
+    spec = dataclasses.replace(
+        resolve_model(config.model, storage.path if storage.is_local else ""),
+        lora_rank=config.lora_rank,
+        lora_alpha=config.lora_alpha,
+        lora_dropout=config.lora_dropout,
+        lora_targets=config.lora_targets(),
+    )
     info = dataset_info(config)
     check_model_fits_data(spec, info)
     if info.blocks("train") < config.global_batch_size:
