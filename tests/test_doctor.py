@@ -194,6 +194,10 @@ def test_a_memory_forecast_over_the_stated_limit_fails_with_the_knobs_that_fit(
     assert [row for row in report["rows"] if row["status"] == "FAIL"] == [forecast]
 
 
+def tail(log: Path) -> str:
+    return log.read_text(errors="replace")[-2000:] if log.exists() else "(no output)"
+
+
 @pytest.fixture
 def divergent_cluster(tmp_path: Path) -> Iterator[tuple[MultiNodeCluster, Path, Path]]:
     """A head node with an extra module on its path, and a second node started in its own mount
@@ -215,6 +219,7 @@ def divergent_cluster(tmp_path: Path) -> Iterator[tuple[MultiNodeCluster, Path, 
     old = tmp_path / "old-site" / "raytrain_common-0.0.1.dist-info"
     old.mkdir(parents=True)
     (old / "METADATA").write_text("Metadata-Version: 2.1\nName: raytrain-common\nVersion: 0.0.1\n")
+    node_log = tmp_path / "second-node.log"
     saved = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = str(head_only)  # the head's processes inherit it
     try:
@@ -236,11 +241,17 @@ def divergent_cluster(tmp_path: Path) -> Iterator[tuple[MultiNodeCluster, Path, 
                 ],
                 env={**os.environ, "PYTHONPATH": str(old.parent)},
                 start_new_session=True,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
+                stdout=node_log.open("wb"),
+                stderr=subprocess.STDOUT,
             )
             try:
-                wait_for(lambda: len(cluster.alive_node_ids()) == 2, paced(60), "the second node")
+
+                def joined() -> bool:
+                    if node.poll() is not None:  # `ray start` gave up: say why, now
+                        raise RuntimeError(f"the second node's `ray start` ended: {tail(node_log)}")
+                    return len(cluster.alive_node_ids()) == 2
+
+                wait_for(joined, paced(60), "the second node")
                 yield cluster, storage, head_only
             finally:
                 os.killpg(node.pid, signal.SIGTERM)
