@@ -29,7 +29,7 @@ def mlp_step(micro_batch: int = 32, **changes: object) -> TrainingStep:
 
     settings: dict[str, object] = {"grad_accum_steps": 1, "compute_dtype": torch.float32, **changes}
     return TrainingStep(
-        build_model=build,
+        build_model=settings.pop("build_model", build),  # type: ignore[arg-type]
         make_batch=make_batch,
         loss=loss,
         micro_batch=micro_batch,
@@ -64,6 +64,25 @@ def test_states_follow_the_optimizer_and_the_sharding() -> None:
         sharded.parameter_bytes == parameters * 4 // 4 + parameters * 2
     )  # + the gathered bf16 copy
     assert plain.total_bytes > plain.state_bytes + plain.activation_bytes + FIXED_OVERHEAD_BYTES - 1
+
+
+def test_frozen_parameters_have_no_gradients_and_no_optimizer_state() -> None:
+    """A frozen base (LoRA's): its weights are held, but neither gradients nor AdamW's moments, and
+    the input of a frozen first layer is not kept for a weight gradient that is never formed."""
+
+    def frozen_first() -> nn.Module:
+        model = nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 10))
+        model[0].requires_grad_(False)
+        return model
+
+    step = mlp_step(build_model=frozen_first)
+    result = forecast(step)
+    trained = 4096 * 10 + 10
+    assert result.parameters == 1024 * 4096 + 4096 + trained
+    assert result.parameter_bytes == result.parameters * 4
+    assert result.gradient_bytes == trained * 4 and result.optimizer_bytes == trained * 8
+    batch = 32
+    assert result.activation_bytes == batch * 4096 * 4 + batch * 10 * 4 + batch * 8 + 4
 
 
 def test_each_knob_fits_the_limit_it_was_asked_for() -> None:

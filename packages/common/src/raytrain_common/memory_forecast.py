@@ -120,12 +120,16 @@ def forecast(step: TrainingStep, *, micro_batch: int | None = None) -> Forecast:
     micro = micro_batch or step.micro_batch
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = step.build_model()
-        count = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+        unique = {id(p): p for p in model.parameters()}.values()
+        count = sum(p.numel() for p in unique)
+        # Gradients and optimiser state exist for the parameters that train only (a frozen base
+        # under LoRA has neither).
+        trained = sum(p.numel() for p in unique if p.requires_grad)
     shards = max(1, step.shard_states_over)
     master = count * _bytes(step.master_dtype) / shards
     copy = count * _bytes(step.compute_dtype) if step.compute_copy_of_params else 0
-    gradients = count * _bytes(step.master_dtype) / shards
-    optimizer = count * step.optimizer_bytes_per_param / shards
+    gradients = trained * _bytes(step.master_dtype) / shards
+    optimizer = trained * step.optimizer_bytes_per_param / shards
     activations = saved_activation_bytes(step, micro, checkpointed=False)
     if step.activation_checkpointing and step.blocks is not None:
         # Checkpointed: each block's input is kept, and one block's activations are rebuilt at a
