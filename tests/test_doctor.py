@@ -228,6 +228,7 @@ def divergent_cluster(tmp_path: Path) -> Iterator[tuple[MultiNodeCluster, Path, 
             if saved is not None:
                 os.environ["PYTHONPATH"] = saved
             ray_cli = Path(sys.executable).with_name("ray")
+            node_output = node_log.open("wb")
             node = subprocess.Popen(
                 [
                     "unshare",
@@ -241,9 +242,10 @@ def divergent_cluster(tmp_path: Path) -> Iterator[tuple[MultiNodeCluster, Path, 
                 ],
                 env={**os.environ, "PYTHONPATH": str(old.parent)},
                 start_new_session=True,
-                stdout=node_log.open("wb"),
+                stdout=node_output,
                 stderr=subprocess.STDOUT,
             )
+            node_output.close()  # the node holds its own copy
             try:
 
                 def joined() -> bool:

@@ -40,8 +40,6 @@ from raytrain_common.loop import CheckpointPolicy, ProgressNotes
 log = logging.getLogger("llm_fsdp")
 
 STATE_FILE = "train_state.json"  # step, data position, history: beside the DCP shards
-# What a checkpoint holds of the model: the parameters that train (all of them, or LoRA's adapters).
-TRAINED_ONLY = StateDictOptions(ignore_frozen_params=True)
 # The validation loss of a checkpoint an async validation has not scored yet: above any real loss,
 # so Ray ranks it last (its ranking takes numbers only: NaN and infinity do not sort).
 NOT_EVALUATED = 1e9
@@ -58,7 +56,7 @@ def save_checkpoint(
 ) -> None:
     # The LM's state alone, so the keys are a plain Hugging Face model's (export loads them); what
     # trains only: under LoRA the adapters, the frozen base being the pretrained folder's.
-    model_state, optimizer_state = get_state_dict(model.lm, optimizer, options=TRAINED_ONLY)
+    model_state, optimizer_state = get_state_dict(model.lm, optimizer)
     model_state = trained_state(model.lm, model_state)
     folder = new_scratch_folder("llm-fsdp-ckpt")
     dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=folder)
@@ -84,7 +82,7 @@ def load_checkpoint(
 ) -> dict[str, Any]:
     """Load shards into the current sharding (DCP reshards for another worker count): every
     parameter that trains; the frozen ones (LoRA's base) are the pretrained weights already."""
-    model_state, optimizer_state = get_state_dict(model.lm, optimizer, options=TRAINED_ONLY)
+    model_state, optimizer_state = get_state_dict(model.lm, optimizer)
     loaded = {"model": trained_state(model.lm, model_state), "optimizer": optimizer_state}
     dcp.load(loaded, checkpoint_id=folder)
     keys = set_state_dict(
@@ -92,7 +90,7 @@ def load_checkpoint(
         optimizer,
         model_state_dict=loaded["model"],
         optim_state_dict=loaded["optimizer"],
-        options=StateDictOptions(ignore_frozen_params=True, strict=False),
+        options=StateDictOptions(strict=False),  # the frozen base is not in it: checked below
     )
     frozen = frozen_names(model.lm) | {name for name, _ in model.lm.named_buffers()}
     if keys.unexpected_keys or set(keys.missing_keys) - frozen:
@@ -109,8 +107,8 @@ def frozen_names(lm: torch.nn.Module) -> set[str]:
 
 
 def trained_state(lm: torch.nn.Module, state: dict[str, Any]) -> dict[str, Any]:
-    """`state` without the frozen parameters: `ignore_frozen_params` keeps a tied one (the output
-    layer sharing the embeddings' weight) under its second name."""
+    """`state` without the frozen parameters, each name of a tied one included (the output layer
+    sharing the embeddings' weight), which `StateDictOptions(ignore_frozen_params=True)` keeps."""
     frozen = frozen_names(lm)
     return {name: value for name, value in state.items() if name not in frozen}
 
@@ -150,6 +148,11 @@ class Checkpointer:
             self.run_dir, self.driver_id, self.world, config.log_every_steps, self.rank
         )
         self.upload = upload_with_retries(config.storage_path, config.storage_patience_s)
+        # Counted once (DTensors count their global size): every checkpoint records them.
+        self.parameters = {
+            "parameters": parameter_count(model.lm),
+            "trainable_parameters": trainable_parameter_count(model.lm),
+        }
 
     def restore(self, checkpoint: Checkpoint | None) -> None:
         """Load the checkpoint into the model and optimiser (resharded to this worker count) and
@@ -203,8 +206,7 @@ class Checkpointer:
             "sequences_seen": run.step * self.config.global_batch_size,
             "world_size": self.world,
             "compute_dtype": str(self.model.compute_dtype).removeprefix("torch."),
-            "parameters": parameter_count(self.model.lm),  # DTensors count their global size
-            "trainable_parameters": trainable_parameter_count(self.model.lm),
+            **self.parameters,
             "worker_peak_rss_mb": workers_peak_rss_mb(),  # on every rank: a collective
             "loop_config": self.context.loop_config,
         }

@@ -58,9 +58,8 @@ class ModelSpec:
     lora_rank: int = 0  # > 0: LoRA adapters of this rank train, the base stays frozen (PEFT)
     lora_alpha: float = 8.0
     lora_dropout: float = 0.0
-    lora_targets: list[str] | None = (
-        None  # None: PEFT's modules for the family (Llama: q_proj, v_proj)
-    )
+    # The linear layers adapted; None: PEFT's for the family (Llama: q_proj, v_proj).
+    lora_targets: list[str] | None = None
 
 
 def resolve_model(name: str, storage_path: str) -> ModelSpec:

@@ -476,13 +476,14 @@ def inspect_dataset(data_dir: StoragePath, prepare_command: str = "prepare") -> 
         )
     info = DatasetInfo(**json.loads(marker.read_text()))
     for split in SPLITS:
+        folder = split_dir(data_dir, split, info)
         try:
-            stats: TokenStats = read_stats(split_dir(data_dir, split, info))
+            stats: TokenStats = read_stats(folder)
         except FileNotFoundError as error:  # a split deleted or cut off behind the marker's back
             raise DataError(f"{error}: rerun `{prepare_command} --force`") from error
         if stats.rows != info.rows[split]:
             raise DataError(
-                f"{data_dir.uri}/{split} has {stats.rows} rows, {DATASET_FILE} says "
+                f"{folder.uri} has {stats.rows} rows, {DATASET_FILE} says "
                 f"{info.rows[split]}: rerun `{prepare_command} --force`"
             )
     return info
@@ -499,13 +500,12 @@ def split_dir(data_dir: StoragePath, split: str, info: DatasetInfo | None = None
 def read_labels(data_dir: StoragePath, split: str, prepare_command: str = "prepare") -> np.ndarray:
     """One split's class ids, read from the label column alone, a file at a time."""
     labels = []
-    for file in split_dir(data_dir, split).list_files(".parquet"):
+    folder = split_dir(data_dir, split)
+    for file in folder.list_files(".parquet"):
         with file.filesystem.open_input_file(file.path) as stream:
             labels.append(pq.read_table(stream, columns=["label"]).column("label").to_numpy())
     if not labels:
-        raise DataError(
-            f"no Parquet files in {data_dir.uri}/{split}: rerun `{prepare_command} --force`"
-        )
+        raise DataError(f"no Parquet files in {folder.uri}: rerun `{prepare_command} --force`")
     return np.concatenate(labels)
 
 
