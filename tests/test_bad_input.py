@@ -42,6 +42,7 @@ class Case:
     make: Callable[[Path], list[str]]  # writes the user's files under the folder, returns argv
     message: str  # a regular expression the error line must match
     needs_ray: bool = False
+    env: tuple[tuple[str, str], ...] = ()  # the command's environment, beside the test's
 
 
 # --- the user's files -------------------------------------------------------------------------
@@ -552,6 +553,33 @@ CASES = [
         lambda r: ["predict", "--checkpoint", str(r), *storage(r), str(r / "none.txt")],
         r"none\.txt",
     ),
+    Case(
+        "train started by a distributed launcher",
+        "hf-finetune",
+        lambda r: ["train", "--deepspeed", "zero3", *storage(r)],
+        r"started with MASTER_ADDR=10\.0\.0\.7, MASTER_PORT=29500, RANK=1, LOCAL_RANK=1, "
+        r"WORLD_SIZE=2 in its environment.*Ray Train starts, ranks and connects the workers "
+        r"itself.*without a launcher",
+        env=(
+            ("MASTER_ADDR", "10.0.0.7"),
+            ("MASTER_PORT", "29500"),
+            ("RANK", "1"),
+            ("LOCAL_RANK", "1"),
+            ("WORLD_SIZE", "2"),
+        ),
+    ),
+    Case(
+        "offload without DeepSpeed",
+        "hf-finetune",
+        lambda r: ["train", "--offload", "optimizer", *storage(r)],
+        r"--offload optimizer without --deepspeed: offload is ZeRO's; add --deepspeed zero2",
+    ),
+    Case(
+        "parameter offload under ZeRO-2",
+        "hf-finetune",
+        lambda r: ["train", "--deepspeed", "zero2", "--offload", "optimizer+params", *storage(r)],
+        r"only ZeRO-3 shards \(and so can offload\) the parameters; use --deepspeed zero3",
+    ),
     # llm-fsdp: document trees, encodings, sizes, checkpoints, models
     Case(
         "LoRA on a model trained from scratch",
@@ -854,6 +882,9 @@ def test_bad_input_gets_one_line_naming_the_cause_and_nothing_is_changed(
 ) -> None:
     if case.needs_ray:
         request.getfixturevalue("ray_cluster")
+    monkeypatch = request.getfixturevalue("monkeypatch")
+    for name, value in case.env:
+        monkeypatch.setenv(name, value)
     argv = case.make(tmp_path)
     before = snapshot(tmp_path)
     capsys.readouterr()

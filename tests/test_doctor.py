@@ -131,6 +131,7 @@ def test_a_healthy_two_node_cluster_passes_every_check(
         "collective",
         "memory forecast",
         "authentication",
+        "launcher variables",
     } <= checks
     assert rows(report, "authentication")[0]["value"].startswith("token on all 2 node(s)")
     assert len(rows(report, "imports")) == 2  # one per node

@@ -38,7 +38,8 @@ STACK = [
     "accelerate==1.15.0",  # the HF Trainer's device and process-group layer
     "datasets==5.2.0",  # hub datasets in hf_finetune, and the baseline of bench_tokenize
     "gguf==0.19.0",  # transformers reads the offline SmolLM2 (GGUF) through it
-    "peft==0.21.2",  # LoRA adapters (llm_fsdp --lora-rank)
+    "peft==0.21.2",  # LoRA adapters (--lora-rank in hf_finetune and llm_fsdp)
+    "deepspeed==0.19.8",  # ZeRO 2/3 and offload through the HF Trainer (hf_finetune --deepspeed)
     # The manifests session: KubeRay's CRD schema, Kubernetes' schemas, and kustomize (in kubectl).
     "pyyaml==6.0.3",
     "jsonschema==4.26.0",
@@ -143,7 +144,20 @@ def stack_python(session: nox.Session) -> str:
         editable = [arg for package in packages for arg in ("-e", str(package))]
         session.run(*pip, "--no-deps", *editable, external=True)
         installed.write_text(listing)
+    if not deepspeed_ops_built():
+        # DeepSpeed's CPU ops (its shared-memory collective, CPU Adam) compiled once per machine,
+        # here rather than inside a run or a timed test: ~65 s, ~120 CPU-seconds on 2 cores.
+        session.run(str(python), "-m", "raytrain_common.zero", external=True, silent=True)
     return str(python)
+
+
+def deepspeed_ops_built() -> bool:
+    """Whether torch's extension cache (where DeepSpeed JIT-builds its ops) holds the CPU ops."""
+    cache = Path(
+        os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
+    )
+    built = {path.name for path in cache.glob("*/*/*.so")}
+    return {"cpu_adam.so", "deepspeed_shm_comm.so"} <= built
 
 
 def run_in_stack(session: nox.Session, python: str, *args: str) -> None:

@@ -5,7 +5,16 @@ from __future__ import annotations
 
 import pytest
 
-from raytrain_common.doctor import FAIL, OK, WARN, Report, Shape, check_auth, check_system
+from raytrain_common.doctor import (
+    FAIL,
+    OK,
+    WARN,
+    Report,
+    Shape,
+    check_auth,
+    check_launcher_variables,
+    check_system,
+)
 
 TOKEN, OFF = {"auth_mode": "token"}, {"auth_mode": "disabled"}
 
@@ -30,6 +39,23 @@ def test_token_authentication_is_ok_and_its_absence_warns_or_fails(
     assert (row.check, row.status) == ("authentication", status), row
     if status != OK:
         assert "RAY_AUTH_MODE=token" in row.fix and "authOptions.mode: token" in row.fix
+
+
+def test_a_launchers_rendezvous_variables_fail_in_the_driver_and_warn_on_a_node() -> None:
+    """What `deepspeed` or `torchrun` leaves (or a hand-set MASTER_PORT): in the driver `train`
+    refuses to start; on a node, code reading them before Ray Train sets them meets another
+    rendezvous."""
+    report = Report(Shape())
+    clean: dict = {"launcher_variables": {}}
+    check_launcher_variables(report, {"a": clean, "b": clean}, clean)
+    [row] = report.rows
+    assert (row.check, row.status) == ("launcher variables", OK), row
+    report = Report(Shape())
+    launched = {"launcher_variables": {"MASTER_PORT": "29500", "LOCAL_RANK": "3"}}
+    check_launcher_variables(report, {"a": clean, "b": launched}, launched)
+    assert [(row.node, row.status) for row in report.rows] == [("driver", FAIL), ("b", WARN)]
+    assert report.rows[0].value == "MASTER_PORT=29500, LOCAL_RANK=3"
+    assert "Ray Train sets them for each worker" in report.rows[1].fix
 
 
 GIB = 1 << 30

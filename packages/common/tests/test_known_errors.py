@@ -68,6 +68,34 @@ def test_a_cause_is_found_under_layers_of_wrapping() -> None:
             "GPU out of memory",
         ),
         (
+            # DeepSpeed's engine in the traceback: the fix is ZeRO's next stage or offload.
+            'File "deepspeed/runtime/zero/stage3.py", line 2210, in step\n'
+            "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.50 GiB",
+            "out of memory under DeepSpeed",
+        ),
+        (
+            # DeepSpeed 0.19.8's own words (runtime/engine.py) loading shards on 1 worker of 2.
+            "deepspeed.runtime.zero.utils.ZeRORuntimeException: The checkpoint being loaded used "
+            "a DP world size of 2 but the current world size is 1. Automatic adjustment of ZeRO's "
+            "optimizer state partitioning with a new world size is not currently supported.",
+            "ZeRO checkpoint of another worker count",
+        ),
+        (
+            "torch.AcceleratorError: CUDA error: invalid device ordinal",
+            "GPU index out of range",
+        ),
+        (
+            # torch's env:// rendezvous at an address nobody serves (a hand-set MASTER_PORT).
+            "torch.distributed.DistNetworkError: The client socket has timed out after 600000ms "
+            "while trying to connect to (10.0.0.7, 29501).",
+            "rendezvous mismatch",
+        ),
+        (
+            "ValueError: Error initializing torch.distributed using env:// rendezvous: environment "
+            "variable MASTER_ADDR expected, but not set",
+            "rendezvous mismatch",
+        ),
+        (
             "ray.exceptions.OutOfMemoryError: Task was "
             "killed due to the node running low on memory.",
             "node out of memory",

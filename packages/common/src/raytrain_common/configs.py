@@ -8,7 +8,7 @@ takes.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -86,6 +86,32 @@ class RunLocation(StorageLocation):
 # Characters a run name may not hold: a folder separator (either OS's), an object store URI's
 # query or fragment mark, NUL.
 NOT_IN_RUN_NAMES = frozenset("/\\?#\0")
+
+
+# What a distributed launcher (deepspeed, torchrun, accelerate launch, mpirun's wrappers) sets for
+# each process it starts. Ray Train sets them itself, for each of its workers.
+LAUNCHER_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")
+
+
+def launcher_variables(environment: Mapping[str, str]) -> dict[str, str]:
+    return {name: environment[name] for name in LAUNCHER_VARIABLES if name in environment}
+
+
+def refuse_launcher_environment(environment: Mapping[str, str]) -> None:
+    """A training command started by a distributed launcher is refused before Ray starts: each of
+    the launcher's N copies would start a whole run of its own, into the same run folder, and the
+    rendezvous variables it set (a MASTER_ADDR/MASTER_PORT, a LOCAL_RANK) name a process group
+    that is not Ray Train's. Ray Train starts, ranks and connects the workers itself."""
+    found = launcher_variables(environment)
+    if found:
+        named = ", ".join(f"{name}={value}" for name, value in found.items())
+        raise ConfigError(
+            f"this command was started with {named} in its environment, as a distributed "
+            "launcher (deepspeed, torchrun, accelerate launch) sets for each process: Ray Train "
+            "starts, ranks and connects the workers itself. Start the command once, without a "
+            "launcher (--num-workers N for N workers, --use-gpu for GPUs), with those variables "
+            "unset"
+        )
 
 
 def check_run_name(name: str) -> str:

@@ -47,6 +47,47 @@ KNOWN_ERRORS: tuple[KnownError, ...] = (
         "RayJob's own submitter and pods get it without a change",
     ),
     _known(
+        "out of memory under DeepSpeed",
+        # A DeepSpeed engine's frames above the OOM (or DeepSpeed's own words for it).
+        r"deepspeed[\s\S]*(CUDA out of memory|torch\.OutOfMemoryError)"
+        r"|(CUDA out of memory|torch\.OutOfMemoryError)[\s\S]*deepspeed",
+        "a GPU ran out of memory in a DeepSpeed ZeRO run",
+        "shard more before batching less: --deepspeed zero2 → zero3 (parameters sharded too), then "
+        "--offload optimizer (its state in host memory), then --offload optimizer+params (zero3); "
+        "or halve the micro-batch and keep the global batch with --grad-accum-steps ×2; "
+        f"`{DOCTOR} --pipeline <name> -- <train flags>` forecasts the memory",
+    ),
+    _known(
+        "ZeRO checkpoint of another worker count",
+        r"The checkpoint being loaded used a DP world size of \d+ but the current world size is",
+        "a DeepSpeed ZeRO checkpoint was loaded by another number of workers than wrote it: its "
+        "optimiser state is split per worker",
+        "resume with the worker count that wrote it (--num-workers, the first number in the "
+        "message); or convert it with DeepSpeed's ds_to_universal; or export its weights (`<pipeline> "
+        "export`) and start a new run from them (hf-finetune refuses such a resume before it starts)",
+    ),
+    _known(
+        "GPU index out of range",
+        r"invalid device ordinal|Invalid device id|local_rank.*(out of range|exceeds)",
+        "a process was told to use a GPU it cannot see: a LOCAL_RANK or device index at or beyond "
+        "the GPUs visible to it (CUDA_VISIBLE_DEVICES or LOCAL_RANK set by hand or by a launcher "
+        "such as deepspeed or torchrun, or --gpus-per-worker above what a node has)",
+        "leave CUDA_VISIBLE_DEVICES and LOCAL_RANK to Ray Train, which gives each worker its GPUs "
+        "and sets LOCAL_RANK: unset them in the job's environment and start the command once, "
+        f"without a launcher; `{DOCTOR}` lists such variables per node",
+    ),
+    _known(
+        "rendezvous mismatch",
+        r"environment variable (MASTER_ADDR|MASTER_PORT|RANK|WORLD_SIZE) expected"
+        r"|while trying to connect to \(|DistStoreError|waiting for clients",
+        "the processes did not meet at one rendezvous: they were given different MASTER_ADDR / "
+        "MASTER_PORT (set by hand, or left by a launcher such as deepspeed or torchrun), or "
+        "nothing listens there",
+        "leave MASTER_ADDR and MASTER_PORT to Ray Train, which sets them for every worker: unset "
+        "them in the job's environment and runtime_env, start the command once without a "
+        f"launcher, and allow TCP between the nodes; `{DOCTOR}` lists such variables per node",
+    ),
+    _known(
         "GPU out of memory",
         r"CUDA out of memory|torch\.OutOfMemoryError|CUBLAS_STATUS_ALLOC_FAILED"
         r"|HIP out of memory|CUDA error: out of memory",

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import signal
 import sys
 import time
@@ -20,6 +21,7 @@ import ray
 import ray.train
 
 from raytrain_common.checkpoint import raise_storage_error_of
+from raytrain_common.configs import refuse_launcher_environment
 from raytrain_common.loop import StartupClock
 from raytrain_common.storage import StoragePath, check_writable, resolve_storage
 from raytrain_common.tracking import (
@@ -44,8 +46,9 @@ class LocatedRun(Protocol):
 
 def locate_run(config: LocatedRun) -> tuple[StoragePath, StoragePath]:
     """The run's storage (checked writable before anything starts) and its data folder, once the
-    config's values are known to be sane."""
+    config's values are known to be sane and no launcher started the command."""
     config.validate()
+    refuse_launcher_environment(os.environ)
     storage = resolve_storage(config.storage_path)
     check_writable(storage)
     return storage, resolve_storage(config.resolved_data_dir())

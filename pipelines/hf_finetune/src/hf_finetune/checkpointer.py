@@ -33,6 +33,9 @@ from raytrain_common.checkpoint import write_manifest
 from raytrain_common.faults import read_progress
 from raytrain_common.hardware import workers_peak_rss_mb
 from raytrain_common.loop import END, CheckpointPolicy, ProgressNotes, StartupClock
+from raytrain_common.storage import StoragePath
+from raytrain_common.zero import CONFIG_FILE as DEEPSPEED_CONFIG
+from raytrain_common.zero import engine_record
 
 log = logging.getLogger("hf_finetune")
 
@@ -88,6 +91,9 @@ class Checkpointer:
         )
         if model is not None:
             model.register_forward_hook(self.record_dtype)
+            self.run.parameters, self.run.trainable_parameters = parameter_counts(model)
+        if self.config.deepspeed != "none":
+            self.run.deepspeed = engine_record(self.config, self.world)
 
     def record_dtype(self, module: torch.nn.Module, inputs: Any, output: Any) -> None:
         logits = getattr(output, "logits", None)
@@ -111,16 +117,41 @@ class Checkpointer:
         """The Trainer ends a stopped epoch as a finished one: not a second save of one step."""
         return step != self.saved_step
 
-    def complete(self, folder: Path, step: int) -> None:
+    def complete(self, folder: Path, step: int, model: torch.nn.Module | None) -> None:
         """The run's record, then the manifest, into the Trainer's checkpoint folder (rank 0's),
-        before Ray's callback uploads it."""
+        before Ray's callback uploads it. A LoRA run's folder gets the classifier's config.json
+        too (PEFT saves the adapters alone): its labels and head size, for loading it back."""
         self.saved_step = step
         peak_rss_mb = workers_peak_rss_mb()  # on every rank: a collective
         if self.rank != 0:
             return
+        if model is not None and hasattr(model, "peft_config"):
+            model.config.save_pretrained(folder)
         record = {"worker_peak_rss_mb": peak_rss_mb, **self.run.state_dict()}
         (folder / RECORD_FILE).write_text(json.dumps(record))
         write_manifest(folder)
+
+
+class DeepSpeedConfigCallback(TrainerCallback):
+    """Writes the DeepSpeed config as the Trainer filled it (every "auto" resolved) beside the
+    run, from rank 0 as training begins: what ran, for the user to read (or pass to their own)."""
+
+    def __init__(self, run_dir: StoragePath, rank: int) -> None:
+        self.run_dir, self.rank = run_dir, rank
+
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        filled = getattr(args, "hf_deepspeed_config", None)
+        if filled is not None and self.rank == 0:
+            self.run_dir.join(DEEPSPEED_CONFIG).write_text(json.dumps(filled.config, indent=2))
+
+
+def parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
+    """(all, training) parameters of the model as built, before ZeRO-3 partitions them (its
+    shards count a rank's part; `ds_numel` is a partitioned parameter's whole size)."""
+    sizes = [(getattr(p, "ds_numel", p.numel()), p.requires_grad) for p in model.parameters()]
+    return sum(size for size, _ in sizes), sum(size for size, trains in sizes if trains)
 
 
 def read_run_record(checkpoint: Checkpoint) -> dict[str, Any]:
@@ -135,6 +166,8 @@ def read_run_record(checkpoint: Checkpoint) -> dict[str, Any]:
         state["startup_s"] = record.get("startup_s")
         state["startup_phases"] = record.get("startup_phases")
         state["worker_peak_rss_mb"] = record.get("worker_peak_rss_mb")
+        for key in ("parameters", "trainable_parameters", "deepspeed"):
+            state[key] = record.get(key)
         return state
 
 
@@ -176,7 +209,12 @@ class CheckpointerCallback(TrainerCallback):
         return control
 
     def on_save(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        model: torch.nn.Module | None = None,
+        **kwargs: Any,
     ) -> None:
         folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-        self.checkpointer.complete(folder, state.global_step)
+        self.checkpointer.complete(folder, state.global_step, model)

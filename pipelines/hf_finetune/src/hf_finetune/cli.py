@@ -16,6 +16,7 @@ from hf_finetune.config import (
     PRESETS,
     SWEEP_PRESETS,
     EvaluateConfig,
+    ExportConfig,
     PredictConfig,
     PrepareConfig,
     SweepConfig,
@@ -53,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
                 EvaluateConfig,
             ),
             "predict": ("classify sentences from a file or standard input", PredictConfig),
+            "export": (
+                "a checkpoint → one Hugging Face folder (ZeRO shards gathered, LoRA merged)",
+                ExportConfig,
+            ),
         },
     )
 
@@ -159,10 +164,24 @@ def cmd_predict(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from hf_finetune.config import TRAIN_COMMAND
+    from hf_finetune.export import export
+    from raytrain_common.runs import chosen_checkpoint
+
+    config = config_from_args(args, ExportConfig)
+    run_dir = resolve_storage(config.storage_path).join(config.run_name)
+    checkpoint = chosen_checkpoint(run_dir, config.checkpoint or "best", TRAIN_COMMAND)
+    output = export(checkpoint, config.output or run_dir.join("export").uri, config.adapter_only)
+    print(f"exported {checkpoint}\nto {output}")
+    return 0
+
+
 COMMANDS = {
     "prepare": cmd_prepare,
     "train": cmd_train,
     "sweep": cmd_sweep,
     "evaluate": cmd_evaluate,
     "predict": cmd_predict,
+    "export": cmd_export,
 }

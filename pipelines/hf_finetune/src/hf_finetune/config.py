@@ -18,8 +18,10 @@ from raytrain_common.configs import (
     RunLocation,
     TrainingSettings,
 )
+from raytrain_common.lora import LoraSettings
 from raytrain_common.sweep import SweepSettings
 from raytrain_common.text import UTF8
+from raytrain_common.zero import DeepSpeedSettings
 
 DEFAULT_DATA_FOLDER = "data/text_classification"
 RUN_NAME = "hf_finetune"
@@ -68,6 +70,16 @@ class EvaluateConfig(RunLocation):
 
 
 @dataclass(kw_only=True)
+class ExportConfig(EvaluateConfig):
+    output: str | None = option(None, "Folder to write (none: <run folder>/export).")
+    adapter_only: bool = option(
+        False,
+        "A LoRA run's adapters alone (adapter_model.safetensors; PeftModel.from_pretrained(base, "
+        "folder) loads them), instead of the model with them merged in.",
+    )
+
+
+@dataclass(kw_only=True)
 class PredictConfig(EvaluateConfig):
     input: str = option(
         "-",
@@ -88,9 +100,10 @@ class PredictConfig(EvaluateConfig):
 
 
 @dataclass(kw_only=True)
-class TrainConfig(EpochSettings, TrainingSettings):
-    """The library's loop and epoch flags (raytrain_common.configs) with this pipeline's defaults,
-    then the recipe's own: the model, its optimiser and schedule, batching for evaluation."""
+class TrainConfig(EpochSettings, TrainingSettings, DeepSpeedSettings, LoraSettings):
+    """The library's loop, epoch, DeepSpeed and LoRA flags (raytrain_common.configs, .zero, .lora)
+    with this pipeline's defaults, then the recipe's own: the model, its optimiser and schedule,
+    batching for evaluation."""
 
     data_folder: ClassVar[str] = DEFAULT_DATA_FOLDER
     sample_noun: ClassVar[str] = "Sentences"
@@ -114,6 +127,8 @@ class TrainConfig(EpochSettings, TrainingSettings):
         starts."""
         self.validate_training_settings()
         self.validate_epochs()
+        self.validate_deepspeed()
+        self.validate_lora()
         for name in ("lr", "eval_batch_size", "grad_clip_norm"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)}: it must be above 0")

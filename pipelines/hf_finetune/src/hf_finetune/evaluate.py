@@ -18,7 +18,7 @@ from transformers import AutoTokenizer, DataCollatorWithPadding
 
 from hf_finetune.checkpointer import HF_CHECKPOINT
 from hf_finetune.config import PREPARE_COMMAND, TRAIN_COMMAND
-from hf_finetune.task import load_trained
+from hf_finetune.task import is_model_folder, load_trained
 from raytrain_common.checkpoint import verify_checkpoint
 from raytrain_common.labelled.prepare import DataError, inspect_dataset
 from raytrain_common.labelled.tokenized import TokenizedSplit
@@ -42,7 +42,7 @@ def load_classifier(checkpoint: str) -> tuple[Any, Any]:
     location = resolve_storage(checkpoint)
     with ray.train.Checkpoint(location.path, location.filesystem).as_directory() as local:
         folder = Path(local)
-        if not (folder / "config.json").exists():
+        if not is_model_folder(folder):
             raise DataError(f"{checkpoint!r} is not a Hugging Face model folder (no config.json)")
         if posixpath.basename(posixpath.dirname(location.path)).startswith("checkpoint_"):
             verify_checkpoint(folder)  # a run's checkpoint: TornCheckpointError when cut off

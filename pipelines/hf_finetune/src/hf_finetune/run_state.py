@@ -17,9 +17,13 @@ from raytrain_common.storage import StoragePath, resolve_storage
 @dataclass
 class RunState(RunRecord):
     """The run's record, saved in every checkpoint (run_record.json): the library's (faults,
-    start-up) and the dtype the forward pass computed in."""
+    start-up), the dtype the forward pass computed in, the model's parameter counts (all, and
+    those that train: fewer under LoRA), and the DeepSpeed engine the shards depend on."""
 
     compute_dtype: str | None = None
+    parameters: int | None = None
+    trainable_parameters: int | None = None
+    deepspeed: dict[str, Any] | None = None  # raytrain_common.zero.engine_record; None: DDP
 
 
 @dataclass(frozen=True)

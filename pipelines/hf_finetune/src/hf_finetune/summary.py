@@ -131,6 +131,10 @@ def write_run_outputs(
         **FaultLog(**state["faults"]).summary(),
         "compute_dtype": state["compute_dtype"],
         "worker_peak_rss_mb": state["worker_peak_rss_mb"],
+        "lora_rank": config.lora_rank,  # 0: full fine-tuning
+        "parameters": state["parameters"],
+        "trainable_parameters": state["trainable_parameters"],
+        "deepspeed": state["deepspeed"],  # stage, offload, version, world size; None: DDP
         "sentences_per_s": steady_rate(state),
         "labels": info.labels,
         "val_majority_share": majority_share(
@@ -146,10 +150,22 @@ def write_run_outputs(
         "wall_time_s": time.perf_counter() - started,
         "config": dataclasses.asdict(config),
         "dataset": dataclasses.asdict(info),
-        "versions": package_versions("transformers", "accelerate"),
+        "versions": package_versions("transformers", "accelerate", *optional_packages(config)),
     }
     write_summary(run_dir.join(SUMMARY_FILE), summary)
     return summary
+
+
+def optional_packages(config: TrainConfig) -> list[str]:
+    """The packages beyond the stack a run used: DeepSpeed's engine, PEFT's adapters."""
+    return [
+        name
+        for name, used in (
+            ("deepspeed", config.deepspeed != "none"),
+            ("peft", config.lora_rank > 0),
+        )
+        if used
+    ]
 
 
 def majority_share(data_dir: StoragePath, split: str) -> float:

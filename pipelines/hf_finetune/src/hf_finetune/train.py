@@ -4,8 +4,9 @@ Read top to bottom: the Trainer's arguments, the per-worker loop, then the drive
 inputs, launches `TorchTrainer` and writes the run's outputs. Ray's calls are in the loop:
 `prepare_trainer`, `RayTrainReportCallback` (every checkpoint the Trainer saves is reported, from
 every rank), and `ray.train.get_checkpoint()` where a run resumes. Ray Train starts the process
-group; the Trainer sees it and wraps the model in DDP itself, so `TrainingArguments` holds no
-deepspeed / fsdp settings.
+group; the Trainer sees it and wraps the model in DDP itself, or, with --deepspeed, in a DeepSpeed
+ZeRO engine (the config from raytrain_common.zero, filled by the Trainer and written beside the
+run). --lora-rank trains LoRA adapters (raytrain_common.lora) under either.
 
 The loop's components: `checkpointer.py` (the checkpoints the Trainer does not make, the run's
 record in `run_state.py`), `validator.py`, `metrics_logger.py`, `summary.py`; their Trainer
@@ -34,7 +35,13 @@ from transformers import (
 )
 from transformers.trainer_callback import PrinterCallback
 
-from hf_finetune.checkpointer import HF_CHECKPOINT, Checkpointer, CheckpointerCallback
+from hf_finetune.checkpointer import (
+    HF_CHECKPOINT,
+    Checkpointer,
+    CheckpointerCallback,
+    DeepSpeedConfigCallback,
+    read_run_record,
+)
 from hf_finetune.config import PREPARE_COMMAND, TrainConfig
 from hf_finetune.metrics_logger import LoggerCallback, MetricsLogger
 from hf_finetune.model import display_name, resolve_model
@@ -42,7 +49,11 @@ from hf_finetune.run_state import RunState, WorkerContext
 from hf_finetune.summary import write_run_outputs
 from hf_finetune.task import build_model, make_compute_metrics
 from hf_finetune.validator import SCORE, ValidatingTrainer, eval_batch_per_worker
-from raytrain_common.checkpoint import resume_checkpoint, scratch_folder
+from raytrain_common.checkpoint import (
+    newest_complete_checkpoint,
+    resume_checkpoint,
+    scratch_folder,
+)
 from raytrain_common.configs import (
     ConfigError,
     build_run_config,
@@ -61,6 +72,12 @@ from raytrain_common.loop import StartupClock
 from raytrain_common.ray_start import quiet_ray_output
 from raytrain_common.runs import locate_run, start_run
 from raytrain_common.storage import StoragePath, resolve_storage
+from raytrain_common.zero import (
+    check_resume,
+    join_ray_world,
+    name_cpu_accelerator,
+    trainer_arguments,
+)
 
 log = logging.getLogger("hf_finetune")
 
@@ -78,6 +95,7 @@ def training_arguments(
     # Evaluate, then save, at every epoch end (and at the steps the Checkpointer asks for): each
     # checkpoint Ray receives carries its own validation score, which Ray keeps the best ones by.
     return TrainingArguments(
+        **trainer_arguments(config, config.use_gpu),  # DeepSpeed's, when --deepspeed: none for DDP
         output_dir=output_dir,
         num_train_epochs=config.epochs,
         per_device_train_batch_size=per_worker_batch_size(
@@ -96,7 +114,7 @@ def training_arguments(
         logging_steps=config.log_every_steps,
         save_total_limit=1,  # local copies only; Ray keeps the run's checkpoints in storage
         bf16=config.bf16,
-        use_cpu=not config.use_gpu,
+        **({} if config.deepspeed != "none" else {"use_cpu": not config.use_gpu}),
         ddp_find_unused_parameters=False,
         # Sequence classifiers take **kwargs but average their loss themselves; token averaging
         # across devices would scale that mean by the world size (logged losses ×N, clipping off).
@@ -130,7 +148,7 @@ def load_model(
     transformers.utils.logging.set_verbosity_error()  # e.g. the load report naming the new head
     tokenizer = AutoTokenizer.from_pretrained(info.tokenizer)
     transformers.set_seed(config.seed)  # the new head's init: the same run gives the same weights
-    return tokenizer, build_model(model, info.labels)
+    return tokenizer, build_model(model, info.labels, config)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -145,6 +163,11 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     context = WorkerContext.parse(loop_config)  # the typed config and dataset, the model
     config, info, world = context.config, context.info, context.world
     quiet_ray_output(config.verbose)
+    name_cpu_accelerator()  # transformers and PEFT import DeepSpeed where it is installed
+    if config.deepspeed != "none":
+        join_ray_world(
+            config.use_gpu, config.verbose
+        )  # the Trainer must count Ray Train's workers, as DeepSpeed
     clock = StartupClock(loop_config["startup"])  # the driver's phases; rank 0 adds the rest
     clock.mark("worker_group")
     train_set, val_set = open_splits(config, info, world)
@@ -176,6 +199,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             callbacks=[
                 CheckpointerCallback(checkpointer),  # completes the checkpoint Ray's one reports
                 RayTrainReportCallback(),
+                DeepSpeedConfigCallback(context.run_dir, context.rank),
                 LoggerCallback(logger),
             ],
         )
@@ -205,6 +229,17 @@ def check_model_fits_data(model: str, info: DatasetInfo) -> None:
         )
 
 
+def check_resumable(config: TrainConfig, storage: StoragePath) -> None:
+    """A rerun of a run with checkpoints resumes from its newest: refused now when its ZeRO shards
+    cannot be read by this run (another stage or worker count, another DeepSpeed version)."""
+    checkpoint = newest_complete_checkpoint(storage.join(config.run_name), HF_CHECKPOINT)
+    if checkpoint is None:
+        return
+    export = f"hf-finetune export --checkpoint {checkpoint.path}/{HF_CHECKPOINT}"
+    record = read_run_record(checkpoint)["deepspeed"]
+    check_resume(record, config, config.num_workers, checkpoint.path, export)
+
+
 def check_run(config: TrainConfig) -> tuple[TrainConfig, DatasetInfo, StoragePath]:
     """Everything that can be checked before Ray starts: the options, the storage, the prepared
     data and the model that reads it. The config comes back with its paths and model resolved."""
@@ -212,6 +247,7 @@ def check_run(config: TrainConfig) -> tuple[TrainConfig, DatasetInfo, StoragePat
     info = inspect_dataset(data_dir, PREPARE_COMMAND)
     model = resolve_model(config.model or info.tokenizer)
     check_model_fits_data(model, info)
+    check_resumable(config, storage)
     train_rows = min(info.rows["train"], config.limit_train_rows or info.rows["train"])
     if train_rows < config.global_batch_size:
         raise DataError(

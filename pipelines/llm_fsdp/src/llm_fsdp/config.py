@@ -20,6 +20,7 @@ from raytrain_common.configs import (
     TrainingSettings,
     ValidationSettings,
 )
+from raytrain_common.lora import LoraSettings
 from raytrain_common.sweep import SweepSettings
 from raytrain_common.text import UTF8
 from raytrain_common.tokens.corpus import BPE_PREFIX
@@ -118,7 +119,7 @@ class GenerateConfig(RunLocation):
 
 
 @dataclass(kw_only=True)
-class TrainConfig(ValidationSettings, TrainingSettings):
+class TrainConfig(ValidationSettings, TrainingSettings, LoraSettings):
     """The library's loop and validation flags (raytrain_common.configs) with this pipeline's
     defaults, then the recipe's own: model, schedule in steps, optimiser, FSDP's options."""
 
@@ -131,18 +132,6 @@ class TrainConfig(ValidationSettings, TrainingSettings):
         "A size preset built from config (tiny, small), smollm2 (the offline SmolLM2-135M that "
         "`prepare --tokenizer smollm2` converted), or a local Hugging Face folder or hub id. "
         "Its tokenizer must be the one the data was prepared with.",
-    )
-    lora_rank: int = option(
-        0,
-        "Fine-tune through LoRA adapters of this rank (PEFT), the pretrained weights frozen and "
-        "sharded; checkpoints hold the adapters alone (0: full fine-tuning).",
-    )
-    lora_alpha: float = option(8.0, "LoRA's scale: the adapters' output × alpha / rank (PEFT's).")
-    lora_dropout: float = option(0.0, "Dropout on the adapters' input (PEFT's default: none).")
-    lora_target_modules: str | None = option(
-        None,
-        "Comma-separated names of the linear layers that get adapters (none: PEFT's for the "
-        "model family; q_proj,v_proj for Llama, SmolLM2, Qwen, Mistral).",
     )
     max_steps: int = option(400, "Optimiser steps of the whole run (a rerun continues up to this).")
     epochs: float | None = option(
@@ -229,23 +218,13 @@ class TrainConfig(ValidationSettings, TrainingSettings):
         self.validate_lora()
 
     def validate_lora(self) -> None:
-        if self.lora_rank < 0 or self.lora_alpha <= 0 or not 0 <= self.lora_dropout < 1:
-            raise ConfigError(
-                f"lora_rank={self.lora_rank}, lora_alpha={self.lora_alpha}, lora_dropout="
-                f"{self.lora_dropout}: give a rank of 0 (no LoRA) or more, an alpha above 0 and "
-                "a dropout in [0, 1)"
-            )
+        super().validate_lora()
         if self.lora_rank and self.model in SIZE_PRESETS:
             raise ConfigError(
                 f"--lora-rank {self.lora_rank} with --model {self.model}: LoRA adapts a pretrained "
                 "model, and a size preset starts from random weights; give --model smollm2 or a "
                 "Hugging Face folder (an exported run's, say)"
             )
-
-    def lora_targets(self) -> list[str] | None:
-        if self.lora_target_modules is None:
-            return None
-        return [name.strip() for name in self.lora_target_modules.split(",") if name.strip()]
 
 
 def cpu_preset() -> TrainConfig:

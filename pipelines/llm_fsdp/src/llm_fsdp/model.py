@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 import shutil
 import uuid
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +20,10 @@ from transformers import (
     PreTrainedModel,
 )
 from transformers.utils import logging as hf_logging
+
+from raytrain_common.lora import merged as merged
+from raytrain_common.lora import trainable_parameter_count as trainable_parameter_count
+from raytrain_common.lora import with_lora as with_lora_adapters
 
 log = logging.getLogger(__name__)
 
@@ -118,37 +121,17 @@ def build_lm(spec: ModelSpec, *, vocab_size: int, seq_len: int, eos_id: int) -> 
 
 
 def with_lora(lm: PreTrainedModel, spec: ModelSpec) -> PreTrainedModel:
-    """`lm` wrapped by PEFT: a low-rank pair (A: rank × in, B: out × rank, B zero at the start) beside
-    each target linear layer, its output scaled by alpha / rank; only the pairs train."""
-    from peft import LoraConfig, get_peft_model
-
-    config = LoraConfig(
-        r=spec.lora_rank,
-        lora_alpha=spec.lora_alpha,
-        lora_dropout=spec.lora_dropout,
-        target_modules=spec.lora_targets,
+    """`lm` with LoRA adapters beside the spec's target layers (raytrain_common.lora); only they
+    train."""
+    return with_lora_adapters(  # type: ignore[no-any-return]
+        lm,
+        rank=spec.lora_rank,
+        alpha=spec.lora_alpha,
+        dropout=spec.lora_dropout,
+        targets=spec.lora_targets,
         task_type="CAUSAL_LM",
+        name=spec.name,
     )
-    try:
-        with warnings.catch_warnings():  # PEFT 0.21 asks transformers 5 a deprecated property
-            warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated")
-            return get_peft_model(lm, config)  # type: ignore[return-value]
-    except ValueError as error:  # no such modules, or a family PEFT has no default for
-        raise ModelError(
-            f"LoRA on {spec.name}: {str(error).splitlines()[0][:300]}. Name the linear layers to "
-            "adapt with --lora-target-modules (e.g. q_proj,v_proj)"
-        ) from error
-
-
-def merged(lm: torch.nn.Module) -> PreTrainedModel:
-    """A plain model: LoRA's pairs added into the weights they adapt (W + B·A·alpha/rank), or
-    the model itself when it has none."""
-    merge = getattr(lm, "merge_and_unload", None)
-    return merge() if merge is not None else lm  # type: ignore[no-any-return]
-
-
-def trainable_parameter_count(model: torch.nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
 def build_base_lm(

@@ -56,6 +56,7 @@ from raytrain_common.storage import StoragePath, resolve_storage
 from raytrain_common.tokens.corpus import DataError, DatasetInfo, inspect_dataset, split_blocks
 from raytrain_common.tokens.file import ReadAhead, TokenBlocks
 from raytrain_common.tokens.order import global_batch_indices, micro_batches
+from raytrain_common.zero import name_cpu_accelerator
 
 log = logging.getLogger("llm_fsdp")
 
@@ -247,6 +248,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     context = WorkerContext.parse(loop_config)  # the typed config, dataset and model, the batch
     config, info, last_step = context.config, context.info, context.last_step
     quiet_ray_output(config.verbose)
+    name_cpu_accelerator()  # PEFT imports DeepSpeed where it is installed
     clock = StartupClock(loop_config["startup"])  # the driver's phases; rank 0 adds the rest
     clock.mark("worker_group")
     device = ray.train.torch.get_device()

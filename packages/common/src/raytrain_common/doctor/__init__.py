@@ -13,8 +13,19 @@ checks from facts to rows), `cluster.py` (the checks that act on the cluster), `
 memory forecast), `cli.py` (the command).
 """
 
-from raytrain_common.doctor.checks import check_auth, check_system
+from raytrain_common.doctor.checks import check_auth, check_launcher_variables, check_system
 from raytrain_common.doctor.cli import main
 from raytrain_common.doctor.report import FAIL, OK, WARN, Report, Row, Shape
 
-__all__ = ["FAIL", "OK", "WARN", "Report", "Row", "Shape", "check_auth", "check_system", "main"]
+__all__ = [
+    "FAIL",
+    "OK",
+    "WARN",
+    "Report",
+    "Row",
+    "Shape",
+    "check_auth",
+    "check_launcher_variables",
+    "check_system",
+    "main",
+]

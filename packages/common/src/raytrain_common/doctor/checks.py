@@ -139,6 +139,29 @@ def check_object_store_fits_shm(
         report.add("object store", node, OK, value)
 
 
+LAUNCHER_FIX = (
+    "unset them where the node starts (its shell profile, the pod's env, a launcher such as "
+    "deepspeed or torchrun around `ray start`): Ray Train sets them for each worker, and code "
+    "that reads them before it does joins a process group that is not the run's"
+)
+
+
+def check_launcher_variables(
+    report: Report, facts: dict[str, dict[str, Any]], driver: dict[str, Any]
+) -> None:
+    """Rendezvous variables (MASTER_ADDR/PORT, RANK, LOCAL_RANK, WORLD_SIZE) set by hand or by a
+    launcher: FAIL in the driver (train refuses to start there), WARN on a node."""
+    where = {"driver": driver, **{short(node_id): f for node_id, f in facts.items()}}
+    for place, f in where.items():
+        found = f.get("launcher_variables") or {}
+        if found:
+            value = ", ".join(f"{name}={value}" for name, value in found.items())
+            report.add("launcher variables", place, FAIL if place == "driver" else WARN, value,
+                       LAUNCHER_FIX)  # fmt: skip
+    if not any(f.get("launcher_variables") for f in where.values()):
+        report.add("launcher variables", "cluster", OK, "none set: Ray Train sets them")
+
+
 def check_system(report: Report, facts: dict[str, dict[str, Any]]) -> None:
     shape = report.shape
     for node_id, f in facts.items():

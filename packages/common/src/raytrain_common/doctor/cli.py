@@ -15,6 +15,7 @@ from typing import Any
 from raytrain_common.doctor.checks import (
     check_auth,
     check_imports,
+    check_launcher_variables,
     check_system,
     check_versions,
 )
@@ -161,6 +162,7 @@ def run_checks(args: argparse.Namespace) -> Report:
     check_imports(report, facts, modules)
     check_resources(report, nodes, args.autoscaling)
     check_auth(report, facts, dashboard_address())
+    check_launcher_variables(report, facts, driver)
     check_system(report, facts)
     check_storage(report, nodes)
     if not any(row.check == "resources" and row.status == FAIL for row in report.rows):

@@ -8,6 +8,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from raytrain_common.configs import launcher_variables
+
 
 def probe_node(
     distributions: Sequence[str], modules: Sequence[str], paths: Sequence[str]
@@ -65,6 +67,7 @@ def probe_node(
             devices.add(os.stat(existing).st_dev)
             facts["disk_free"][path] = shutil.disk_usage(existing).free
     facts["auth_mode"] = _auth_mode()
+    facts["launcher_variables"] = launcher_variables(os.environ)
     facts["shm_total"] = shutil.disk_usage("/dev/shm").total if os.path.exists("/dev/shm") else None
     facts["memory_total"], facts["memory_available"] = _memory()
     return facts
