@@ -59,6 +59,16 @@ def bench(session: nox.Session) -> None:
     run_benchmark(session, python, f"benchmarks.{PACKAGE}.bench_tokenize", *session.posargs)
 
 
+@nox.session(name="bench_hf_deepspeed", venv_backend="none")
+def bench_deepspeed(session: nox.Session) -> None:
+    """DeepSpeed ZeRO-2, ZeRO-3 with offload, and LoRA, each ÷ DDP through the pipeline: sentences/s,
+    worker memory, checkpoint size, the same seed's loss curve (`python -m
+    benchmarks.hf_finetune.bench_deepspeed`; ~5 minutes on 2 CPU cores)."""
+    python = stack_python(session)
+    run_in_stack(session, python, "-m", PACKAGE, "prepare")  # VADER, once (a rerun finds it)
+    run_benchmark(session, python, f"benchmarks.{PACKAGE}.bench_deepspeed", *session.posargs)
+
+
 @nox.session(name=SWEEP_SESSION, venv_backend="none")
 def sweep(session: nox.Session) -> None:
     """Ray Tune with ASHA over lr, batch size, warm-up and weight decay at a CPU size (~10 minutes

@@ -1,3 +1,3 @@
 """Shared building blocks of the Ray Train reference pipelines."""
 
-__version__ = "0.22.0"
+__version__ = "0.23.0"

@@ -64,7 +64,7 @@ KNOWN_ERRORS: tuple[KnownError, ...] = (
         "optimiser state is split per worker",
         "resume with the worker count that wrote it (--num-workers, the first number in the "
         "message); or convert it with DeepSpeed's ds_to_universal; or export its weights (`<pipeline> "
-        "export`) and start a new run from them (hf-finetune refuses such a resume before it starts)",
+        "export`) and start a new run from them (`zero.check_resume` refuses such a resume before it starts)",
     ),
     _known(
         "GPU index out of range",

@@ -49,6 +49,7 @@ OPTIONAL_SUMMARY_KEYS: dict[str, str] = {
     "lora_rank": "the rank of the LoRA adapters trained (0: full fine-tuning)",
     "parameters": "the model's parameters (adapters included), each tied tensor counted once",
     "trainable_parameters": "the parameters that trained (under LoRA: the adapters)",
+    "deepspeed": "a --deepspeed run's engine: ZeRO stage, offload, version, world size (null: DDP)",
     "labels": "the class names, in the order of the classifier's outputs",
     "val_majority_share": "validation accuracy of always answering the most common class",
     "val_loss_drop": "1 − final val_loss ÷ first val_loss",

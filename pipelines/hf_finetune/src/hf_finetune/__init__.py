@@ -1,3 +1,3 @@
 """Reference pipeline: Hugging Face Trainer fine-tuning a text classifier inside Ray Train."""
 
-__version__ = "0.13.2"
+__version__ = "0.14.0"

@@ -7,7 +7,9 @@ with the same function.
 
 from __future__ import annotations
 
+import contextlib
 import posixpath
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,9 +37,10 @@ from raytrain_common.storage import resolve_storage
 CONFUSION_FILE = "confusion_matrix.png"
 
 
-def load_classifier(checkpoint: str) -> tuple[Any, Any]:
-    """Model and tokenizer from a Hugging Face folder (a checkpoint's `checkpoint/` or an
-    export) on any storage: a folder on S3 or GCS is copied to a scratch folder first (Ray's
+@contextlib.contextmanager
+def model_folder(checkpoint: str) -> Iterator[Path]:
+    """A Hugging Face folder (a checkpoint's `checkpoint/` or an export) on any storage, checked,
+    as a local folder: one on S3 or GCS is copied to a scratch folder first (Ray's
     `Checkpoint.as_directory`), a local one read in place."""
     location = resolve_storage(checkpoint)
     with ray.train.Checkpoint(location.path, location.filesystem).as_directory() as local:
@@ -46,6 +49,12 @@ def load_classifier(checkpoint: str) -> tuple[Any, Any]:
             raise DataError(f"{checkpoint!r} is not a Hugging Face model folder (no config.json)")
         if posixpath.basename(posixpath.dirname(location.path)).startswith("checkpoint_"):
             verify_checkpoint(folder)  # a run's checkpoint: TornCheckpointError when cut off
+        yield folder
+
+
+def load_classifier(checkpoint: str) -> tuple[Any, Any]:
+    """Model and tokenizer from a Hugging Face folder on any storage (`model_folder`)."""
+    with model_folder(checkpoint) as folder:
         return load_trained(folder), AutoTokenizer.from_pretrained(folder)
 
 

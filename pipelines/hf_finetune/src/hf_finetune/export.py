@@ -8,17 +8,15 @@ in full precision in this one process, and a LoRA run's adapters are merged into
 
 from __future__ import annotations
 
-import posixpath
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import ray.train
 from transformers import AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from hf_finetune import __version__
-from hf_finetune.task import ADAPTER_CONFIG, is_model_folder, load_adapted, load_trained
-from raytrain_common.checkpoint import verify_checkpoint
+from hf_finetune.evaluate import model_folder
+from hf_finetune.task import ADAPTER_CONFIG, load_adapted, load_trained
 from raytrain_common.labelled.prepare import DataError
 from raytrain_common.storage import (
     OutputMarker,
@@ -52,14 +50,8 @@ def export(checkpoint: str, output: str, adapter_only: bool = False) -> Path:
             f"--output {output}: give a local or mounted folder (save_pretrained writes files)"
         )
     check_output_folder(target, EXPORT_MARKER)  # now, before the checkpoint is read
-    location = resolve_storage(checkpoint)
     hf_logging.disable_progress_bar()  # transformers' save and load bars: a console line each
-    with ray.train.Checkpoint(location.path, location.filesystem).as_directory() as local:
-        folder = Path(local)
-        if not is_model_folder(folder):
-            raise DataError(f"{checkpoint!r} is not a Hugging Face model folder (no config.json)")
-        if posixpath.basename(posixpath.dirname(location.path)).startswith("checkpoint_"):
-            verify_checkpoint(folder)  # a run's checkpoint: TornCheckpointError when cut off
+    with model_folder(checkpoint) as folder:
         if adapter_only and not (folder / ADAPTER_CONFIG).exists():
             raise DataError(
                 f"--adapter-only: {checkpoint} is a full fine-tune's, it holds no adapters"

@@ -1,3 +1,3 @@
 """ResNet18 on MNIST with Ray Train: data-parallel training, checkpoints, resume, predict."""
 
-__version__ = "0.20.2"
+__version__ = "0.20.3"
