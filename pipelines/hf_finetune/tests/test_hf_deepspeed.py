@@ -117,10 +117,28 @@ def test_zero3_with_offload_stops_mid_epoch_resumes_exactly_and_exports_one_safe
     for step in range(1, 9):
         assert got[step] == pytest.approx(expected[step], rel=1e-5), step
 
-    # One safetensors file that transformers loads: the same logits as the shards gathered.
+    # The best checkpoint (shards, no weights file) evaluated and predicted with as it is; one
+    # safetensors file that transformers loads: the same logits as the shards gathered.
     assert main(["export", "--run-name", "cut", "--storage-path", str(tmp_path)]) == 0
     assert main(["evaluate", "--run-name", "cut", "--storage-path", str(tmp_path)]) == 0
     assert console_noise("".join(capfd.readouterr())) == []
+    (tmp_path / "new.txt").write_text("\n".join(SENTENCES) + "\n")
+    assert (
+        main(
+            [
+                "predict",
+                "--run-name",
+                "cut",
+                "--storage-path",
+                str(tmp_path),
+                str(tmp_path / "new.txt"),
+            ]
+        )
+        == 0
+    )
+    out, err = capfd.readouterr()
+    assert console_noise(out + err) == []
+    assert [line.split("\t")[2] for line in out.splitlines()] == SENTENCES
     exported = tmp_path / "cut" / "export"
     assert [f.name for f in exported.glob("*.safetensors")] == ["model.safetensors"]
     plain = AutoModelForSequenceClassification.from_pretrained(exported).eval()
