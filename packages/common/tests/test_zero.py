@@ -3,12 +3,16 @@ with their fix before any worker starts (the runs themselves: hf_finetune's test
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from raytrain_common.configs import ConfigError
 from raytrain_common.zero import (
     DeepSpeedSettings,
+    UnsafeCheckpointError,
     check_resume,
+    check_zero_pickles,
     deepspeed_config,
     trainer_arguments,
 )
@@ -57,6 +61,31 @@ def test_a_resume_its_shards_cannot_take_is_refused_naming_the_fix() -> None:
     message = str(refused.value)
     assert f"written by DeepSpeed 0.14.0 and this environment has {here}" in message
     assert "install deepspeed==0.14.0 to resume it" in message and EXPORT in message
+
+
+class Payload:
+    """Stands for what a crafted file could name: any global beyond DeepSpeed's own."""
+
+
+def test_shards_are_read_by_the_restricted_unpickler_before_deepspeed_reads_them(
+    tmp_path: Path,
+) -> None:
+    """DeepSpeed unpickles its shards with weights_only=False; `check_zero_pickles` lets through
+    what its files hold (tensors, the stage enum, the loss scaler) and refuses any other global."""
+    import torch
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    step = tmp_path / "global_step8"
+    step.mkdir()
+    shard = {"zero_stage": ZeroStageEnum.weights, "loss_scaler": LossScaler(1.0)}
+    own = step / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    torch.save({"optimizer_state_dict": shard, "flat": torch.zeros(4)}, own)
+    check_zero_pickles(tmp_path)
+    torch.save({"payload": Payload()}, step / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    check_zero_pickles(tmp_path, rank=0)  # rank 0 reads its own shard only
+    with pytest.raises(UnsafeCheckpointError, match=r"zero_pp_rank_1_.*restricted unpickler"):
+        check_zero_pickles(tmp_path)
 
 
 @pytest.mark.parametrize(

@@ -255,10 +255,45 @@ def has_consolidated_weights(folder: str | os.PathLike[str]) -> bool:
     return any((Path(folder) / name).exists() for name in names)
 
 
+class UnsafeCheckpointError(ConfigError):
+    """A ZeRO checkpoint file that refers to code beyond what DeepSpeed's files hold: one line."""
+
+
+def check_zero_pickles(folder: str | os.PathLike[str], rank: int | None = None) -> None:
+    """Prove a ZeRO checkpoint's files safe to unpickle before DeepSpeed reads them.
+
+    DeepSpeed loads its shards with `torch.load(weights_only=False)`, which runs whatever code a
+    file names. Each file (with `rank`, only those that rank reads) is first read by torch's
+    restricted unpickler (`weights_only=True`), allowing the few DeepSpeed classes its files hold
+    besides tensors and containers (the ZeRO stage enum, the loss scalers); a file naming anything
+    else is refused. DeepSpeed then reads the same bytes. Costs one more read of the files."""
+    import torch
+
+    deepspeed = import_deepspeed()
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+
+    allowed = [deepspeed.runtime.zero.config.ZeroStageEnum, LossScaler, DynamicLossScaler]
+    for path in sorted(Path(folder).glob("global_step*/*.pt")):
+        other_ranks = rank is not None and not path.name.startswith(f"zero_pp_rank_{rank}_")
+        if other_ranks and "zero_pp_rank_" in path.name:
+            continue
+        try:
+            with torch.serialization.safe_globals(allowed):
+                torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as error:  # the unpickler's refusal, whatever it names
+            raise UnsafeCheckpointError(
+                f"{path} is not loaded: torch's restricted unpickler refuses it "
+                f"({str(error).splitlines()[-1][:200]}); a ZeRO checkpoint holds tensors and "
+                "DeepSpeed's own stage and loss-scaler objects only. Use checkpoints your runs "
+                "wrote, or load this one yourself if you trust where it came from"
+            ) from error
+
+
 def consolidated_state_dict(folder: str | os.PathLike[str]) -> dict[str, Any]:
     """The full-precision weights of a ZeRO checkpoint, gathered from every worker's shard
-    (DeepSpeed's own zero_to_fp32 reader), on the CPU: what `export` saves in one file."""
-    import_deepspeed()
+    (DeepSpeed's own zero_to_fp32 reader, after `check_zero_pickles`), on the CPU: what `export`
+    saves in one file."""
+    check_zero_pickles(folder)
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     # It narrates each file and draws progress bars; the caller reports what it made.

@@ -74,6 +74,7 @@ from raytrain_common.runs import locate_run, start_run
 from raytrain_common.storage import StoragePath, resolve_storage
 from raytrain_common.zero import (
     check_resume,
+    check_zero_pickles,
     join_ray_world,
     name_cpu_accelerator,
     trainer_arguments,
@@ -210,7 +211,10 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                 trainer.train()
             else:
                 with checkpoint.as_directory() as folder:
-                    trainer.train(resume_from_checkpoint=str(Path(folder) / HF_CHECKPOINT))
+                    resume_from = Path(folder) / HF_CHECKPOINT
+                    if config.deepspeed != "none":  # DeepSpeed unpickles its shards unrestricted
+                        check_zero_pickles(resume_from, context.rank)
+                    trainer.train(resume_from_checkpoint=str(resume_from))
         finally:
             logger.close()
 
