@@ -85,6 +85,31 @@ def test_frozen_parameters_have_no_gradients_and_no_optimizer_state() -> None:
     assert result.activation_bytes == batch * 4096 * 4 + batch * 10 * 4 + batch * 8 + 4
 
 
+def test_zero_shards_states_over_the_ranks_and_offload_moves_them_to_host_memory() -> None:
+    """ZeRO-2: gradients and optimizer state ÷ ranks; ZeRO-3: parameters too; offload: none of
+    the optimizer state (and with params, none of the parameters) on the device. Past the limit, the
+    first of DeepSpeed's steps that fits is named with its forecast; on a CPU no offload is."""
+    parameters = 1024 * 4096 + 4096 + 4096 * 10 + 10
+    zero2 = forecast(mlp_step(zero_stage=2, ranks=4))
+    assert zero2.parameter_bytes == parameters * 4
+    assert (zero2.gradient_bytes, zero2.optimizer_bytes) == (parameters, parameters * 2)
+    zero3 = forecast(mlp_step(zero_stage=3, ranks=4, offload="optimizer"))
+    assert (zero3.parameter_bytes, zero3.optimizer_bytes) == (parameters, 0)
+    both = forecast(mlp_step(zero_stage=3, ranks=4, offload="optimizer+params"))
+    assert both.parameter_bytes == both.optimizer_bytes == 0
+    step = mlp_step(ranks=4)
+    result = forecast(step)
+    offloaded = forecast(mlp_step(zero_stage=2, ranks=4, offload="optimizer")).total_bytes
+    limit = offloaded + 1  # ZeRO-2 alone does not fit; ZeRO-3 (smaller still) comes after
+    assert forecast(mlp_step(zero_stage=2, ranks=4)).total_bytes > limit
+    knobs = fitting_knobs(step, result, limit, fsdp=False, deepspeed=True)
+    assert [k for k in knobs if k.startswith("--deepspeed")] == [
+        f"--deepspeed zero2 --offload optimizer: ~{offloaded / GiB:.1f} GiB"
+    ]
+    on_cpu = fitting_knobs(step, result, limit, fsdp=False, deepspeed=True, on_gpu=False)
+    assert [k.split(":")[0] for k in on_cpu if k.startswith("--deepspeed")] == ["--deepspeed zero3"]
+
+
 def test_each_knob_fits_the_limit_it_was_asked_for() -> None:
     step = mlp_step(micro_batch=4096)
     result = forecast(step)

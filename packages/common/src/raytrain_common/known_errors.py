@@ -52,8 +52,9 @@ KNOWN_ERRORS: tuple[KnownError, ...] = (
         r"deepspeed[\s\S]*(CUDA out of memory|torch\.OutOfMemoryError)"
         r"|(CUDA out of memory|torch\.OutOfMemoryError)[\s\S]*deepspeed",
         "a GPU ran out of memory in a DeepSpeed ZeRO run",
-        "shard more before batching less: --deepspeed zero2 → zero3 (parameters sharded too), then "
-        "--offload optimizer (its state in host memory), then --offload optimizer+params (zero3); "
+        "shard more before batching less, in DeepSpeed's order: --deepspeed zero2, zero2 with "
+        "--offload optimizer (its state in host memory), zero3 (parameters sharded too), zero3 "
+        "with --offload optimizer, then --offload optimizer+params; "
         "or halve the micro-batch and keep the global batch with --grad-accum-steps ×2; "
         f"`{DOCTOR} --pipeline <name> -- <train flags>` forecasts the memory",
     ),

@@ -47,6 +47,11 @@ class TrainingStep:
     master_dtype: torch.dtype = torch.float32  # of the parameters the optimizer updates
     optimizer_bytes_per_param: int = 8  # AdamW: two fp32 moments; SGD with momentum: 4
     shard_states_over: int = 1  # FSDP: parameters, gradients and optimizer state split over ranks
+    # DeepSpeed ZeRO over `ranks`: stage 2 splits gradients and optimizer state, stage 3 the
+    # parameters too; `offload` keeps the optimizer state (and the parameters) in host memory.
+    zero_stage: int = 0
+    offload: str = "none"  # none, optimizer or optimizer+params
+    ranks: int = 1
     # A bf16 copy of the parameters for compute when they are kept in fp32 (FSDP mixed precision).
     compute_copy_of_params: bool = False
     activation_checkpointing: bool = False
@@ -130,6 +135,12 @@ def forecast(step: TrainingStep, *, micro_batch: int | None = None) -> Forecast:
     copy = count * _bytes(step.compute_dtype) if step.compute_copy_of_params else 0
     gradients = trained * _bytes(step.master_dtype) / shards
     optimizer = trained * step.optimizer_bytes_per_param / shards
+    if step.zero_stage:
+        ranks = max(1, step.ranks)
+        gradients, optimizer = gradients / ranks, optimizer / ranks
+        master = master / ranks if step.zero_stage == 3 else master
+        optimizer = 0 if step.offload != "none" else optimizer
+        master = 0 if step.offload == "optimizer+params" else master
     activations = saved_activation_bytes(step, micro, checkpointed=False)
     if step.activation_checkpointing and step.blocks is not None:
         # Checkpointed: each block's input is kept, and one block's activations are rebuilt at a
@@ -151,11 +162,23 @@ def forecast(step: TrainingStep, *, micro_batch: int | None = None) -> Forecast:
     )
 
 
+# DeepSpeed's own order of trying (fastest first): more sharding, then host memory.
+ZERO_STEPS = ((2, "none"), (2, "optimizer"), (3, "none"), (3, "optimizer"), (3, "optimizer+params"))
+
+
 def fitting_knobs(
-    step: TrainingStep, result: Forecast, limit_bytes: int, *, fsdp: bool
+    step: TrainingStep,
+    result: Forecast,
+    limit_bytes: int,
+    *,
+    fsdp: bool,
+    deepspeed: bool = False,
+    on_gpu: bool = True,
 ) -> list[str]:
     """The changes that bring the forecast under `limit_bytes`, each with its own forecast; the
-    global batch stays the same in every one (so does the learning-rate schedule)."""
+    global batch stays the same in every one (so does the learning-rate schedule). `deepspeed`: the
+    pipeline has --deepspeed, and the first ZeRO stage (or offload, on GPUs: on a CPU the host
+    memory is the same memory) past the step's own that fits is named."""
     knobs: list[str] = []
     fixed = result.total_bytes - result.activation_bytes * (1 + PROPORTIONAL_OVERHEAD)
     per_sample = result.activation_bytes / result.micro_batch * (1 + PROPORTIONAL_OVERHEAD)
@@ -184,6 +207,17 @@ def fitting_knobs(
                     f"FSDP over {ranks} GPUs (--num-workers {ranks}): ~"
                     f"{(rest + states / ranks) / GiB:.1f} GiB; the activations do not shrink"
                 )
+                break
+    if deepspeed:
+        current = (step.zero_stage, step.offload)
+        later = ZERO_STEPS[ZERO_STEPS.index(current) + 1 :] if current in ZERO_STEPS else ZERO_STEPS
+        for stage, offload in later:
+            if offload != "none" and not on_gpu:
+                continue
+            candidate = forecast(_with(step, zero_stage=stage, offload=offload))
+            if candidate.total_bytes <= limit_bytes:
+                flags = f"--deepspeed zero{stage}" + (f" --offload {offload}" * (offload != "none"))
+                knobs.append(f"{flags}: ~{candidate.total_bytes / GiB:.1f} GiB")
                 break
     if not knobs:
         knobs.append(

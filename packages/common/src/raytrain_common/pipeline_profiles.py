@@ -29,6 +29,7 @@ class PipelineProfile:
     build_parser: Callable[[], argparse.ArgumentParser]  # the pipeline's, from cli.command_parser
     training_step: Callable[[Any], TrainingStep]  # the config → its step, for the memory forecast
     fsdp: bool = False  # shards parameters, gradients and optimizer state over the workers
+    deepspeed: bool = False  # has --deepspeed (ZeRO stages and offload) for the forecast's knobs
 
     def train_config(self, argv: Sequence[str]) -> RayTrainSettings:
         """`train`'s flags → the run's config, as the pipeline's own `train` reads them."""

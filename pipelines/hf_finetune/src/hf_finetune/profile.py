@@ -26,6 +26,7 @@ def profile() -> PipelineProfile:
         ),
         build_parser=build_parser,
         training_step=training_step,
+        deepspeed=True,
     )
 
 
@@ -73,4 +74,7 @@ def training_step(config: Any) -> Any:
         grad_accum_steps=config.grad_accum_steps,
         compute_dtype=torch.bfloat16 if config.bf16 else torch.float32,
         optimizer_bytes_per_param=8,  # the Trainer's AdamW: two fp32 moments
+        zero_stage=config.zero_stage,
+        offload=config.offload,
+        ranks=config.num_workers,
     )

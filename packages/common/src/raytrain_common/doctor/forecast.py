@@ -63,7 +63,9 @@ def check_forecast(
     if result.total_bytes <= limit:
         report.add("memory forecast", "worker", OK, value)
         return
-    knobs = fitting_knobs(step, result, limit, fsdp=profile.fsdp)
+    knobs = fitting_knobs(
+        step, result, limit, fsdp=profile.fsdp, deepspeed=profile.deepspeed, on_gpu=shape.use_gpu
+    )
     report.add(
         "memory forecast",
         "worker",
