@@ -262,7 +262,7 @@ class UnsafeCheckpointError(ConfigError):
 def check_zero_pickles(folder: str | os.PathLike[str], rank: int | None = None) -> None:
     """Prove a ZeRO checkpoint's files safe to unpickle before DeepSpeed reads them.
 
-    DeepSpeed loads its shards with `torch.load(weights_only=False)`, which runs whatever code a
+    DeepSpeed unpickles its shards unrestricted (`weights_only=False`), which runs whatever code a
     file names. Each file (with `rank`, only those that rank reads) is first read by torch's
     restricted unpickler (`weights_only=True`), allowing the few DeepSpeed classes its files hold
     besides tensors and containers (the ZeRO stage enum, the loss scalers); a file naming anything
