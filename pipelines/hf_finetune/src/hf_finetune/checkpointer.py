@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import posixpath
 from pathlib import Path
 from typing import Any
 
@@ -152,6 +153,18 @@ def parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
     shards count a rank's part; `ds_numel` is a partitioned parameter's whole size)."""
     sizes = [(getattr(p, "ds_numel", p.numel()), p.requires_grad) for p in model.parameters()]
     return sum(size for size, _ in sizes), sum(size for size, trains in sizes if trains)
+
+
+def engine_of(checkpoint: Checkpoint) -> dict[str, Any] | None:
+    """The DeepSpeed engine a checkpoint's record names (None: DDP), read from its one small file
+    where it lies: the driver checks a resume without downloading the checkpoint's shards."""
+    record = posixpath.join(checkpoint.path, HF_CHECKPOINT, RECORD_FILE)
+    try:
+        with checkpoint.filesystem.open_input_stream(record) as stream:
+            engine: dict[str, Any] | None = json.loads(stream.read()).get("deepspeed")
+    except FileNotFoundError:  # a checkpoint from before the record: DDP's
+        return None
+    return engine
 
 
 def read_run_record(checkpoint: Checkpoint) -> dict[str, Any]:

@@ -40,7 +40,7 @@ from hf_finetune.checkpointer import (
     Checkpointer,
     CheckpointerCallback,
     DeepSpeedConfigCallback,
-    read_run_record,
+    engine_of,
 )
 from hf_finetune.config import PREPARE_COMMAND, TrainConfig
 from hf_finetune.metrics_logger import LoggerCallback, MetricsLogger
@@ -240,8 +240,7 @@ def check_resumable(config: TrainConfig, storage: StoragePath) -> None:
     if checkpoint is None:
         return
     export = f"hf-finetune export --checkpoint {checkpoint.path}/{HF_CHECKPOINT}"
-    record = read_run_record(checkpoint)["deepspeed"]
-    check_resume(record, config, config.num_workers, checkpoint.path, export)
+    check_resume(engine_of(checkpoint), config, config.num_workers, checkpoint.path, export)
 
 
 def check_run(config: TrainConfig) -> tuple[TrainConfig, DatasetInfo, StoragePath]:
